@@ -155,8 +155,10 @@ class RingPlan:
         if allocated_ring_blocks < self.ring_blocks:
             raise GcMoeConstraintError(
                 [
-                    f"ring capacity: got {allocated_ring_blocks} allocated ring blocks; allowed: at least "
-                    f"{self.ring_blocks} for BM={self.block_m} on {self.cluster_count} clusters"
+                    (
+                        f"ring capacity: got {allocated_ring_blocks} allocated ring blocks; allowed: at least "
+                        f"{self.ring_blocks} for BM={self.block_m} on {self.cluster_count} clusters"
+                    )
                 ]
             )
 
@@ -312,6 +314,8 @@ def check_constraints(
         if not isinstance(num_tokens, int) or num_tokens < 0:
             v.append(f"num_tokens: got {num_tokens!r}; allowed: a non-negative integer")
         elif isinstance(capacity, int) and num_tokens > capacity:
-            v.append(f"num_tokens <= capacity: got num_tokens={num_tokens}; allowed: at most capacity={capacity}")
+            v.append(
+                f"num_tokens <= capacity: got num_tokens={num_tokens}; allowed: at most capacity={capacity}"
+            )
     if v:
         raise GcMoeConstraintError(v)

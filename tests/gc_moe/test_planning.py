@@ -1,7 +1,7 @@
+import itertools
 import math
 
 import pytest
-
 from gc_moe.planning import (
     GcMoeConstraintError,
     RingPlan,
@@ -64,7 +64,7 @@ def test_block_m_sm90_rules(tokens, ranks, topk, experts, expected):
 def test_block_m_range_over_batches():
     # SM90 never shrinks BM as the batch grows; SM103 may (splitting into more blocks), but only within its set
     sm90 = [choose_block_m(t, 8, 8, 256, "sm90") for t in range(1, 4097)]
-    assert all(a <= b for a, b in zip(sm90, sm90[1:])) and set(sm90) == {8, 16, 32, 64}
+    assert all(a <= b for a, b in itertools.pairwise(sm90)) and set(sm90) == {8, 16, 32, 64}
     sm103 = [choose_block_m(t, 8, 8, 256, "sm103") for t in range(1, 4097)]
     assert set(sm103) == {16, 32, 64, 96, 128, 192, 240}
 
@@ -101,7 +101,9 @@ def test_ring_capacity_dsv4_small_partition_and_k_above_e():
     assert small.assignments == 4 * 2 * 2
     assert small.pool_blocks == 1 + 2
     assert small.live_blocks == 128 + 64  # 2*64/1 + 64/1
-    assert small.ring_blocks == 3  # the pool is smaller than the live model: never allocate more than the pool
+    assert (
+        small.ring_blocks == 3
+    )  # the pool is smaller than the live model: never allocate more than the pool
 
 
 def test_ring_capacity_sm90_geometry():
@@ -135,12 +137,12 @@ def test_ring_capacity_rejects_bad_arguments():
 
 
 # ----------------------------------------------------------------------------------------------- constraints
-GOOD = dict(hidden=6144, intermediate=2048, num_experts=256, num_ranks=8, topk=8)
+GOOD = {"hidden": 6144, "intermediate": 2048, "num_experts": 256, "num_ranks": 8, "topk": 8}
 
 
 @pytest.mark.parametrize(
     "model",
-    [GOOD, dict(hidden=5120, intermediate=2304, num_experts=384, num_ranks=8, topk=6)],
+    [GOOD, {"hidden": 5120, "intermediate": 2304, "num_experts": 384, "num_ranks": 8, "topk": 6}],
 )
 def test_both_models_pass(model):
     check_constraints(**model, num_shared_experts=1, shared_recipe=(1, 128, 128), block_m=96, capacity=256)
@@ -150,27 +152,48 @@ def test_both_models_pass(model):
 @pytest.mark.parametrize(
     "override, fragments",
     [
-        (dict(intermediate=4224), ["I <= 4096 and I mod 128 = 0", "got intermediate=4224", "64-bit l2_full_mask"]),
-        (dict(intermediate=2000), ["I <= 4096 and I mod 128 = 0", "got intermediate=2000", "a multiple of 128"]),
-        (dict(hidden=6016), ["H mod 256 = 0", "got hidden=6016", "allowed: a multiple of 256"]),
-        (dict(topk=32, num_shared_experts=1), ["k + 1[shared] <= 32", "got topk=32 with 1 shared", "at most 31"]),
-        (dict(topk=33), ["k + 1[shared] <= 32", "got topk=33", "at most 32 routed"]),
-        (dict(num_shared_experts=2), ["num_shared_experts: got 2", "allowed: 0 or 1"]),
-        (dict(num_experts=4096, num_ranks=64), ["E <= 2048 global", "got num_experts=4096", "at most 2048"]),
-        (dict(num_experts=1024, num_ranks=1), ["E/P <= 512 per rank", "got 1024 experts per rank", "at most 512"]),
-        (dict(num_experts=250), ["E mod P = 0", "got num_experts=250, num_ranks=8", "a multiple of num_ranks"]),
-        (dict(num_experts=288, num_ranks=96), ["P <= 72 ranks", "got num_ranks=96", "at most 72"]),
-        (dict(recipe=(1, 128, 128)), ["routed recipe: got (1, 128, 128)", "allowed: (1, 1, 32)"]),
         (
-            dict(num_shared_experts=1, shared_recipe=(1, 1, 128)),
+            {"intermediate": 4224},
+            ["I <= 4096 and I mod 128 = 0", "got intermediate=4224", "64-bit l2_full_mask"],
+        ),
+        (
+            {"intermediate": 2000},
+            ["I <= 4096 and I mod 128 = 0", "got intermediate=2000", "a multiple of 128"],
+        ),
+        ({"hidden": 6016}, ["H mod 256 = 0", "got hidden=6016", "allowed: a multiple of 256"]),
+        (
+            {"topk": 32, "num_shared_experts": 1},
+            ["k + 1[shared] <= 32", "got topk=32 with 1 shared", "at most 31"],
+        ),
+        ({"topk": 33}, ["k + 1[shared] <= 32", "got topk=33", "at most 32 routed"]),
+        ({"num_shared_experts": 2}, ["num_shared_experts: got 2", "allowed: 0 or 1"]),
+        (
+            {"num_experts": 4096, "num_ranks": 64},
+            ["E <= 2048 global", "got num_experts=4096", "at most 2048"],
+        ),
+        (
+            {"num_experts": 1024, "num_ranks": 1},
+            ["E/P <= 512 per rank", "got 1024 experts per rank", "at most 512"],
+        ),
+        (
+            {"num_experts": 250},
+            ["E mod P = 0", "got num_experts=250, num_ranks=8", "a multiple of num_ranks"],
+        ),
+        ({"num_experts": 288, "num_ranks": 96}, ["P <= 72 ranks", "got num_ranks=96", "at most 72"]),
+        ({"recipe": (1, 128, 128)}, ["routed recipe: got (1, 128, 128)", "allowed: (1, 1, 32)"]),
+        (
+            {"num_shared_experts": 1, "shared_recipe": (1, 1, 128)},
             ["shared recipe: got (1, 1, 128)", "allowed: one of ((1, 1, 32), (1, 128, 128))"],
         ),
-        (dict(activation="gelu"), ["activation: got 'gelu'", "allowed: ('swiglu',)"]),
-        (dict(block_m=48), ["BM: got block_m=48", "allowed on sm103: (16, 32, 64, 96, 128, 192, 240)"]),
-        (dict(block_m=96, arch="sm90"), ["BM: got block_m=96", "allowed on sm90: (8, 16, 32, 64)"]),
-        (dict(capacity=0), ["capacity: got 0", "a positive number of tokens"]),
-        (dict(capacity=16, num_tokens=17), ["num_tokens <= capacity: got num_tokens=17", "at most capacity=16"]),
-        (dict(num_tokens=-1), ["num_tokens: got -1", "a non-negative integer"]),
+        ({"activation": "gelu"}, ["activation: got 'gelu'", "allowed: ('swiglu',)"]),
+        ({"block_m": 48}, ["BM: got block_m=48", "allowed on sm103: (16, 32, 64, 96, 128, 192, 240)"]),
+        ({"block_m": 96, "arch": "sm90"}, ["BM: got block_m=96", "allowed on sm90: (8, 16, 32, 64)"]),
+        ({"capacity": 0}, ["capacity: got 0", "a positive number of tokens"]),
+        (
+            {"capacity": 16, "num_tokens": 17},
+            ["num_tokens <= capacity: got num_tokens=17", "at most capacity=16"],
+        ),
+        ({"num_tokens": -1}, ["num_tokens: got -1", "a non-negative integer"]),
     ],
 )
 def test_each_constraint_names_itself_the_value_and_the_allowed_range(override, fragments):
@@ -185,7 +208,9 @@ def test_each_constraint_names_itself_the_value_and_the_allowed_range(override, 
 
 def test_all_violations_reported_at_once():
     with pytest.raises(GcMoeConstraintError) as info:
-        check_constraints(hidden=100, intermediate=100, num_experts=7, num_ranks=2, topk=40, activation="relu")
+        check_constraints(
+            hidden=100, intermediate=100, num_experts=7, num_ranks=2, topk=40, activation="relu"
+        )
     assert len(info.value.violations) == 5
     assert [v.split(":")[0] for v in info.value.violations] == [
         "I <= 4096 and I mod 128 = 0",
