@@ -1,0 +1,1 @@
+"""Device-side pieces every kernel shares: ring signals, bounded waits, PTX helpers."""

@@ -1,0 +1,48 @@
+"""The kernel variants a benchmark profile needs, per arch: what `gcmoe-bench build` compiles.
+
+Each family is a function `(arch, profile) -> iterable of KernelVariant`, registered with
+`@family`. A kernel author adds one family next to the others here; the family names its module
+and builder by string, so this list imports without the CuTe DSL. `profile` is the profile's dict
+(e.g. the parsed sweeps/<gpu>.toml); families read what decides their compile-time parameters and
+ignore the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from gc_moe.runtime.jit import KernelVariant
+
+Family = Callable[[str, Mapping], Iterable[KernelVariant]]
+_FAMILIES: list[Family] = []
+
+
+def family(fn: Family) -> Family:
+    """Register a variant family."""
+    _FAMILIES.append(fn)
+    return fn
+
+
+def variants_for_profile(arch: str, profile: Mapping | None = None) -> list[KernelVariant]:
+    """Every variant the registered families ask for on `arch`, each once, in a stable order."""
+    seen: dict[tuple, KernelVariant] = {}
+    for fn in _FAMILIES:
+        for v in fn(arch, profile or {}):
+            seen.setdefault((v.name, v.module, v.builder, v.params), v)
+    return list(seen.values())
+
+
+RING_PROOF_MODULE = "gc_moe.kernels.sm90.ring_proof"
+RING_PROOF_PRODUCER = KernelVariant.make("ring_proof.producer", RING_PROOF_MODULE, "build_producer",
+                                         promises=("st.release.gpu", "ld.acquire.gpu"))
+RING_PROOF_CONSUMER = KernelVariant.make("ring_proof.consumer", RING_PROOF_MODULE, "build_consumer",
+                                         promises=("ld.acquire.gpu", "st.release.gpu", "trap", "nanosleep"))
+RING_PROOF_CHECKER = KernelVariant.make("ring_proof.checker", RING_PROOF_MODULE, "build_checker",
+                                        promises=("st.release.gpu",))
+
+
+@family
+def ring_proof(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
+    """The runtime's cross-partition proof kernels (built for every profile: `device_runtime_proof.py`)."""
+    if arch == "sm_90a":
+        yield from (RING_PROOF_PRODUCER, RING_PROOF_CONSUMER, RING_PROOF_CHECKER)
