@@ -88,7 +88,9 @@ def nvlink_bytes_per_assignment(hidden):
 
 def effective_tflops(assignments, hidden, intermediate, latency_us):
     """Routed-expert matmul work 6 x assignments x H x I over the slowest-rank latency, in TFLOPS."""
-    flops = 6 * np.asarray(assignments, dtype=np.float64) * np.asarray(hidden, dtype=np.float64) * intermediate
+    flops = (
+        6 * np.asarray(assignments, dtype=np.float64) * np.asarray(hidden, dtype=np.float64) * intermediate
+    )
     return flops / (np.asarray(latency_us, dtype=np.float64) * 1e6)
 
 
@@ -143,7 +145,9 @@ def load_paper_points(paper_dir: Path | None = None) -> pd.DataFrame:
     shared = ["gpu", "model", "suite", "tokens_per_rank", "total_tokens", "baseline"]
     baseline_rows = latencies[shared + ["baseline_us"]].assign(operator=latencies["baseline"])
     baseline_rows = baseline_rows.rename(columns={"baseline_us": "latency_us"})
-    operator_rows = latencies[shared + ["operator", "operator_us"]].rename(columns={"operator_us": "latency_us"})
+    operator_rows = latencies[shared + ["operator", "operator_us"]].rename(
+        columns={"operator_us": "latency_us"}
+    )
     points = pd.concat([baseline_rows, operator_rows], ignore_index=True)
     repeated = points.duplicated(["gpu", "model", "suite", "tokens_per_rank", "operator"])
     if repeated.any():
@@ -221,11 +225,15 @@ def add_speedups(points: pd.DataFrame) -> pd.DataFrame:
     is_baseline_row = points["operator"].eq(points["baseline"])
     base = points[is_baseline_row & ok].set_index(POINT_KEY)["latency_us"]
     if base.index.has_duplicates:
-        raise ValueError("a point has two rows for its baseline operator: " + str(base.index[base.index.duplicated()][0]))
+        raise ValueError(
+            "a point has two rows for its baseline operator: " + str(base.index[base.index.duplicated()][0])
+        )
     keys = pd.MultiIndex.from_frame(points[POINT_KEY])
     base_latency = base.reindex(keys).to_numpy()
-    lacking = ~is_baseline_row & points["baseline"].notna() & ~keys.isin(
-        points[is_baseline_row].set_index(POINT_KEY).index
+    lacking = (
+        ~is_baseline_row
+        & points["baseline"].notna()
+        & ~keys.isin(points[is_baseline_row].set_index(POINT_KEY).index)
     )
     if lacking.any():
         first = points[lacking].iloc[0]
@@ -253,7 +261,9 @@ def suite_means(points: pd.DataFrame, overall_label: str = "all") -> pd.DataFram
     rows = points[points["operator"].ne(points["baseline"]) & points["speedup"].notna()]
     groups = []
     for model_level in ("model", "overall"):
-        key = ["source", "gpu", "suite", "operator", "baseline"] + (["model"] if model_level == "model" else [])
+        key = ["source", "gpu", "suite", "operator", "baseline"] + (
+            ["model"] if model_level == "model" else []
+        )
         for values, group in rows.groupby(key, sort=False):
             entry = dict(zip(key, values))
             if model_level == "overall":
@@ -270,8 +280,20 @@ def suite_means(points: pd.DataFrame, overall_label: str = "all") -> pd.DataFram
                 faster_points=int((ratios > 1).sum()),
             )
             groups.append(entry)
-    columns = ["source", "gpu", "suite", "model", "operator", "baseline", "points", "mean_speedup",
-               "geomean_speedup", "min_speedup", "max_speedup", "faster_points"]
+    columns = [
+        "source",
+        "gpu",
+        "suite",
+        "model",
+        "operator",
+        "baseline",
+        "points",
+        "mean_speedup",
+        "geomean_speedup",
+        "min_speedup",
+        "max_speedup",
+        "faster_points",
+    ]
     return pd.DataFrame(groups, columns=columns)
 
 
@@ -280,7 +302,9 @@ def add_throughput(points: pd.DataFrame) -> pd.DataFrame:
     points = points.copy()
     ok = points["status"].eq("ok")
     latency = points["latency_us"].where(ok)
-    points["tflops"] = effective_tflops(points["assignments"], points["hidden"], points["intermediate"], latency)
+    points["tflops"] = effective_tflops(
+        points["assignments"], points["hidden"], points["intermediate"], latency
+    )
     points["hbm_gbps"] = hbm_working_set_gbps(points["hbm_working_set_bytes"], latency)
     points["nvlink_gbps"] = nvlink_payload_gbps(points["remote_assignments"], points["hidden"], latency)
     return points
