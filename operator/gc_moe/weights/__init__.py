@@ -7,9 +7,11 @@ Layouts:
 - "sm103": the K128 tile-contiguous prepack (`weights/sm103.py`).
 - "sm90": the MXFP4 window repack (`weights/sm90.py`).
 
-Every arch module provides `transform(l1, l2) -> (w1, w2)` and `inverse(w1, w2) -> (l1, l2)`. The dispatcher
-tags each result with its layout (`LayoutTaggedWeights`), so an operator call can check that the weights it is
-handed are in the layout its backend reads, and convert them back to canonical when it is not.
+Every arch module provides `transform(l1, l2)` and `inverse(...)`. `transform` returns either a pair (w1, w2)
+of tuples, inverted by `inverse(w1, w2) -> (l1, l2)` (sm103), or one object with `.l1` and `.l2`, inverted by
+`inverse(obj) -> (l1, l2)` (sm90). The dispatcher hands out (w1, w2) either way, each tagged with its layout
+(`LayoutTaggedWeights`), so an operator call can check that the weights it is handed are in the layout its
+backend reads, and convert them back to canonical when it is not.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class LayoutTaggedWeights(tuple):
 
     layout: str
     stage: str
+    bundle: object
 
     def __new__(cls, parts, layout: str, stage: str):
         if layout not in LAYOUTS:
@@ -73,8 +76,10 @@ def arch_module(arch: str):
     return module
 
 
-def _tag(w1, w2, layout: str):
-    return LayoutTaggedWeights(w1, layout, "l1"), LayoutTaggedWeights(w2, layout, "l2")
+def _tag(w1, w2, layout: str, bundle=None):
+    w1, w2 = LayoutTaggedWeights(w1, layout, "l1"), LayoutTaggedWeights(w2, layout, "l2")
+    w1.bundle = w2.bundle = bundle  # the arch module's own object, when its inverse wants it back whole
+    return w1, w2
 
 
 def transform(l1_weights, l2_weights, arch: str | None):
@@ -86,8 +91,15 @@ def transform(l1_weights, l2_weights, arch: str | None):
         )
     if arch is None:
         return _tag(tuple(l1_weights), tuple(l2_weights), CANONICAL)
-    w1, w2 = arch_module(arch).transform(tuple(l1_weights), tuple(l2_weights))
-    return _tag(w1, w2, arch)
+    raw = arch_module(arch).transform(tuple(l1_weights), tuple(l2_weights))
+    if hasattr(raw, "l1") and hasattr(raw, "l2"):
+        return _tag((raw.l1,), (raw.l2,), arch, bundle=raw)
+    if isinstance(raw, (tuple, list)) and len(raw) == 2:
+        return _tag(raw[0], raw[1], arch)
+    raise TypeError(
+        f"gc_moe.weights.{arch}.transform returned {type(raw).__name__}; expected (w1, w2) or an "
+        f"object with .l1 and .l2"
+    )
 
 
 def to_canonical(w1, w2):
@@ -101,5 +113,10 @@ def to_canonical(w1, w2):
         )
     if layout == CANONICAL:
         return tuple(w1), tuple(w2)
-    l1, l2 = arch_module(layout).inverse(tuple(w1), tuple(w2))
+    module = arch_module(layout)
+    bundle = getattr(w1, "bundle", None)
+    if bundle is not None and bundle is getattr(w2, "bundle", None):
+        l1, l2 = module.inverse(bundle)
+    else:
+        l1, l2 = module.inverse(tuple(w1), tuple(w2))
     return tuple(l1), tuple(l2)
