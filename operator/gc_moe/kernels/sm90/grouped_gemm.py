@@ -1,0 +1,350 @@
+"""SM90 FP8xFP4 grouped GEMM of the compute role: register-A WGMMA with in-register FP4 decode.
+
+Supported: both GEMMs of a routed-expert MoE layer over tokens pre-grouped by expert.
+- W1 (`role="w1"`): y = SwiGLU(W1 x) * routing weight, requantized to E4M3 with FP32 K128 scales.
+- W2 (`role="w2"`): BF16 partials W2 y, one row per (top-k slot, source token) of a combine buffer.
+Operands: weights in the window-repacked layout of `gc_moe.weights.sm90` (the A operand, decoded FP4 ->
+E4M3 in registers, m64nNk32 WGMMA); activations E4M3 [rows, K] with FP32 K128 scales [rows, K/128]
+(the B operand, staged in shared memory, N = the expert's valid tokens rounded up to 8 by zero fill).
+Per-K32 weight scales and per-K128 activation scales are FMAs on the FP32 partials outside the MMA.
+
+Tuning knobs: `block_n` (tokens per CTA tile, 8/16/32/64: the token-bound BM of the paper's swapped
+orientation), `stages` (K128 steps in flight through cp.async; each step moves 17 KB of weights per CTA).
+One CTA = 4 warpgroups = 4 tiles of 64 weight rows (256 rows: 128 intermediate channels of W1, or 256
+output channels of W2); grid = (M / 256, local experts, ceil(capacity / block_n)); a CTA past its expert's
+token count exits at once.
+
+Kernel parameters (all scalars, in order): see `PARAMS_W1` / `PARAMS_W2`.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from gc_moe.kernels.sm90 import ptx
+
+BLOCK_N_CHOICES = (8, 16, 32, 64)
+THREADS = 512
+TILES_PER_CTA = 4
+ROWS_PER_CTA = 64 * TILES_PER_CTA
+TILE_BYTES = 4096  # 64 x 128 FP4 codes
+TILE_SCALE_BYTES = 256  # 64 rows x 4 K32 scale bytes
+FP8_MAX = 448.0
+
+PARAMS_W1 = (
+    ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
+    ("expert_offsets", "u64"), ("routing_weight", "u64"), ("out", "u64"), ("out_scale", "u64"),
+    ("k_blocks", "s32"), ("m_tiles", "s32"),
+)
+PARAMS_W2 = (
+    ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
+    ("expert_offsets", "u64"), ("dest_row", "u64"), ("out", "u64"),
+    ("k_blocks", "s32"), ("m_tiles", "s32"),
+)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    role: str  # "w1" or "w2"
+    block_n: int = 8
+    stages: int = 6
+    swiglu_alpha: float = 1.0
+    swiglu_clamp: float = 10.0
+
+    def __post_init__(self):
+        if self.role not in ("w1", "w2"):
+            raise ValueError(f"role must be 'w1' or 'w2', got {self.role!r}")
+        if self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
+        if not 2 <= self.stages <= 10:
+            raise ValueError(f"stages must be in 2..10, got {self.stages}")
+
+    # shared-memory plan of one stage: [weights 4 x 4096][scales 4 x 256][B block_n x 128][act scales]
+    @property
+    def scale_offset(self) -> int:
+        return TILES_PER_CTA * TILE_BYTES
+
+    @property
+    def b_offset(self) -> int:
+        return self.scale_offset + TILES_PER_CTA * TILE_SCALE_BYTES
+
+    @property
+    def xs_offset(self) -> int:
+        return self.b_offset + self.block_n * 128
+
+    @property
+    def stage_bytes(self) -> int:
+        return -(-(self.xs_offset + self.block_n * 4) // 128) * 128
+
+    @property
+    def amax_offset(self) -> int:
+        return self.stages * self.stage_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.amax_offset + 16 * self.block_n * 4
+
+    @property
+    def wgmmas_per_wait(self) -> int:
+        """K32 WGMMAs issued before one wait: bounded by the registers their fresh accumulators take."""
+        return {8: 4, 16: 4, 32: 2, 64: 1}[self.block_n]
+
+    @property
+    def params(self):
+        return PARAMS_W1 if self.role == "w1" else PARAMS_W2
+
+    @property
+    def name(self) -> str:
+        s = f"sm90_grouped_gemm_{self.role}_n{self.block_n}_s{self.stages}"
+        if self.role == "w1":
+            s += f"_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
+        return s
+
+
+def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple[int, int, int]:
+    """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive."""
+    if rows % ROWS_PER_CTA:
+        raise ValueError(f"weight rows {rows} must be a multiple of {ROWS_PER_CTA}")
+    return rows // ROWS_PER_CTA, local_experts, max(1, -(-capacity // cfg.block_n))
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+def _make_kernel(cfg: GemmConfig):
+    BN = cfg.block_n
+    STAGES = cfg.stages
+    NSUB = BN // 8
+    NP = cfg.wgmmas_per_wait
+    W1 = cfg.role == "w1"
+
+    @cute.jit
+    def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
+        w_codes, w_scales, act, act_scale = a
+        sbase = smem + stage * cfg.stage_bytes
+        tile = Int64((e * m_tiles + bx * TILES_PER_CTA + wg) * k_blocks + kb)
+        src = w_codes + tile * TILE_BYTES + Int64(t * 32)
+        dst = sbase + wg * TILE_BYTES + t * 32
+        ptx.cp_async_16_hint(dst, src, policy)
+        ptx.cp_async_16_hint(dst + 16, src + Int64(16), policy)
+        if tid < TILES_PER_CTA * 16:
+            stile = Int64((e * m_tiles + bx * TILES_PER_CTA + tid // 16) * k_blocks + kb)
+            ptx.cp_async_16_hint(
+                sbase + cfg.scale_offset + tid * 16, w_scales + stile * TILE_SCALE_BYTES + Int64((tid % 16) * 16),
+                policy,
+            )
+        if tid < BN * 8:
+            n_lo = tid % 8
+            c = (tid // 8) % 8
+            ng = tid // 64
+            n = ng * 8 + n_lo
+            ok = n < count
+            nrow = Int64(row0) + Int64(n)
+            if not ok:
+                nrow = Int64(row0)
+            src_b = act + nrow * Int64(k_blocks * 128) + Int64(kb * 128 + c * 16)
+            nbytes = Int32(16)
+            if not ok:
+                nbytes = Int32(0)
+            ptx.cp_async_16_zfill(sbase + cfg.b_offset + (ng * 8 + c) * 128 + n_lo * 16, src_b, nbytes)
+        if tid < BN:
+            ok = tid < count
+            nrow = Int64(row0) + Int64(tid)
+            if not ok:
+                nrow = Int64(row0)
+            nbytes = Int32(4)
+            if not ok:
+                nbytes = Int32(0)
+            ptx.cp_async_4_zfill(
+                sbase + cfg.xs_offset + tid * 4, act_scale + (nrow * Int64(k_blocks) + Int64(kb)) * 4, nbytes
+            )
+
+    @cute.jit
+    def compute_stage(smem, stage, wg, t, warp, g, q, acc):
+        sbase = smem + stage * cfg.stage_bytes
+        wa = sbase + wg * TILE_BYTES + t * 32
+        words = ptx.lds128(wa) + ptx.lds128(wa + 16)
+        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        sc_lo = ptx.lds32(srow)
+        sc_hi = ptx.lds32(srow + 32)
+        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
+        for grp in cutlass.range_constexpr(4 // NP):
+            a_regs = []
+            descs = []
+            for jj in cutlass.range_constexpr(NP):
+                j = grp * NP + jj
+                w_k0, w_k16 = words[2 * j], words[2 * j + 1]
+                a_regs += [
+                    ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
+                    ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
+                ]
+                descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+            ptx.wgmma_fence()
+            part = ptx.wgmma_rs_e4m3_batch(BN, a_regs, descs)
+            for jj in cutlass.range_constexpr(NP):
+                j = grp * NP + jj
+                s_lo = ptx.ue8m0_byte_to_f32(sc_lo, j)
+                s_hi = ptx.ue8m0_byte_to_f32(sc_hi, j)
+                for i in cutlass.range_constexpr(NSUB):
+                    p = part[jj * (BN // 2) + 4 * i: jj * (BN // 2) + 4 * i + 4]
+                    acc[4 * i + 0] = acc[4 * i + 0] + p[0] * (s_lo * xs[i][0])
+                    acc[4 * i + 1] = acc[4 * i + 1] + p[1] * (s_lo * xs[i][1])
+                    acc[4 * i + 2] = acc[4 * i + 2] + p[2] * (s_hi * xs[i][0])
+                    acc[4 * i + 3] = acc[4 * i + 3] + p[3] * (s_hi * xs[i][1])
+
+    @cute.jit
+    def main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
+        tid = cute.arch.thread_idx()[0]
+        wg = tid // 128
+        t = tid % 128
+        warp = t // 32
+        lane = tid % 32
+        g = lane // 4
+        q = lane % 4
+        policy = ptx.evict_first_policy()
+        for s in cutlass.range_constexpr(STAGES - 1):
+            if s < k_blocks:
+                issue_stage(smem, s, s, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy)
+            ptx.cp_async_commit()
+        for kb in cutlass.range(k_blocks):
+            ptx.cp_async_wait(STAGES - 2)
+            ptx.barrier_sync()
+            nk = kb + STAGES - 1
+            if nk < k_blocks:
+                issue_stage(smem, nk % STAGES, nk, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy)
+            ptx.cp_async_commit()
+            compute_stage(smem, kb % STAGES, wg, t, warp, g, q, acc)
+        return tid, wg, warp, lane, g, q
+
+    if W1:
+        @cute.kernel
+        def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                   expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                   k_blocks: Int32, m_tiles: Int32):
+            bx, e, bz = cute.arch.block_idx()
+            off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+            off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
+            count = off1 - off0 - bz * BN
+            if count > 0:
+                row0 = off0 + bz * BN
+                smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+                acc = cute.make_rmem_tensor((BN // 2,), Float32)
+                for i in cutlass.range_constexpr(BN // 2):
+                    acc[i] = Float32(0.0)
+                tid, wg, warp, lane, g, q = main_loop(
+                    (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
+                )
+                factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
+                inter = m_tiles * 32
+                channel = bx * 128 + wg * 32 + warp * 8 + g
+                hv = cute.make_rmem_tensor((BN // 4,), Float32)
+                for i in cutlass.range_constexpr(NSUB):
+                    for c in cutlass.range_constexpr(2):
+                        n = 8 * i + 2 * q + c
+                        nrow = Int64(row0) + Int64(n)
+                        if n >= count:
+                            nrow = Int64(row0)
+                        gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
+                        up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
+                                      Float32(-cfg.swiglu_clamp))
+                        rw = ptx.ldg_f32(routing_weight + nrow * 4)
+                        h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
+                        hv[2 * i + c] = h
+                        m = ptx.fabs(h)
+                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
+                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
+                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
+                        if g == 0:
+                            ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
+                ptx.barrier_sync()
+                for i in cutlass.range_constexpr(NSUB):
+                    for c in cutlass.range_constexpr(2):
+                        n = 8 * i + 2 * q + c
+                        amax = Float32(0.0)
+                        for p in cutlass.range_constexpr(16):
+                            amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
+                        inv = ptx.safe_reciprocal_scaled(amax, FP8_MAX)
+                        if n < count:
+                            nrow = Int64(row0) + Int64(n)
+                            ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
+                            if tid < 4:
+                                ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
+                                            amax * Float32(1.0 / FP8_MAX))
+    else:
+        @cute.kernel
+        def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                   expert_offsets: Int64, dest_row: Int64, out: Int64,
+                   k_blocks: Int32, m_tiles: Int32):
+            bx, e, bz = cute.arch.block_idx()
+            off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+            off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
+            count = off1 - off0 - bz * BN
+            if count > 0:
+                row0 = off0 + bz * BN
+                smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+                acc = cute.make_rmem_tensor((BN // 2,), Float32)
+                for i in cutlass.range_constexpr(BN // 2):
+                    acc[i] = Float32(0.0)
+                tid, wg, warp, lane, g, q = main_loop(
+                    (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
+                )
+                factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
+                hidden = m_tiles * 64
+                h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
+                for i in cutlass.range_constexpr(NSUB):
+                    for c in cutlass.range_constexpr(2):
+                        n = 8 * i + 2 * q + c
+                        if n < count:
+                            d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                            base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                            ptx.stg_bf16(base, acc[4 * i + c] * factor)
+                            ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------- build
+def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
+               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
+    from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
+    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp)
+    kernel = _make_kernel(cfg)
+
+    if cfg.role == "w1":
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles).launch(
+                grid=(1, 1, 1), block=(THREADS, 1, 1), smem=cfg.smem_bytes)
+    else:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles).launch(
+                grid=(1, 1, 1), block=(THREADS, 1, 1), smem=cfg.smem_bytes)
+
+    args = tuple([Int64(0)] * (len(cfg.params) - 2) + [Int32(1), Int32(1)])
+    return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
+
+
+def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """The runtime KernelVariant of one configuration (what the registry and the benchmark build)."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    params = {"role": role, "block_n": block_n, "stages": stages}
+    if role == "w1":
+        params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
+    return KernelVariant.make(
+        "sm90.grouped_gemm", __name__, "build_gemm", params,
+        promises=("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global.L2::cache_hint"),
+        local_bytes_budget=0, extra_sources=("gc_moe.kernels.sm90.ptx",),
+    )
+
+
+def all_variants():
+    """Every variant CI builds: both roles at every block_n, default SwiGLU (alpha 1, clamp 10)."""
+    return [variant(role, bn) for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]

@@ -1,0 +1,194 @@
+"""Inline-PTX building blocks of the SM90 kernels (CuTe DSL, traced inside @cute.kernel functions).
+
+Each helper emits one short PTX sequence through `llvm.inline_asm`. Global addresses travel as Int64,
+shared addresses as Int32 (the .shared window), so the kernels take only scalar parameters.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+_CONSTRAINT = {Int32: "r", Uint32: "r", Float32: "f", Int64: "l"}
+
+
+@dsl_user_op
+def asm(ptx: str, outs: list, ins: list, *, loc=None, ip=None):
+    """Run `ptx` with outputs $0.. of types `outs` followed by inputs; returns None, a value, or a list."""
+    in_vals = [v.ir_value(loc=loc, ip=ip) for v in ins]
+    constraints = ",".join(["=" + _CONSTRAINT[t] for t in outs] + [_CONSTRAINT[type(v)] for v in ins])
+    kw = dict(has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    if not outs:
+        llvm.inline_asm(None, in_vals, ptx, constraints, **kw)
+        return None
+    if len(outs) == 1:
+        return outs[0](llvm.inline_asm(outs[0].mlir_type, in_vals, ptx, constraints, **kw))
+    struct = llvm.StructType.get_literal([t.mlir_type for t in outs])
+    res = llvm.inline_asm(struct, in_vals, ptx, constraints, **kw)
+    return [t(llvm.extractvalue(t.mlir_type, res, [i], loc=loc, ip=ip)) for i, t in enumerate(outs)]
+
+
+# ------------------------------------------------------------------------------------------ async copies
+def evict_first_policy() -> Int64:
+    """An L2 cache policy that marks streamed weights evict-first (read once per layer)."""
+    return asm("createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", [Int64], [])
+
+
+def cp_async_16_hint(dst: Int32, src: Int64, policy: Int64) -> None:
+    asm("cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", [], [dst, src, policy])
+
+
+def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32) -> None:
+    """16-byte copy; bytes past src_bytes (0 or 16) are zero-filled."""
+    asm("cp.async.cg.shared.global [$0], [$1], 16, $2;", [], [dst, src, src_bytes])
+
+
+def cp_async_4_zfill(dst: Int32, src: Int64, src_bytes: Int32) -> None:
+    asm("cp.async.ca.shared.global [$0], [$1], 4, $2;", [], [dst, src, src_bytes])
+
+
+def cp_async_commit() -> None:
+    asm("cp.async.commit_group;", [], [])
+
+
+def cp_async_wait(pending: int) -> None:
+    asm(f"cp.async.wait_group {pending};", [], [])
+
+
+def barrier_sync() -> None:
+    asm("bar.sync 0;", [], [])
+
+
+# ------------------------------------------------------------------------------------------ loads / stores
+def lds128(addr: Int32) -> list:
+    return asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", [Uint32] * 4, [addr])
+
+
+def lds32(addr: Int32) -> Uint32:
+    return asm("ld.shared.b32 $0, [$1];", [Uint32], [addr])
+
+
+def lds_f32x2(addr: Int32) -> list:
+    return asm("ld.shared.v2.f32 {$0, $1}, [$2];", [Float32] * 2, [addr])
+
+
+def sts_f32(addr: Int32, v: Float32) -> None:
+    asm("st.shared.f32 [$0], $1;", [], [addr, v])
+
+
+def lds_f32(addr: Int32) -> Float32:
+    return asm("ld.shared.f32 $0, [$1];", [Float32], [addr])
+
+
+def ldg_s32(addr: Int64) -> Int32:
+    return asm("ld.global.nc.b32 $0, [$1];", [Int32], [addr])
+
+
+def ldg_f32(addr: Int64) -> Float32:
+    return asm("ld.global.nc.f32 $0, [$1];", [Float32], [addr])
+
+
+def stg_f32(addr: Int64, v: Float32) -> None:
+    asm("st.global.f32 [$0], $1;", [], [addr, v])
+
+
+def stg_e4m3(addr: Int64, v: Float32) -> None:
+    """Round v to E4M3 (saturating) and store the byte."""
+    asm(
+        "{\n.reg .b16 t;\n.reg .f32 z;\nmov.f32 z, 0f00000000;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 t, z, $1;\nst.global.b8 [$0], t;\n}",
+        [],
+        [addr, v],
+    )
+
+
+def stg_bf16(addr: Int64, v: Float32) -> None:
+    asm("{\n.reg .b16 t;\ncvt.rn.bf16.f32 t, $1;\nst.global.b16 [$0], t;\n}", [], [addr, v])
+
+
+# ------------------------------------------------------------------------------------------ math
+def ue8m0_byte_to_f32(word: Uint32, byte: int) -> Float32:
+    """Byte `byte` of a packed scale word as the float 2^(b - 127) (the byte becomes the exponent field)."""
+    bits = ((word >> (8 * byte)) & Uint32(0xFF)) << 23
+    return asm("mov.b32 $0, $1;", [Float32], [bits])
+
+
+def fast_sigmoid(x: Float32) -> Float32:
+    """1 / (1 + 2^(-x log2 e)) with the approximate ex2 / rcp units."""
+    return asm(
+        "{\n.reg .f32 t;\nmul.f32 t, $1, 0fBFB8AA3B;\nex2.approx.ftz.f32 t, t;\n"
+        "add.f32 t, t, 0f3F800000;\nrcp.approx.ftz.f32 $0, t;\n}",
+        [Float32],
+        [x],
+    )
+
+
+def decode_fp4x4_low(w: Uint32) -> Uint32:
+    """Low nibbles of the four bytes of w -> four E4M3 bytes of value / 64 (sign to bit 7, magnitude << 2)."""
+    return ((w << 4) & Uint32(0x80808080)) | ((w << 2) & Uint32(0x1C1C1C1C))
+
+
+def decode_fp4x4_high(w: Uint32) -> Uint32:
+    """High nibbles of the four bytes of w -> four E4M3 bytes of value / 64."""
+    return (w & Uint32(0x80808080)) | ((w >> 2) & Uint32(0x1C1C1C1C))
+
+
+# ------------------------------------------------------------------------------------------ WGMMA
+def smem_desc_kmajor(addr: Int32, lbo: int, sbo: int) -> Int64:
+    """WGMMA shared-memory descriptor, no swizzle: start, K-direction core stride (LBO), N-direction (SBO)."""
+    lo = ((addr >> 4) & Int32(0x3FFF)) | Int32((lbo >> 4) << 16)
+    return Int64(lo) & Int64(0xFFFFFFFF) | Int64((sbo >> 4) << 32)
+
+
+def wgmma_fence() -> None:
+    asm("wgmma.fence.sync.aligned;", [], [])
+
+
+def wgmma_rs_e4m3_batch(n: int, a_regs: list, descs: list) -> list:
+    """Issue len(descs) register-A `m64n{n}k32` E4M3 WGMMAs into fresh accumulators, commit, wait.
+
+    a_regs: 4 Uint32 per instruction; returns n/2 floats per instruction (the m64nN f32 fragment).
+    One asm block keeps the accumulators untouched by the compiler between issue and wait.
+    """
+    per = n // 2
+    count = len(descs)
+    zero = f"${count * per + 5 * count}"
+    lines = ["{", ".reg .pred fresh;", f"setp.ne.b32 fresh, {zero}, 0;"]
+    for i in range(count):
+        d = ", ".join(f"${i * per + r}" for r in range(per))
+        a0 = count * per + 4 * i
+        a = ", ".join(f"${a0 + r}" for r in range(4))
+        desc = f"${count * per + 4 * count + i}"
+        lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, {desc}, fresh, 1, 1;")
+    lines.append("wgmma.commit_group.sync.aligned;")
+    lines.append("wgmma.wait_group.sync.aligned 0;")
+    lines.append("}")
+    return asm("\n".join(lines), [Float32] * (per * count), list(a_regs) + list(descs) + [Int32(0)])
+
+
+# ------------------------------------------------------------------------------------------ warp / scalar
+def shfl_xor_f32(v: Float32, lane_mask: int) -> Float32:
+    return asm(f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 31, -1;", [Float32], [v])
+
+
+def fmax(a: Float32, b: Float32) -> Float32:
+    return asm("max.f32 $0, $1, $2;", [Float32], [a, b])
+
+
+def fmin(a: Float32, b: Float32) -> Float32:
+    return asm("min.f32 $0, $1, $2;", [Float32], [a, b])
+
+
+def fabs(a: Float32) -> Float32:
+    return asm("abs.f32 $0, $1;", [Float32], [a])
+
+
+def safe_reciprocal_scaled(amax: Float32, fmt_max: float) -> Float32:
+    """fmt_max / amax, or 0 where amax is 0 (an all-zero block quantizes to zeros)."""
+    return asm(
+        "{\n.reg .pred z;\n.reg .f32 r;\nsetp.eq.f32 z, $1, 0f00000000;\ndiv.rn.f32 r, $2, $1;\n"
+        "selp.f32 $0, 0f00000000, r, z;\n}",
+        [Float32],
+        [amax, Float32(fmt_max)],
+    )
