@@ -1,0 +1,265 @@
+"""The ``gcmoe-bench`` command line (typer). ``python -m gcmoe_bench``, the ``gcmoe-bench`` script and
+``torchrun --nproc-per-node N -m gcmoe_bench ...`` all run this app. Commands stay thin: each parses its options
+and calls the module that does the work."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="gcmoe-bench",
+    help="GC-MoE benchmark harness: sweeps, accuracy, the paper's tables and figures, regression checks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+DEFAULT_RESULTS = Path("results")
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """Accept both ``--models a,b`` and ``--models a --models b``."""
+    if not values:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def _tokens(values: list[str] | None) -> list[int] | None:
+    items = _split(values)
+    if not items:
+        return None
+    try:
+        return [int(v) for v in items]
+    except ValueError:
+        raise typer.BadParameter(f"--tokens takes integers, e.g. --tokens 1,2,4; got {values}") from None
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@app.command()
+def sweep(
+    gpu: Annotated[str | None, typer.Option(
+        help="Profile to run: sweeps/<GPU>.toml (b300, h20, h200, cpu) or a path to a .toml file.")] = None,
+    layout: Annotated[str | None, typer.Option(
+        help="A \\[layouts.NAME] section of the profile, e.g. eight-rank in h200.toml (default: the top level).")] = None,
+    models: Annotated[list[str] | None, typer.Option(
+        help="Only these models (name or Table 4 base name), comma-separated or repeated.")] = None,
+    tokens: Annotated[list[str] | None, typer.Option(
+        help="Tokens per rank to scan instead of the profile's, e.g. 1,8,64.")] = None,
+    suite: Annotated[list[str] | None, typer.Option(
+        help="Only these suites of the profile (e.g. routed, shared).")] = None,
+    out: Annotated[Path, typer.Option(
+        help="Results root: the run is written to OUT/<gpu>/<run-id>/, a new directory every run.")] = DEFAULT_RESULTS,
+    skip_gate: Annotated[bool, typer.Option(
+        "--skip-gate", help="Do not wait for idle GPUs (recorded in env.json: such numbers are not clean).")] = False,
+    l2: Annotated[str | None, typer.Option(
+        help="flush: flush L2 between windows, only a window's first replay is cold (the paper's protocol); "
+             "rotate: cycle cloned input sets inside the graph so every replay starts cold.")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        help="Continue an interrupted run in RUN_DIR with its recorded profile; finished points are kept.")] = None,
+    windows: Annotated[int | None, typer.Option(
+        help="Measured windows per point (profile default: 30). For quick runs only.")] = None,
+    warmup: Annotated[int | None, typer.Option(
+        help="Warmup windows per point (profile default: 10). For quick runs only.")] = None,
+    replays: Annotated[int | None, typer.Option(
+        help="Invocations per window (profile default: 100). For quick runs only.")] = None,
+) -> None:
+    """Measure every point of a sweep profile under the Section 6.1 protocol and write a new run directory.
+
+    Run it under torchrun with one process per GPU (one or more processes on CPU):
+    torchrun --nproc-per-node 2 -m gcmoe_bench sweep --gpu cpu
+    """
+    from gcmoe_bench import profiles
+    from gcmoe_bench import sweep as sweep_module
+
+    try:
+        if resume is not None:
+            if any(v is not None for v in (gpu, layout, models, tokens, suite, l2, windows, warmup, replays)):
+                raise profiles.ProfileError(
+                    "--resume continues a run with the profile recorded in its env.json; leave out --gpu, --layout, "
+                    "--models, --tokens, --suite, --l2, --windows, --warmup and --replays")
+            from gcmoe_bench.results import open_for_resume
+
+            recorded = open_for_resume(resume).read_env()["profile"]
+            profile = profiles.profile_from_resolved(recorded)
+            if skip_gate:
+                profile = profiles.apply_overrides(profile, skip_gate=True)
+        else:
+            if gpu is None:
+                raise profiles.ProfileError(
+                    f"name a profile with --gpu; available: {', '.join(profiles.available_profiles())}")
+            profile = profiles.load_profile(gpu, layout=layout)
+            profile = profiles.apply_overrides(
+                profile, models=_split(models), tokens=_tokens(tokens), suites=_split(suite), l2=l2,
+                windows=windows, warmup=warmup, replays=replays, skip_gate=skip_gate)
+    except (profiles.ProfileError, FileNotFoundError, KeyError) as exc:
+        _fail(str(exc))
+    try:
+        sweep_module.run_sweep(profile, out_root=out, resume=resume, console=console)
+    except Exception:
+        # the rank's own one-line message is already printed by the sweep; exit non-zero on every rank
+        raise typer.Exit(1)
+
+
+@app.command()
+def accuracy(
+    gpu: Annotated[str, typer.Option(help="Profile whose device and models to use (sweeps/<GPU>.toml).")] = "cpu",
+    layout: Annotated[str | None, typer.Option(help="A \\[layouts.NAME] section of the profile.")] = None,
+    models: Annotated[list[str] | None, typer.Option(help="Only these models, comma-separated or repeated.")] = None,
+    operators: Annotated[list[str] | None, typer.Option(
+        help="Operators to check against the float32 reference (default: gc, gc-unfused).")] = None,
+    cases: Annotated[list[str] | None, typer.Option(
+        help="Only these cases of gc_moe.cases.ACCURACY_SUITE (names or categories).")] = None,
+    out: Annotated[Path, typer.Option(help="Results root: writes OUT/<gpu>/<run-id>/accuracy.csv.")] = DEFAULT_RESULTS,
+) -> None:
+    """Run the accuracy suite (gc_moe.cases.ACCURACY_SUITE) through the operators; write accuracy.csv.
+
+    Each case's output is compared with the float32 reference on the same inputs with gc_moe.metrics
+    (cosine, processed difference, max abs error, relative L2) against the paper's thresholds.
+    Exits 1 when any case fails its threshold."""
+    from gcmoe_bench import accuracy as accuracy_module
+    from gcmoe_bench import profiles
+
+    try:
+        profile = profiles.apply_overrides(profiles.load_profile(gpu, layout=layout), models=_split(models))
+    except profiles.ProfileError as exc:
+        _fail(str(exc))
+    try:
+        passed = accuracy_module.run_accuracy(profile, out_root=out, operators=_split(operators),
+                                              case_filter=_split(cases), console=console)
+    except Exception:
+        raise typer.Exit(1)
+    raise typer.Exit(0 if passed else 1)
+
+
+@app.command()
+def report(
+    run_dirs: Annotated[list[Path] | None, typer.Argument(
+        help="Measured run directories (results/<gpu>/<run-id>/); none: the paper reproduction alone.")] = None,
+    out: Annotated[Path, typer.Option(help="Output directory for tables (md, tex, csv), figures and report.md.")] = Path(
+        "report"),
+    figures_out: Annotated[Path | None, typer.Option(help="Where figures go (default: OUT/figures).")] = None,
+    formats: Annotated[list[str] | None, typer.Option(
+        "--format", help="Figure formats, comma-separated or repeated (default: png,pdf).")] = None,
+    no_figures: Annotated[bool, typer.Option("--no-figures", help="Write the tables only.")] = False,
+) -> None:
+    """Write the paper's Tables 5-10 and Figures 3-8, measured runs beside the published numbers."""
+    from gcmoe_bench.report import run_report
+
+    files = run_report(list(run_dirs or []), out, figures_out=figures_out,
+                       figure_formats=tuple(_split(formats) or ("png", "pdf")), with_figures=not no_figures)
+    console.print(f"report written: {files.index}")
+
+
+@app.command()
+def compare(
+    run_dir: Annotated[Path, typer.Argument(help="The measured run directory to check.")],
+    baseline: Annotated[Path, typer.Option(help="Committed baseline file, e.g. results/baselines/cpu.csv.")],
+    tolerance: Annotated[float, typer.Option(
+        help="Allowed relative drop: a speedup below baseline x (1 - TOLERANCE) fails.")] = 0.03,
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="Also write customBiggerIsBetter JSON (benchmark dashboards) here.")] = None,
+    allow_missing: Annotated[bool, typer.Option(
+        "--allow-missing", help="Do not fail on baseline points the run did not measure.")] = False,
+    write_baseline: Annotated[bool, typer.Option(
+        "--write-baseline", help="Instead of comparing, make RUN_DIR's speedups the new BASELINE file.")] = False,
+) -> None:
+    """Compare a run's per-point speedups and suite means with a baseline; exit 1 on a regression."""
+    from gcmoe_bench import regress
+
+    if write_baseline:
+        path = regress.write_baseline(run_dir, baseline)
+        console.print(f"baseline written: {path}")
+        raise typer.Exit(0)
+    raise typer.Exit(regress.run_compare(run_dir, baseline, tolerance=tolerance, json_out=json_out,
+                                         allow_missing=allow_missing))
+
+
+@app.command()
+def gate(
+    min_free_mib: Annotated[int, typer.Option(help="Free memory each GPU must show, MiB.")] = 51200,
+    samples: Annotated[int, typer.Option(help="NVML samples per GPU (at least 3).")] = 3,
+    span: Annotated[float, typer.Option(help="Seconds the samples span (at least 10).")] = 10.0,
+    max_utilization: Annotated[int, typer.Option(help="Highest utilization allowed in any sample, %.")] = 0,
+) -> None:
+    """Check that every local GPU is idle (0% utilization, no compute processes, enough free memory) over
+    NVML samples; exit 1 naming each GPU that is not. Creates no CUDA context."""
+    from gcmoe_bench.gate import GateError, run_gate
+
+    try:
+        report = run_gate(min_free_mib=min_free_mib, samples=samples, span_s=span,
+                          max_utilization_percent=max_utilization)
+    except GateError as exc:
+        _fail(str(exc), code=1)
+    for g in report.to_dict()["gpus"]:
+        console.print(f"GPU {g['index']} ({g['name']}): idle; max util {g['max_utilization_percent']}%, "
+                      f"min free {g['min_free_mib']:.0f} MiB")
+    console.print(f"[green]gate passed[/]: {report.samples} samples over {report.span_s:.1f} s")
+
+
+@app.command()
+def env(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Print the environment: versions, driver, git state, and gc_moe.runtime's description (partition,
+    workqueue mode, kernel cache)."""
+    from gcmoe_bench.env import git_state, nvml_driver, package_versions
+
+    info = {"packages": package_versions(), "git": git_state(), **nvml_driver()}
+    try:
+        from gc_moe.runtime import describe_environment
+    except ImportError as exc:
+        info["gc_moe.runtime"] = f"not available: gc_moe.runtime.describe_environment does not import ({exc})"
+    else:
+        try:
+            info["gc_moe.runtime"] = describe_environment()
+        except Exception as exc:
+            info["gc_moe.runtime"] = f"describe_environment failed: {type(exc).__name__}: {exc}"
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return
+    from rich.pretty import pprint
+
+    pprint(info, expand_all=True)
+
+
+@app.command()
+def build(
+    arch: Annotated[str, typer.Option(help="Target architecture, e.g. sm_90a (H20, H200) or sm_103f (B300).")],
+    profile: Annotated[str, typer.Option(help="Sweep profile whose shapes to compile (sweeps/<PROFILE>.toml).")],
+    layout: Annotated[str | None, typer.Option(help="A \\[layouts.NAME] section of the profile.")] = None,
+) -> None:
+    """Compile (offline, no GPU needed) every kernel variant a profile needs into the cubin cache."""
+    from gcmoe_bench import profiles
+
+    try:
+        resolved = profiles.load_profile(profile, layout=layout)
+    except profiles.ProfileError as exc:
+        _fail(str(exc))
+    try:
+        from gc_moe.runtime.jit import build_profile
+    except ImportError as exc:
+        _fail(f"gc_moe.runtime.jit.build_profile is not available ({exc}); the offline build needs the GC-MoE "
+              f"runtime and nvidia-cutlass-dsl (pip install -e '.[kernels]')")
+    result = build_profile(arch, resolved.to_dict())
+    if result is not None:
+        console.print(result)
+
+
+def main() -> None:
+    """Console-script entry point (``gcmoe-bench``)."""
+    app(prog_name="gcmoe-bench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

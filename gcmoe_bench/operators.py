@@ -1,0 +1,228 @@
+"""One adapter interface for every operator the sweep measures, and the registry of them.
+
+An adapter says whether it can run on a device (``available``) and turns one rank's workload into a zero-argument
+callable that performs one invocation (``prepare``).  The protocol treats every adapter the same: it captures the
+callable in a CUDA graph (when the adapter is ``capturable``) or calls it directly, and times it.  An adapter that is
+not available is recorded by the sweep as ``skipped`` with its reason, never silently dropped.
+
+| name         | role      | what it runs                                                                   |
+| ------------ | --------- | ------------------------------------------------------------------------------ |
+| reference    | reference | the float32 expert-parallel reference (gc_moe.reference.moe_reference_ep)      |
+| gc           | operator  | gc_moe.fp8_fp4_gc_moe (public API), shared expert fused when the suite has one |
+| gc-unfused   | operator  | gc_moe.fp8_fp4_gc_moe routed, plus the shared expert run separately            |
+| mega-port    | baseline  | the SM90 port of Mega MoE (H20/H200), unfused shared expert beside it          |
+| deepgemm     | baseline  | DeepGEMM's fp8_fp4_mega_moe (SM100 family), its fused shared-expert mode       |
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gcmoe_bench.workloads import Workload
+
+RECIPE = (1, 1, 32)
+ACTIVATION = "swiglu"
+
+
+class Invocation:
+    """One prepared operator call: ``invocation()`` runs it and writes ``invocation.output`` (bf16 [T, H]) in place."""
+
+    def __init__(self, run: Callable[[], Any], output: torch.Tensor, keep_alive: tuple = ()):
+        self._run = run
+        self.output = output
+        self._keep_alive = keep_alive  # buffers the call reads: they must outlive any graph that captured it
+
+    def __call__(self) -> None:
+        self._run()
+
+
+class OperatorAdapter(ABC):
+    """The interface the protocol measures.  Subclasses set the class attributes and the two methods."""
+
+    name: str = ""
+    role: str = "operator"  # "operator", "baseline" or "reference": its natural place in a suite
+    summary: str = ""
+    capturable: bool = True  # one invocation may be captured in a CUDA graph (no host synchronization inside)
+
+    @abstractmethod
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        """(True, "") when it can run on ``device``; otherwise (False, the reason, naming what is missing)."""
+
+    @abstractmethod
+    def prepare(self, workload: Workload, group: Any) -> Invocation:
+        """Allocate buffers, transform weights and stage the inputs; return one invocation.  Collective over ``group``."""
+
+
+def _missing_module(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"{module} does not import ({exc})"
+    return None
+
+
+def _reference_ep() -> Callable[..., torch.Tensor]:
+    from gc_moe import reference
+
+    return reference.moe_reference_ep
+
+
+def _shared_expert_output(workload: Workload) -> torch.Tensor:
+    """The shared expert alone (bf16 [T, H]), as a separate kernel would compute it: the reference layer with every
+    routed slot empty, so only the shared expert contributes."""
+    from gc_moe import reference
+
+    w = workload.weights
+    no_routes = torch.full_like(workload.topk_idx, -1)
+    return reference.moe_reference(
+        workload.x, workload.x_sf, no_routes, torch.zeros_like(workload.topk_weights), w.l1, w.l2,
+        activation_alpha=workload.model.activation_alpha, activation_clamp=workload.model.activation_clamp,
+        shared_weights=w.shared,
+    )
+
+
+class ReferenceAdapter(OperatorAdapter):
+    name = "reference"
+    role = "reference"
+    summary = "float32 expert-parallel reference (gc_moe.reference.moe_reference_ep), dispatch by all-to-all"
+    capturable = False  # it exchanges counts on the host before its all-to-all
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        missing = _missing_module("gc_moe.reference")
+        return (False, missing) if missing else (True, "")
+
+    def prepare(self, workload: Workload, group: Any) -> Invocation:
+        reference_ep = _reference_ep()
+        w = workload.weights
+        output = torch.empty(workload.tokens_per_rank, workload.model.hidden, dtype=torch.bfloat16,
+                             device=workload.device)
+
+        def run() -> None:
+            output.copy_(reference_ep(
+                group, workload.x, workload.x_sf, workload.topk_idx, workload.topk_weights, w.l1, w.l2,
+                num_experts=workload.model.num_experts, activation_alpha=workload.model.activation_alpha,
+                activation_clamp=workload.model.activation_clamp,
+                shared_weights=w.shared if workload.shared_experts else None,
+            ))
+
+        return Invocation(run, output)
+
+
+class GcAdapter(OperatorAdapter):
+    """GC-MoE through its public API (Listing 1).  Where no kernel backend applies (CPU) the API itself falls back
+    to the reference backend, so this adapter is the same code on every machine."""
+
+    name = "gc"
+    role = "operator"
+    summary = "GC-MoE public API (gc_moe.fp8_fp4_gc_moe); shared expert fused when the suite has one"
+    fuse_shared = True
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        try:
+            import gc_moe
+        except ImportError as exc:
+            return False, f"gc_moe does not import ({exc})"
+        needed = ("get_symm_buffer_for_gc_moe", "transform_weights_for_gc_moe", "fp8_fp4_gc_moe")
+        lacking = [n for n in needed if not hasattr(gc_moe, n)]
+        if lacking:
+            return False, f"gc_moe lacks its public API ({', '.join(lacking)})"
+        return True, ""
+
+    @property
+    def capturable(self) -> bool:  # type: ignore[override]
+        return True
+
+    def prepare(self, workload: Workload, group: Any) -> Invocation:
+        import gc_moe
+
+        model, w = workload.model, workload.weights
+        fused_shared = bool(workload.shared_experts) and self.fuse_shared
+        buffer = gc_moe.get_symm_buffer_for_gc_moe(
+            group, model.num_experts, model.capacity, model.topk, model.hidden, model.intermediate,
+            mma_type="fp8xfp4", num_shared_experts=workload.shared_experts if fused_shared else 0,
+        )
+        w1, w2 = gc_moe.transform_weights_for_gc_moe(w.l1, w.l2)
+        t = workload.tokens_per_rank
+        buffer.x[:t].copy_(workload.x)
+        buffer.x_sf[:t].copy_(workload.x_sf)
+        buffer.topk_idx[:t].copy_(workload.topk_idx)
+        buffer.topk_weights[:t].copy_(workload.topk_weights)
+        output = torch.empty(t, model.hidden, dtype=torch.bfloat16, device=workload.device)
+        call_args = {
+            "recipe": RECIPE, "activation": ACTIVATION, "activation_alpha": model.activation_alpha,
+            "activation_clamp": model.activation_clamp, "num_tokens": t,
+        }
+        if fused_shared:
+            def run() -> None:
+                gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, shared_weights=w.shared, **call_args)
+        elif workload.shared_experts:
+            # unfused: the routed operator, then the shared expert as its own computation, summed
+            def run() -> None:
+                gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
+                output.add_(_shared_expert_output(workload))
+        else:
+            def run() -> None:
+                gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
+
+        return Invocation(run, output, keep_alive=(buffer, w1, w2))
+
+
+class GcUnfusedAdapter(GcAdapter):
+    name = "gc-unfused"
+    summary = "GC-MoE routed experts, shared expert computed separately and added (the fusion ablation)"
+    fuse_shared = False
+
+
+class _PendingBaseline(OperatorAdapter):
+    """A baseline whose adapter cannot run yet: registered so that sweeps record it as skipped, with the reason."""
+
+    role = "baseline"
+    module = ""
+    needs = ""
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, f"{self.name} needs a CUDA GPU ({self.needs}); this run is on {device.type}"
+        missing = _missing_module(self.module)
+        if missing:
+            return False, f"{self.name}: {missing}"
+        return False, f"{self.name}: no harness adapter for {self.module} yet"
+
+    def prepare(self, workload: Workload, group: Any) -> Invocation:
+        raise RuntimeError(self.available(workload.device)[1])
+
+
+class MegaPortAdapter(_PendingBaseline):
+    name = "mega-port"
+    summary = "SM90 port of Mega MoE (one fused persistent kernel); unfused shared expert beside it"
+    module = "baselines.mega_moe.port_sm90"
+    needs = "sm_90a"
+
+
+class DeepGemmAdapter(_PendingBaseline):
+    name = "deepgemm"
+    summary = "DeepGEMM fp8_fp4_mega_moe (SM100 family), fused shared-expert mode for shared suites"
+    module = "deep_gemm"
+    needs = "sm_100 family"
+
+
+REGISTRY: dict[str, OperatorAdapter] = {
+    adapter.name: adapter
+    for adapter in (ReferenceAdapter(), GcAdapter(), GcUnfusedAdapter(), MegaPortAdapter(), DeepGemmAdapter())
+}
+
+
+def operator_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get_operator(name: str) -> OperatorAdapter:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown operator {name!r}; known: {', '.join(REGISTRY)}") from None

@@ -1,0 +1,253 @@
+"""The sweep driver: profile -> workloads -> operators -> protocol -> results, on every rank of the job.
+
+Every rank walks the same plan in the same order (models, suites, tokens per rank, the suite's baseline first and
+then its operators), so the collectives inside the protocol line up. Rank 0 owns the run directory and the
+progress display; the other ranks are quiet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from gcmoe_bench import distributed, protocol, results
+from gcmoe_bench.distributed import DistContext
+from gcmoe_bench.env import environment, invocation_command, local_device_info
+from gcmoe_bench.gate import GateError, run_gate
+from gcmoe_bench.models import ModelShape
+from gcmoe_bench.operators import get_operator
+from gcmoe_bench.profiles import Profile, SuiteSpec
+from gcmoe_bench.workloads import Weights, Workload, build_weights, build_workload
+
+
+def gate_step(ctx: DistContext, profile: Profile) -> dict[str, Any] | str:
+    """Run the idle gate on each node's local rank 0 before any CUDA context exists; all ranks share the verdict."""
+    if profile.device != "cuda":
+        return "not applicable (CPU profile)"
+    if profile.skip_gate:
+        return "skipped (--skip-gate)"
+    verdict: dict[str, Any] | str | None = None
+    error = None
+    if ctx.is_local_main:
+        g = profile.gate
+        try:
+            verdict = run_gate(min_free_mib=g.min_free_mib, samples=g.samples, span_s=g.span_s,
+                               max_utilization_percent=g.max_utilization_percent).to_dict()
+        except GateError as exc:
+            error = str(exc)
+    ctx.check_in(error)
+    return verdict or "passed on another node's local rank 0"
+
+
+def _point_row(profile: Profile, model: ModelShape, suite: SuiteSpec, workload: Workload, operator: str,
+               **fields: Any) -> dict[str, Any]:
+    return {
+        "gpu": profile.gpu,
+        "model": model.name,
+        "suite": suite.name,
+        "tokens_per_rank": workload.tokens_per_rank,
+        "total_tokens": workload.tokens_per_rank * workload.num_ranks,
+        "num_ranks": workload.num_ranks,
+        "hidden": model.hidden,
+        "intermediate": model.intermediate,
+        "num_experts": model.num_experts,
+        "topk": model.topk,
+        "num_shared_experts": suite.shared_experts,
+        "operator": operator,
+        "baseline": suite.baseline,
+        "assignments": workload.counts.assignments,
+        "remote_assignments": workload.counts.remote_assignments,
+        "hbm_working_set_bytes": workload.counts.hbm_working_set_bytes,
+        "l2_mode": profile.protocol.l2,
+        **fields,
+    }
+
+
+def _raw_rows(profile: Profile, model: ModelShape, suite: SuiteSpec, tokens: int, operator: str,
+              m: protocol.Measurement) -> list[dict[str, Any]]:
+    rows = []
+    for rank, windows in enumerate(m.window_us):
+        for window, latency in enumerate(windows):
+            rows.append({
+                "gpu": profile.gpu, "model": model.name, "suite": suite.name, "tokens_per_rank": tokens,
+                "operator": operator, "rank": rank, "window": window,
+                "phase": "warmup" if window < m.warmup_windows else "measured", "latency_us": latency,
+                "replays_per_window": profile.protocol.replays_per_window, "timing": m.timing,
+                "l2_mode": profile.protocol.l2, "copies": m.copies,
+            })
+    return rows
+
+
+def _plan(profile: Profile, finished: set[tuple[str, str, int, str]]) -> list[tuple[ModelShape, SuiteSpec, int, list[str]]]:
+    plan = []
+    for model in profile.models:
+        for suite in profile.suites:
+            for tokens in profile.tokens_per_rank:
+                todo = [op for op in suite.all_operators if (model.name, suite.name, tokens, op) not in finished]
+                if todo:
+                    plan.append((model, suite, tokens, todo))
+    return plan
+
+
+def _availability(ctx: DistContext, operator: str) -> tuple[bool, str]:
+    """Skipped everywhere if any rank cannot run it (every rank must measure the same operators)."""
+    ok, reason = get_operator(operator).available(ctx.device)
+    verdicts = ctx.gather_objects((ok, reason))
+    for rank, (rank_ok, rank_reason) in enumerate(verdicts):
+        if not rank_ok:
+            return False, rank_reason if ctx.world_size == 1 else f"rank {rank}: {rank_reason}"
+    return True, ""
+
+
+def run_sweep(profile: Profile, *, out_root: Path, resume: Path | None = None,
+              console: Console | None = None) -> Path:
+    """Run (or resume) a sweep on this rank; returns the run directory. Collective over the torchrun job."""
+    ctx = distributed.init_distributed(profile.device, profile.timeout_s)
+    try:
+        run_dir = _run(ctx, profile, out_root=out_root, resume=resume, console=console)
+    except BaseException as exc:
+        distributed.report_failure(ctx, exc)
+        raise
+    distributed.shutdown()
+    return run_dir
+
+
+def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | None,
+         console: Console | None) -> Path:
+    console = console or Console(stderr=True)
+    quiet = not ctx.is_main
+    if profile.num_ranks is not None and profile.num_ranks != ctx.world_size:
+        raise ValueError(
+            f"profile {profile.gpu!r} (layout {profile.layout!r}) runs on {profile.num_ranks} rank(s) but this job "
+            f"has {ctx.world_size}; start it with torchrun --nproc-per-node {profile.num_ranks}"
+        )
+    for model in profile.models:
+        model.experts_per_rank(ctx.world_size)  # a clear error before any work if the experts do not split
+    gate_record = gate_step(ctx, profile)
+    distributed.bind_device(ctx)
+
+    # ---- the run directory: rank 0 creates (or reopens) it, everyone learns its path
+    error = None
+    run_dir = None
+    if ctx.is_main:
+        try:
+            if resume is not None:
+                writer = results.open_for_resume(resume)
+                dropped = writer.prune_unfinished_raw()
+                if dropped:
+                    console.print(f"resume: dropped {dropped} raw rows of an interrupted point")
+                run_dir = writer.run_dir
+            else:
+                run_dir = results.create_run_dir(out_root, profile.gpu)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    ctx.check_in(error)
+    run_dir = Path(ctx.broadcast_from_main(str(run_dir) if run_dir else None))
+    writer = results.RunWriter(run_dir)
+    finished = writer.finished() if ctx.is_main else {}
+    finished = ctx.broadcast_from_main(finished)
+
+    device_info = ctx.gather_objects(local_device_info(ctx.device))
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if ctx.is_main:
+        command = invocation_command()
+        if resume is not None:
+            env = writer.read_env()
+            env.setdefault("resumed", []).append({"command": command, "started_utc": started, "gate": gate_record})
+        else:
+            env = environment(ranks=device_info, profile=profile.to_dict(), command=command, gate=gate_record,
+                              extra={"world_size": ctx.world_size, "started_utc": started,
+                                     "skip_gate": profile.skip_gate})
+        env["status"] = "running"
+        writer.write_env(env)
+
+    plan = _plan(profile, set(finished))
+    windows = profile.protocol.warmup_windows + profile.protocol.measured_windows
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, disable=quiet, transient=False)
+    total_windows = windows * sum(len(todo) for *_, todo in plan)
+    baseline_latency = {k[:3]: float(r["latency_us"]) for k, r in finished.items()
+                        if k[3] == r["baseline"] and r["status"] == "ok"}
+    if ctx.is_main:
+        console.print(f"sweep {profile.gpu} (layout {profile.layout}) on {ctx.world_size} rank(s): "
+                      f"{len(plan)} points to measure -> {run_dir}")
+    cache_bytes = protocol.last_level_cache_bytes(ctx.device)
+    flusher = protocol.CacheFlusher(ctx.device, profile.protocol.flush_bytes or 2 * cache_bytes)
+    weights_cache: dict[str, Weights] = {}
+    any_shared = max(s.shared_experts for s in profile.suites)
+
+    with progress if not quiet else nullcontext():
+        task = progress.add_task("sweep", total=max(total_windows, 1))
+        for model, suite, tokens, todo in plan:
+            if model.name not in weights_cache:
+                weights_cache.clear()  # one model's weights at a time
+                weights_cache[model.name] = build_weights(model, ctx.world_size, ctx.rank, shared_experts=any_shared,
+                                                          seed=profile.seed, device=ctx.device)
+            workload = build_workload(model, tokens, ctx.world_size, ctx.rank, shared_experts=suite.shared_experts,
+                                      weights=weights_cache[model.name], routing=profile.routing,
+                                      seed=profile.seed, device=ctx.device)
+            for operator in todo:
+                label = f"{model.name} {suite.name} T={tokens} {operator}"
+                progress.update(task, description=label)
+                ok, reason = _availability(ctx, operator)
+                if not ok:
+                    row = _point_row(profile, model, suite, workload, operator, status="skipped", reason=reason)
+                    if ctx.is_main:
+                        writer.append_point(row, [])
+                        progress.console.print(f"[yellow]skip[/] {label}: {reason}")
+                    progress.advance(task, windows)
+                    continue
+                measurement = _measure(ctx, profile, workload, operator, flusher, cache_bytes,
+                                       on_window=lambda *_: progress.advance(task, 1))
+                key = (model.name, suite.name, tokens)
+                if operator == suite.baseline:
+                    baseline_latency[key] = measurement.latency_us
+                base = baseline_latency.get(key)
+                row = _point_row(
+                    profile, model, suite, workload, operator, status="ok", reason="",
+                    latency_us=measurement.latency_us,
+                    rank_medians_us=";".join(f"{m:.3f}" for m in measurement.rank_medians_us),
+                    spread_us=measurement.spread_us,
+                    speedup=(base / measurement.latency_us) if base else None,
+                )
+                if ctx.is_main:
+                    writer.append_point(row, _raw_rows(profile, model, suite, tokens, operator, measurement))
+                    speed = f" x{base / measurement.latency_us:.3f}" if base and operator != suite.baseline else ""
+                    progress.console.print(f"{label}: {measurement.latency_us:.1f} us "
+                                           f"(spread {measurement.spread_us:.1f}){speed}")
+
+    ctx.check_in(None)
+    if ctx.is_main:
+        env = writer.read_env()
+        env["status"] = "complete"
+        env["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        writer.write_env(env)
+        console.print(f"done: {run_dir}")
+    return run_dir
+
+
+def _measure(ctx: DistContext, profile: Profile, workload: Workload, operator: str,
+             flusher: protocol.CacheFlusher, cache_bytes: int, on_window) -> protocol.Measurement:
+    adapter = get_operator(operator)
+    spec = profile.protocol
+    copies = 1
+    if spec.l2 == "rotate":
+        copies = protocol.rotation_copies(cache_bytes, workload.nbytes(), spec.replays_per_window)
+        copies = min(ctx.gather_objects(copies))  # identical on every rank, so graphs and windows line up
+    error = None
+    invocations = []
+    try:
+        workloads = [workload] + [workload.clone() for _ in range(copies - 1)]
+        invocations = [adapter.prepare(w, ctx.data) for w in workloads]
+    except Exception as exc:
+        error = f"{operator}: prepare failed at {workload.model.name} T={workload.tokens_per_rank}: " \
+                f"{type(exc).__name__}: {exc}"
+    ctx.check_in(error)
+    return protocol.measure(invocations, ctx, dataclasses.replace(spec), capturable=adapter.capturable,
+                            flusher=flusher, on_window=on_window)
