@@ -343,10 +343,13 @@ def build_variant(variant: KernelVariant, arch: str, cache_dir: Path | None = No
     from cutlass import cute
 
     started = time.perf_counter()
-    try:
-        compiled = cute.compile(request.host_fn, *request.args, options=compile_options(arch))
-    except Exception as exc:  # the DSL's errors are many kinds; name the kernel and keep the cause
-        raise KernelBuildError(f"building {variant.describe()} for {arch} failed: {exc}") from exc
+    # the DSL writes kept files into a dump directory (the working directory by default): give it a scratch one
+    with tempfile.TemporaryDirectory(prefix="gc_moe_build_") as scratch:
+        try:
+            compiled = cute.compile(request.host_fn, *request.args,
+                                    options=f"{compile_options(arch)} --dump-dir {scratch}")
+        except Exception as exc:  # the DSL's errors are many kinds; name the kernel and keep the cause
+            raise KernelBuildError(f"building {variant.describe()} for {arch} failed: {exc}") from exc
     seconds = time.perf_counter() - started
     cubin_bytes, ptx_text = compiled.artifacts.CUBIN, compiled.artifacts.PTX
     if not cubin_bytes or not ptx_text:
