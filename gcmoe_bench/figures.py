@@ -26,17 +26,41 @@ from .report import (
     paper_counterpart,
 )
 
-# Fixed colours per published operator, so that one operator looks the same in every figure.
+# One colour per operator family in every figure (published solid, measured dashed): baselines orange, GC-MoE
+# blue, GC-MoE unfused green; anything else from the fallback cycle.
 OPERATOR_COLOURS = {
     "mega": "#d95f02",
     "mega-se": "#d95f02",
     "mega-unfused": "#d95f02",
+    "mega-port": "#d95f02",
+    "deepgemm": "#d95f02",
     "gc": "#1b6ca8",
     "gc-se": "#1b6ca8",
     "gc-unfused": "#2ca02c",
+    "reference": "#7b3294",
 }
-MEASURED_COLOURS = ("#7b3294", "#008837", "#c51b7d", "#4d4d4d", "#e6ab02", "#1b9e77")
-MARKERS = {"mega": "s", "mega-se": "s", "mega-unfused": "s", "gc": "o", "gc-se": "o", "gc-unfused": "^"}
+FALLBACK_COLOURS = ("#c51b7d", "#4d4d4d", "#e6ab02", "#1b9e77", "#a6761d", "#666666")
+MARKERS = {
+    "mega": "s",
+    "mega-se": "s",
+    "mega-unfused": "s",
+    "mega-port": "s",
+    "deepgemm": "s",
+    "gc-unfused": "^",
+}
+
+
+class _Colours:
+    """Operator -> colour, stable within one figure."""
+
+    def __init__(self):
+        self._given: dict[str, str] = {}
+        self._spare = iter(FALLBACK_COLOURS * 4)
+
+    def __call__(self, operator: str) -> str:
+        if operator not in self._given:
+            self._given[operator] = OPERATOR_COLOURS.get(operator) or next(self._spare)
+        return self._given[operator]
 
 
 @dataclass(frozen=True)
@@ -91,13 +115,13 @@ PAPER_FIGURES: tuple[FigureSpec, ...] = (
         "h20",
         DSV,
         (
-            Curve("shared", "mega-unfused", "mega-unfused (baseline)"),
+            Curve("shared", "mega-unfused", "mega-unfused, baseline"),
             Curve("shared-ablation", "gc-unfused", "gc-unfused"),
-            Curve("shared", "gc-se", "gc-se (fused)"),
+            Curve("shared", "gc-se", "gc-se, fused"),
         ),
         (
             Curve("shared", "gc-se", "gc-se vs mega-unfused"),
-            Curve("shared-ablation", "gc-se", "gc-se vs gc-unfused (fusion ablation)"),
+            Curve("shared-ablation", "gc-se", "gc-se vs gc-unfused, fusion ablation"),
         ),
     ),
     _shared_b300("figure7", GLM, 7),
@@ -118,7 +142,7 @@ def _select(points: pd.DataFrame, source, gpu, model, suite, operator) -> pd.Dat
 
 
 def _new_figure(title: str):
-    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    figure = Figure(figsize=(11, 4.8), layout="constrained")
     latency_axes, speedup_axes = figure.subplots(1, 2)
     figure.suptitle(title, fontsize=12)
     latency_axes.set_title("Slowest-rank latency (lower is better)", fontsize=10)
@@ -141,8 +165,12 @@ def _finish(figure, latency_axes, speedup_axes, tokens: list[int]):
     speedup_axes.axhline(1.0, color="black", linewidth=1.0, linestyle="--", label="speedup = 1 (parity)")
     low, high = speedup_axes.get_ylim()
     speedup_axes.set_ylim(min(low, 0.95), max(high, 1.05))
+    entries = 0
     for axes in (latency_axes, speedup_axes):
-        axes.legend(fontsize=8, loc="best", framealpha=0.9)
+        # below the panel, so that no legend ever hides a curve; the figure grows with the longer legend
+        axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+        entries = max(entries, len(axes.get_legend_handles_labels()[0]))
+    figure.set_figheight(4.0 + 0.2 * entries)
     return figure
 
 
@@ -161,6 +189,7 @@ def _save(figure: Figure, directory: Path, name: str, formats: tuple[str, ...]) 
 def paper_figure(spec: FigureSpec, points: pd.DataFrame) -> Figure:
     """One of Figures 3-8: published curves, plus dashed measured curves of the same GPU kind if any."""
     figure, latency_axes, speedup_axes = _new_figure(spec.title)
+    colour_of = _Colours()
     tokens: list[int] = []
     for curve in spec.latency:
         rows = _select(points, PAPER_SOURCE, spec.gpu, spec.model, curve.suite, curve.operator)
@@ -174,7 +203,8 @@ def paper_figure(spec: FigureSpec, points: pd.DataFrame) -> Figure:
         tokens += rows["tokens_per_rank"].astype(int).tolist()
     for i, curve in enumerate(spec.speedup):
         rows = _select(points, PAPER_SOURCE, spec.gpu, spec.model, curve.suite, curve.operator)
-        colour = OPERATOR_COLOURS.get(curve.operator) if i == 0 else "#2ca02c"
+        # two ratios of one operator (Figure 6) take the colours of their two baselines' counterparts
+        colour = colour_of(curve.operator) if i == 0 else OPERATOR_COLOURS["gc-unfused"]
         speedup_axes.plot(
             rows["tokens_per_rank"], rows["speedup"], marker="o", color=colour, label=f"{curve.label} (paper)"
         )
@@ -186,11 +216,11 @@ def paper_figure(spec: FigureSpec, points: pd.DataFrame) -> Figure:
         & points["suite"].isin(suites)
         & points["status"].eq("ok")
     ]
-    colours = iter(MEASURED_COLOURS * 4)
+    several_suites = len(suites) > 1
     for (source, suite, operator), rows in measured.groupby(["source", "suite", "operator"], sort=True):
         rows = rows.sort_values("tokens_per_rank")
-        colour = next(colours)
-        label = f"{operator_name(operator)} ({suite}, measured {source})"
+        colour = colour_of(operator)
+        label = f"{operator_name(operator)} ({suite + ', ' if several_suites else ''}measured {source})"
         latency_axes.plot(
             rows["tokens_per_rank"], rows["latency_us"], linestyle="--", marker="x", color=colour, label=label
         )
@@ -215,12 +245,18 @@ def measured_figure(group: MeasuredGroup, points: pd.DataFrame) -> Figure:
     )
     figure, latency_axes, speedup_axes = _new_figure(title)
     tokens: list[int] = []
-    colours = iter(MEASURED_COLOURS * 4)
+    colour_of = _Colours()
     for operator in group.operators:
         rows = _select(points, group.source, group.gpu, group.model, group.suite, operator)
-        colour = next(colours)
+        colour = colour_of(operator)
         name = operator_name(operator) + (" (baseline)" if operator == group.baseline else "")
-        latency_axes.plot(rows["tokens_per_rank"], rows["latency_us"], marker="o", color=colour, label=name)
+        latency_axes.plot(
+            rows["tokens_per_rank"],
+            rows["latency_us"],
+            marker=MARKERS.get(operator, "o"),
+            color=colour,
+            label=name,
+        )
         if operator != group.baseline:
             speedup_axes.plot(
                 rows["tokens_per_rank"],
@@ -232,11 +268,13 @@ def measured_figure(group: MeasuredGroup, points: pd.DataFrame) -> Figure:
         tokens += rows["tokens_per_rank"].astype(int).tolist()
     counterpart = paper_counterpart(points, group.gpu, group.model, group.suite)
     if counterpart:
-        paper_gpu, paper_operator = counterpart
-        rows = _select(points, PAPER_SOURCE, paper_gpu, group.model, group.suite, paper_operator)
+        rows = _select(
+            points, PAPER_SOURCE, counterpart.gpu, counterpart.model, group.suite, counterpart.operator
+        )
+        other = counterpart.gpu != group.gpu or counterpart.model != group.model
         label = (
-            f"paper, 8×{gpu_name(paper_gpu)}: {operator_name(paper_operator)} vs "
-            f"{operator_name(rows['baseline'].iloc[0])}"
+            f"paper, 8×{gpu_name(counterpart.gpu)}: {operator_name(counterpart.operator)} vs "
+            f"{operator_name(rows['baseline'].iloc[0])}" + (" (other hardware or shape)" if other else "")
         )
         speedup_axes.plot(
             rows["tokens_per_rank"], rows["speedup"], linestyle=":", marker=".", color="grey", label=label

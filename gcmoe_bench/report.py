@@ -22,7 +22,14 @@ from . import analysis
 from .analysis import PAPER_SOURCE
 
 MODEL_NAMES = {"glm-5.2": "GLM-5.2", "deepseek-v4.1-flash": "DeepSeek-V4.1-Flash"}
-OPERATOR_NAMES = {"mega": "Mega", "gc": "GC-MoE", "mega-se": "Mega-se"}
+OPERATOR_NAMES = {
+    "mega": "Mega",
+    "gc": "GC-MoE",
+    "mega-se": "Mega-se",
+    "mega-port": "Mega (SM90 port)",
+    "deepgemm": "Mega (DeepGEMM)",
+    "reference": "reference (FP32)",
+}
 GPU_NAMES = {"h20": "H20", "b300": "B300", "h200": "H200", "cpu": "CPU"}
 SUITE_NAMES = {
     "routed": "routed experts",
@@ -443,13 +450,33 @@ def measured_groups(points: pd.DataFrame) -> list[MeasuredGroup]:
     return groups
 
 
-def paper_counterpart(points: pd.DataFrame, gpu: str, model: str, suite: str) -> tuple[str, str] | None:
-    """(paper gpu, paper operator) whose published speedup stands beside a measured group, or None."""
-    paper = points[points["source"].eq(PAPER_SOURCE) & points["model"].eq(model) & points["suite"].eq(suite)]
+@dataclass(frozen=True)
+class PaperCounterpart:
+    """The published curve that stands beside a measured group: the paper's `operator` on `gpu` for `model`."""
+
+    gpu: str
+    model: str
+    operator: str
+
+
+def paper_counterpart(points: pd.DataFrame, gpu: str, model: str, suite: str) -> PaperCounterpart | None:
+    """The published speedup to show beside a measured (gpu, model, suite), or None.
+
+    The paper's model is the measured one or the one it derives from by name ("glm-5.2" for "glm-5.2-slice");
+    its GPU is the measured GPU if the paper has it, else the first of PAPER_COUNTERPART_ORDER that has the model
+    and suite. CPU runs time CPU code and get no counterpart."""
+    if gpu == "cpu":
+        return None
+    paper = points[points["source"].eq(PAPER_SOURCE) & points["suite"].eq(suite)]
+    paper = paper[paper["operator"].ne(paper["baseline"])]
+    derived = [m for m in paper["model"].unique() if model == m or model.startswith((m + "-", m + "/"))]
+    if not derived:
+        return None
+    paper_model = max(derived, key=len)
     for candidate in (gpu, *PAPER_COUNTERPART_ORDER):
-        rows = paper[paper["gpu"].eq(candidate) & paper["operator"].ne(paper["baseline"])]
+        rows = paper[paper["gpu"].eq(candidate) & paper["model"].eq(paper_model)]
         if not rows.empty:
-            return candidate, rows["operator"].iloc[0]
+            return PaperCounterpart(candidate, paper_model, rows["operator"].iloc[0])
     return None
 
 
@@ -468,13 +495,14 @@ def measured_table(group: MeasuredGroup, points: pd.DataFrame) -> TableSpec:
             ("hbm_gbps", "HBM (GB/s)"),
             ("nvlink_gbps", "NVLink (GB/s)"),
         ):
-            measured = points[
+            values = points.loc[
                 points["source"].eq(group.source)
                 & points["model"].eq(group.model)
-                & points["suite"].eq(group.suite)
-                & points[fieldname].notna()
+                & points["suite"].eq(group.suite),
+                fieldname,
             ]
-            if measured.empty:
+            # a model with nothing to show (no counts, or no NVLink traffic on one GPU) gets no columns
+            if not values.fillna(0).ne(0).any():
                 continue
             columns += [
                 Column(f"{label} {operator_name(op)}", fieldname, group.suite, op, source=group.source)
@@ -483,13 +511,22 @@ def measured_table(group: MeasuredGroup, points: pd.DataFrame) -> TableSpec:
     counterpart = paper_counterpart(points, group.gpu, group.model, group.suite)
     note = ""
     if counterpart:
-        paper_gpu, paper_op = counterpart
-        label = f"Speedup, paper 8×{gpu_name(paper_gpu)}"
-        columns.append(Column(label, "speedup", group.suite, paper_op, gpu=paper_gpu))
-        if paper_gpu != group.gpu:
+        label = f"Speedup, paper 8×{gpu_name(counterpart.gpu)}"
+        columns.append(
+            Column(
+                label,
+                "speedup",
+                group.suite,
+                counterpart.operator,
+                gpu=counterpart.gpu,
+                model=counterpart.model,
+            )
+        )
+        if counterpart.gpu != group.gpu or counterpart.model != group.model:
             note = (
-                f" The last column is the paper's published speedup on 8×{gpu_name(paper_gpu)} for the same "
-                f"model and suite: different hardware and shape, shown for orientation only."
+                f" The last column is the paper's published speedup of {operator_name(counterpart.operator)} on "
+                f"8×{gpu_name(counterpart.gpu)} for {model_name(counterpart.model)}, same suite: different "
+                "hardware or shape, shown for orientation only."
             )
     caption = (
         f"Measured decode latency and speedup, {model_name(group.model)}, "
@@ -638,8 +675,7 @@ def run_report(
     specs += [measured_table(group, points) for group in groups]
     tables = [build_table(spec, points) for spec in specs]
     for table in tables:
-        stem = tables_dir / table.spec.name
-        paths = [stem.with_suffix(".md"), stem.with_suffix(".tex"), stem.with_suffix(".csv")]
+        paths = [tables_dir / f"{table.spec.name}.{suffix}" for suffix in ("md", "tex", "csv")]
         paths[0].write_text(table.to_markdown(), encoding="utf-8")
         paths[1].write_text(table.to_latex(), encoding="utf-8")
         table.to_frame().to_csv(paths[2], index=False)

@@ -60,22 +60,48 @@ def write_synthetic_run(
                     medians = [latency] + list(latency * rng.uniform(0.97, 1.0, num_ranks - 1))
                     rng.shuffle(medians)
                     rows.append(
-                        dict(
-                            gpu=gpu, model=model, suite=suite, tokens_per_rank=t, total_tokens=t * num_ranks,
-                            num_ranks=num_ranks, hidden=hidden, intermediate=intermediate, num_experts=experts,
-                            topk=topk, num_shared_experts=int(suite != "routed"), operator=operator,
-                            baseline=baseline, latency_us=max(medians),
-                            rank_medians_us=";".join(f"{m:.6f}" for m in medians),
-                            spread_us=max(medians) - min(medians), speedup=np.nan, assignments=assignments,
-                            remote_assignments=remote, hbm_working_set_bytes=active * per_expert,
-                            l2_mode="flush", status="ok", reason="",
-                        )
+                        {
+                            "gpu": gpu,
+                            "model": model,
+                            "suite": suite,
+                            "tokens_per_rank": t,
+                            "total_tokens": t * num_ranks,
+                            "num_ranks": num_ranks,
+                            "hidden": hidden,
+                            "intermediate": intermediate,
+                            "num_experts": experts,
+                            "topk": topk,
+                            "num_shared_experts": int(suite != "routed"),
+                            "operator": operator,
+                            "baseline": baseline,
+                            "latency_us": max(medians),
+                            "rank_medians_us": ";".join(f"{m:.6f}" for m in medians),
+                            "spread_us": max(medians) - min(medians),
+                            "speedup": np.nan,
+                            "assignments": assignments,
+                            "remote_assignments": remote,
+                            "hbm_working_set_bytes": active * per_expert,
+                            "l2_mode": "flush",
+                            "status": "ok",
+                            "reason": "",
+                        }
                     )
                     for rank, median in enumerate(medians):
-                        raw.append(dict(model=model, suite=suite, tokens_per_rank=t, operator=operator,
-                                        rank=rank, window=0, latency_us=median))
+                        raw.append(
+                            {
+                                "model": model,
+                                "suite": suite,
+                                "tokens_per_rank": t,
+                                "operator": operator,
+                                "rank": rank,
+                                "window": 0,
+                                "latency_us": median,
+                            }
+                        )
     points = pd.DataFrame(rows)
-    base = points[points.operator == points.baseline].set_index(["model", "suite", "tokens_per_rank"])["latency_us"]
+    base = points[points.operator == points.baseline].set_index(["model", "suite", "tokens_per_rank"])[
+        "latency_us"
+    ]
     points["speedup"] = [
         base[(r.model, r.suite, r.tokens_per_rank)] / r.latency_us for r in points.itertuples()
     ]
@@ -117,7 +143,9 @@ def test_table10_tflops_reproduced_from_paper_latencies():
     checked = 0
     for model, prefix in (("glm-5.2", "glm"), ("deepseek-v4.1-flash", "dsv")):
         hidden, intermediate, topk = models.loc[model, ["hidden", "intermediate", "topk"]]
-        rows = latencies[(latencies.gpu == "b300") & (latencies.suite == "routed") & (latencies.model == model)]
+        rows = latencies[
+            (latencies.gpu == "b300") & (latencies.suite == "routed") & (latencies.model == model)
+        ]
         assert len(rows) == 9
         for row in rows.itertuples():
             assignments = row.tokens_per_rank * 8 * topk
@@ -127,7 +155,11 @@ def test_table10_tflops_reproduced_from_paper_latencies():
                 def model_fn(us, a=assignments, h=hidden, i=intermediate):
                     return float(analysis.effective_tflops(a, h, i, us))
 
-                assert _within_printed_digits(model_fn, latency, value, 3), (model, row.tokens_per_rank, operator)
+                assert _within_printed_digits(model_fn, latency, value, 3), (
+                    model,
+                    row.tokens_per_rank,
+                    operator,
+                )
                 # The check is tight: a model off by 0.01% misses every printed value.
                 assert not _within_printed_digits(lambda us, f=model_fn: f(us) * 1.0001, latency, value, 3)
                 checked += 1
@@ -148,8 +180,12 @@ def test_table9_reproduced_tflops_hbm_nvlink():
         for operator, latency in (("mega", row.baseline_us), ("gc", row.operator_us)):
             tflops = getattr(row, f"tflops_{operator}")
             assert _within_printed_digits(
-                lambda us: float(analysis.effective_tflops(row.tokens_per_rank * 8 * topk, hidden, intermediate, us)),
-                latency, tflops, 3,
+                lambda us, a=row.tokens_per_rank * 8 * topk: float(
+                    analysis.effective_tflops(a, hidden, intermediate, us)
+                ),
+                latency,
+                tflops,
+                3,
             )
             # The HBM and NVLink columns imply integral counts, the same for both operators (one routing).
             hbm, nvlink = getattr(row, f"hbm_gbps_{operator}"), getattr(row, f"nvlink_gbps_{operator}")
@@ -162,11 +198,12 @@ def test_table9_reproduced_tflops_hbm_nvlink():
             working_set = counts.loc[row.tokens_per_rank, "active_experts"] * analysis.expert_weight_bytes(
                 hidden, intermediate
             )
-            assert _within_printed_digits(lambda us: float(analysis.hbm_working_set_gbps(working_set, us)),
-                                          latency, hbm, 1)
+            assert _within_printed_digits(
+                lambda us, w=working_set: float(analysis.hbm_working_set_gbps(w, us)), latency, hbm, 1
+            )
             n_remote = counts.loc[row.tokens_per_rank, "remote_assignments"]
             assert _within_printed_digits(
-                lambda us: float(analysis.nvlink_payload_gbps(n_remote, hidden, us)), latency, nvlink, 3
+                lambda us, n=n_remote: float(analysis.nvlink_payload_gbps(n, hidden, us)), latency, nvlink, 3
             )
 
 
@@ -227,10 +264,16 @@ def test_run_points_speedups_means_throughput(tmp_path, rng):
     assert len(points) == len(raw)
     assert (points.source == run_dir.name).all()
     for row in points.itertuples():
-        base = raw[(raw.model == row.model) & (raw.suite == row.suite) & (raw.tokens_per_rank == row.tokens_per_rank)
-                   & (raw.operator == row.baseline)]["latency_us"].item()
+        base = raw[
+            (raw.model == row.model)
+            & (raw.suite == row.suite)
+            & (raw.tokens_per_rank == row.tokens_per_rank)
+            & (raw.operator == row.baseline)
+        ]["latency_us"].item()
         assert row.speedup == pytest.approx(base / row.latency_us, rel=1e-12)
-        assert row.tflops == pytest.approx(6 * row.assignments * row.hidden * row.intermediate / row.latency_us / 1e6)
+        assert row.tflops == pytest.approx(
+            6 * row.assignments * row.hidden * row.intermediate / row.latency_us / 1e6
+        )
         assert row.hbm_gbps == pytest.approx(row.hbm_working_set_bytes / (row.latency_us * 1e-6) / 1e9)
         assert row.nvlink_gbps == pytest.approx(
             row.remote_assignments * (3 * row.hidden + row.hidden / 32) / (row.latency_us * 1e-6) / 1e9
@@ -242,7 +285,9 @@ def test_run_points_speedups_means_throughput(tmp_path, rng):
             assert len(mean) == 1
             ratios = rows["speedup"].tolist()
             assert mean["mean_speedup"].item() == pytest.approx(statistics.fmean(ratios), rel=1e-12)
-            assert mean["geomean_speedup"].item() == pytest.approx(statistics.geometric_mean(ratios), rel=1e-12)
+            assert mean["geomean_speedup"].item() == pytest.approx(
+                statistics.geometric_mean(ratios), rel=1e-12
+            )
             assert mean["points"].item() == len(ratios)
             assert mean["faster_points"].item() == sum(r > 1 for r in ratios)
     assert not (means.operator == means.baseline).any()
