@@ -16,7 +16,7 @@ The stored scales carry the x64 back (the "x64 convention"), so decode(n) * 2^(d
 Window. Per expert the UE8M0 exponents e of its K32 blocks span [e_min, e_max]. The window base is
 max(e_min, e_max - WINDOW_STEPS); a block stores d = e - base. A block with e < base (only when the span
 exceeds WINDOW_STEPS) is re-expressed at d = 0: its codes are shifted down by 2^(base - e) through a lookup
-over the 4-bit code space (round to nearest even), the one place the repack is inexact. Keeping d small
+over the 4-bit code space (nearest, midpoints down as the quantizer), the one place the repack is inexact. Keeping d small
 keeps the per-K32 FP32 products of the kernel far from overflow and underflow for any absolute scale.
 
 Lane order (what one thread of the warpgroup loads with two 16-byte shared loads per 64x128 tile):
@@ -110,7 +110,7 @@ def window_base(exponents: torch.Tensor) -> torch.Tensor:
 
 
 def shift_codes_down(codes: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes scaled by 2^-shift (shift >= 0), rounded to nearest even: the 4-bit lookup of the repack."""
+    """E2M1 codes scaled by 2^-shift (shift >= 0), rounded as formats.fp4_codes_from_float: the 4-bit lookup."""
     shift = shift.clamp(0, 8).to(torch.int64)
     lut = torch.stack(
         [fp4_codes_from_float(fp4_codes_to_float(torch.arange(16)) * 2.0**-s) for s in range(9)]
@@ -149,11 +149,8 @@ def repack_matrix(
     base = window_base(exps)  # [E]
     d = exps.to(torch.int32) - base.view(e, 1, 1)
     shift = (-d).clamp_min(0)
-    codes = torch.where(
-        (shift > 0).repeat_interleave(SF_BLOCK, dim=-1),
-        shift_codes_down(codes, shift.repeat_interleave(SF_BLOCK, dim=-1)),
-        codes,
-    )
+    if bool((shift > 0).any()):  # only when some expert's span exceeds the window
+        codes = shift_codes_down(codes, shift.repeat_interleave(SF_BLOCK, dim=-1))
     d = d.clamp_min(0)
     # tiles: [E, M/64, 64, K/128, 128] -> [E, M/64, K/128, 64, 128]
     tiles = codes.view(e, m // TILE_M, TILE_M, k // TILE_K, TILE_K).transpose(2, 3)

@@ -1,0 +1,312 @@
+"""Stand-alone check and benchmark of the SM90 FP8xFP4 grouped GEMM (W1 + SwiGLU + requant, then W2).
+
+Tokens are grouped by torch (no dispatch, no ring). For each model's per-rank slice (E/8 local experts)
+and each token count T per rank, 8T tokens are routed top-k uniformly over all E experts and the pairs
+landing on the local experts form the grouped rows, as on rank 0 of an 8-way expert-parallel layer.
+
+Check (--check): outputs poisoned with NaN first; the W1 output (dequantized) and the W2 partials are
+compared with a float32 oracle built from the canonical MXFP4 weights (original row order); every
+element must be written and finite; cosine >= 0.999 and processed difference <= 0.002.
+
+Timing (--time): a CUDA graph of [W1, W2] replayed `replays` times per window (CUDA events), `windows`
+windows, the median reported. `cold` mode puts an L2-sized memset before the two kernels in the graph and
+subtracts the memset-only graph's time, so every replay reads its weights from HBM. The floor is the
+bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
+large `amax` measured in the same run.
+
+Run on the device with the cubins built here and carried:
+  python scripts/bench_grouped_gemm_sm90.py --build-only            # here: fills .cubin-cache
+  python scripts/bench_grouped_gemm_sm90.py --check --time          # device (carry .cubin-cache)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128, pack_ue8m0, quantize_fp8_k128
+from gc_moe.weights import sm90 as wsm90
+
+MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
+    "deepseek-v4.1-flash": {"hidden": 5120, "inter": 2304, "experts": 384, "topk": 6},
+    "glm-5.2": {"hidden": 6144, "inter": 2048, "experts": 256, "topk": 8},
+}
+RANKS = 8
+
+
+def block_n_for(max_rows: int) -> int:
+    """Token tile: the smallest of 8/16/32/64 that covers the busiest expert, else 64 with more N tiles."""
+    for bn in (8, 16, 32, 64):
+        if max_rows <= bn:
+            return bn
+    return 64
+
+
+def random_mxfp4(e: int, rows: int, cols: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 weights: uniform codes, UE8M0 exponents spread over 2^-9..2^-4 (weights ~ 1e-2)."""
+    packed = torch.randint(-128, 128, (e, rows, cols // 2), dtype=torch.int8, generator=gen, device=device)
+    exps = torch.randint(118, 124, (e, rows, cols // 32), dtype=torch.uint8, generator=gen, device=device)
+    return packed, pack_ue8m0(exps)
+
+
+def route(tokens_per_rank: int, model: dict, gen: torch.Generator, device):
+    """Rank 0's grouped pairs: (expert_offsets int32 [E_loc+1], pair token, pair slot, pair weight)."""
+    t_total = tokens_per_rank * RANKS
+    e, k, e_loc = model["experts"], model["topk"], model["experts"] // RANKS
+    scores = torch.rand(t_total, e, generator=gen, device=device)
+    idx = scores.topk(k, dim=1).indices  # k distinct experts per token
+    w = torch.rand(t_total, k, generator=gen, device=device) + 0.1
+    w = w / w.sum(1, keepdim=True)
+    token = torch.arange(t_total, device=device).repeat_interleave(k)
+    slot = torch.arange(k, device=device).repeat(t_total)
+    expert = idx.flatten()
+    local = expert < e_loc
+    token, slot, expert, weight = token[local], slot[local], expert[local], w.flatten()[local]
+    order = torch.argsort(expert * (t_total * k) + token * k + slot)
+    token, slot, expert, weight = token[order], slot[order], expert[order], weight[order]
+    counts = torch.bincount(expert, minlength=e_loc)
+    offsets = torch.zeros(e_loc + 1, dtype=torch.int32, device=device)
+    offsets[1:] = counts.cumsum(0)
+    return offsets, token, slot, expert, weight, counts
+
+
+def metrics(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    y, ref = y.double().flatten(), ref.double().flatten()
+    dot = (y * ref).sum()
+    return {
+        "cosine": float(dot / (y.norm() * ref.norm()).clamp_min(1e-300)),
+        "diff": float(1 - 2 * dot / (y.square().sum() + ref.square().sum()).clamp_min(1e-300)),
+        "finite": bool(torch.isfinite(y).all()),
+    }
+
+
+class Point:
+    """One (model, tokens) point: inputs, outputs, launches."""
+
+    def __init__(self, name, model, tokens, weights, canon, kernels, gen, device):
+        self.name, self.model, self.tokens = name, model, tokens
+        self.weights, self.canon = weights, canon
+        h, inter = model["hidden"], model["inter"]
+        self.offsets, self.token, self.slot, self.expert, self.rw, self.counts = route(tokens, model, gen, device)
+        self.rows = int(self.offsets[-1])
+        self.active = int((self.counts > 0).sum())
+        self.capacity = max(1, int(self.counts.max()))
+        self.block_n = block_n_for(self.capacity)
+        x = torch.randn(max(self.rows, 1), h, generator=gen, device=device)
+        self.act, self.act_scale = quantize_fp8_k128(x)
+        self.mid = torch.empty(max(self.rows, 1), inter, dtype=torch.float8_e4m3fn, device=device)
+        self.mid_scale = torch.empty(max(self.rows, 1), inter // 128, dtype=torch.float32, device=device)
+        self.out = torch.empty(max(self.rows, 1), h, dtype=torch.bfloat16, device=device)
+        self.dest = torch.arange(max(self.rows, 1), dtype=torch.int32, device=device)
+        self.rw = self.rw.float().contiguous() if self.rows else torch.ones(1, device=device)
+        self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
+
+    def poison(self):
+        self.mid.view(torch.uint8).fill_(0x7F)  # E4M3FN NaN
+        self.mid_scale.fill_(float("nan"))
+        self.out.fill_(float("nan"))
+
+    def launch(self, stream):
+        from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
+
+        launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
+                  self.mid_scale, self.capacity, stream)
+        launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
+                  self.capacity, stream)
+
+    def weight_bytes(self) -> int:
+        """Active experts' repacked W1 + W2 codes and scale bytes, each read once."""
+        per = sum(m.codes[0].numel() + m.scales[0].numel() for m in (self.weights.l1, self.weights.l2))
+        return self.active * per + 2 * self.active * 4
+
+    def flops(self) -> float:
+        h, inter = self.model["hidden"], self.model["inter"]
+        return 2.0 * self.rows * (2 * inter * h + h * inter)
+
+    def check(self) -> dict:
+        """Float32 oracle per expert from canonical weights; W1 output and W2 partials compared."""
+        (l1p, l1s), (l2p, l2s) = self.canon
+        x = dequantize_fp8_k128(self.act, self.act_scale)
+        mid = dequantize_fp8_k128(self.mid, self.mid_scale)
+        ref_mid = torch.zeros(self.rows, self.model["inter"], device=x.device)
+        ref_out = torch.zeros(self.rows, self.model["hidden"], device=x.device)
+        ref_out_q = torch.zeros_like(ref_out)
+        for e in range(len(self.counts)):
+            a, b = int(self.offsets[e]), int(self.offsets[e + 1])
+            if a == b:
+                continue
+            w1 = dequantize_fp4_ue8m0(l1p[e], l1s[e])
+            w2 = dequantize_fp4_ue8m0(l2p[e], l2s[e])
+            gu = x[a:b] @ w1.T
+            inter = self.model["inter"]
+            gate, up = gu[:, :inter].clamp(max=10.0), gu[:, inter:].clamp(-10.0, 10.0)
+            hmid = gate * torch.sigmoid(gate) * up * self.rw[a:b, None]
+            ref_mid[a:b] = hmid
+            ref_out[a:b] = hmid @ w2.T
+            ref_out_q[a:b] = mid[a:b] @ w2.T  # W2 alone, on the kernel's own requantized input
+        r = {"mid": metrics(mid[: self.rows], ref_mid), "out": metrics(self.out[: self.rows].float(), ref_out),
+             "out_w2_only": metrics(self.out[: self.rows].float(), ref_out_q)}
+        r["ok"] = all(v["finite"] and v["cosine"] >= 0.999 and v["diff"] <= 0.002 for v in r.values())
+        return r
+
+
+def measure_read_bandwidth(device) -> float:
+    buf = torch.empty(1 << 30, dtype=torch.float32, device=device).uniform_()
+    for _ in range(3):
+        buf.amax()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(10):
+        buf.amax()
+    e.record()
+    torch.cuda.synchronize()
+    bw = buf.numel() * 4 * 10 / (s.elapsed_time(e) * 1e-3)
+    del buf
+    return bw
+
+
+def time_graph(fn, stream, replays: int, windows: int) -> float:
+    """Median over windows of (window time / replays), in microseconds."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # warm
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(replays):
+                fn()
+    res = []
+    for w in range(windows + 2):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record(stream)
+        g.replay()
+        e.record(stream)
+        e.synchronize()
+        if w >= 2:
+            res.append(s.elapsed_time(e) * 1e3 / replays)
+    res.sort()
+    return res[len(res) // 2]
+
+
+def sass_report(gg, jit) -> None:
+    """Per variant: registers and stack frame (cubin), QGMMA / LDL / STL counts in the SASS."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    print(f"{'variant':60s} {'regs':>4s} {'frame':>5s} {'QGMMA':>5s} {'LDL':>4s} {'STL':>4s} {'LDS.128':>7s}")
+    for v in gg.all_variants():
+        entry = jit.get_entry(v, "sm_90a")
+        lines = subprocess.run([tool, "-sass", str(entry.cubin_path)], capture_output=True, text=True,
+                               check=False).stdout.splitlines()
+
+        def count(op: str, lines=lines) -> int:
+            return sum(1 for line in lines if f" {op}" in line)
+
+        res = entry.resources.get(entry.entry_name, entry.resources)
+        print(f"{v.describe():60s} {res.get('registers', -1):4} {res.get('frame_bytes', -1):5} "
+              f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="deepseek-v4.1-flash,glm-5.2")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--build-only", action="store_true", help="compile every variant into the cubin cache and exit")
+    ap.add_argument("--sass", action="store_true", help="disassemble each cubin (cuobjdump): QGMMA, LDL/STL counts")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--windows", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=os.environ.get("OUT", ".") + "/bench_grouped_gemm_sm90.json")
+    args = ap.parse_args()
+
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+    from gc_moe.runtime import jit
+
+    if args.build_only:
+        for v in gg.all_variants():
+            entry = jit.build_variant(v, "sm_90a")
+            print(v.describe(), entry.entry_name, entry.resources)
+        return 0
+
+    if args.sass:
+        sass_report(gg, jit)
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed)
+    kernels = {}
+    for v in gg.all_variants():
+        p = dict(v.params)
+        kernels[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
+    stream = torch.cuda.Stream()
+    bw = measure_read_bandwidth(device) if args.time else float("nan")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    rows_out, all_ok = [], True
+    for name in args.models.split(","):
+        model = MODELS[name]
+        e_loc = model["experts"] // RANKS
+        t0 = time.time()
+        canon = (random_mxfp4(e_loc, 2 * model["inter"], model["hidden"], gen, device),
+                 random_mxfp4(e_loc, model["hidden"], model["inter"], gen, device))
+        weights = wsm90.transform(*canon)
+        torch.cuda.synchronize()
+        print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            pt = Point(name, model, tokens, weights, canon, kernels, gen, device)
+            row = {"model": name, "tokens": tokens, "rows": pt.rows, "active": pt.active,
+                   "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes()}
+            if pt.rows == 0:
+                row["note"] = "no local pairs"
+                rows_out.append(row)
+                continue
+            if args.check:
+                pt.poison()
+                with torch.cuda.stream(stream):
+                    pt.launch(stream)
+                stream.synchronize()
+                c = pt.check()
+                row.update(cos_mid=c["mid"]["cosine"], cos_out=c["out"]["cosine"], diff_out=c["out"]["diff"],
+                           diff_w2=c["out_w2_only"]["diff"], ok=c["ok"])
+                all_ok &= c["ok"]
+            if args.time:
+                def gemm(pt=pt):
+                    pt.launch(stream)
+
+                def flush_then_gemm(pt=pt):
+                    flush.zero_()
+                    pt.launch(stream)
+
+                warm = time_graph(gemm, stream, args.replays, args.windows)
+                flush_only = time_graph(flush.zero_, stream, args.replays, args.windows)
+                both = time_graph(flush_then_gemm, stream, args.replays, args.windows)
+                cold = both - flush_only
+                floor = row["bytes"] / bw * 1e6
+                row.update(warm_us=warm, cold_us=cold, floor_us=floor, bw_pct=100 * floor / cold,
+                           tflops=pt.flops() / (cold * 1e-6) / 1e12)
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+        del weights, canon
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump({"read_bw_bytes_per_s": bw, "rows": rows_out}, f, indent=1)
+    print(f"\nread bandwidth (amax, 4 GiB): {bw / 1e12:.2f} TB/s")
+    print(f"{'model':22s} {'T':>4s} {'rows':>5s} {'act':>4s} {'bn':>3s} {'MB':>7s} {'floor':>7s} {'cold':>7s} "
+          f"{'warm':>7s} {'%bw':>5s} {'TF':>5s} {'cos':>8s} {'diff':>8s} ok")
+    for r in rows_out:
+        print(f"{r['model']:22s} {r['tokens']:4d} {r['rows']:5d} {r['active']:4d} {r['block_n']:3d} "
+              f"{r['bytes'] / 1e6:7.1f} {r.get('floor_us', math.nan):7.1f} {r.get('cold_us', math.nan):7.1f} "
+              f"{r.get('warm_us', math.nan):7.1f} {r.get('bw_pct', math.nan):5.1f} {r.get('tflops', math.nan):5.2f} "
+              f"{r.get('cos_out', math.nan):8.5f} {r.get('diff_out', math.nan):8.5f} {r.get('ok', '-')}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
