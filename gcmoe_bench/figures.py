@@ -220,9 +220,14 @@ def paper_figure(spec: FigureSpec, points: pd.DataFrame) -> Figure:
     for (source, suite, operator), rows in measured.groupby(["source", "suite", "operator"], sort=True):
         rows = rows.sort_values("tokens_per_rank")
         colour = colour_of(operator)
-        label = f"{operator_name(operator)} ({suite + ', ' if several_suites else ''}measured {source})"
+        measured_in = f"measured {source}" + (f", {suite} suite" if several_suites else "")
         latency_axes.plot(
-            rows["tokens_per_rank"], rows["latency_us"], linestyle="--", marker="x", color=colour, label=label
+            rows["tokens_per_rank"],
+            rows["latency_us"],
+            linestyle="--",
+            marker="x",
+            color=colour,
+            label=f"{operator_name(operator)} ({measured_in})",
         )
         if not rows["operator"].eq(rows["baseline"]).all():
             speedup_axes.plot(
@@ -231,7 +236,7 @@ def paper_figure(spec: FigureSpec, points: pd.DataFrame) -> Figure:
                 linestyle="--",
                 marker="x",
                 color=colour,
-                label=f"{label} vs {operator_name(rows['baseline'].iloc[0])}",
+                label=f"{operator_name(operator)} vs {operator_name(rows['baseline'].iloc[0])} ({measured_in})",
             )
         tokens += rows["tokens_per_rank"].astype(int).tolist()
     return _finish(figure, latency_axes, speedup_axes, tokens)

@@ -52,7 +52,8 @@ def write_synthetic_run(
             for t in tokens:
                 base_latency = rng.uniform(50, 500)
                 assignments = t * num_ranks * topk
-                remote = int(rng.integers(0, assignments + 1))
+                # one rank has no remote expert; otherwise any share of the assignments may be remote
+                remote = 0 if num_ranks == 1 else int(rng.integers(1, assignments + 1))
                 active = int(rng.integers(1, min(experts, assignments) + 1))
                 per_expert = 3 * hidden * intermediate // 2 + 3 * hidden * intermediate // 32
                 for operator in [baseline, *operators]:
