@@ -250,3 +250,49 @@ def test_expert_parallel_two_ranks_match_single_process(tmp_path):
             assert torch.equal(got, want), f"{name}: max diff {float((got.float() - want.float()).abs().max())}"
     finally:
         torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+def to_cuda(obj, device="cuda"):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(to_cuda(o, device) for o in obj)
+    if isinstance(obj, f.SharedExpertWeights):
+        return f.SharedExpertWeights(*(to_cuda(t, device) for t in (obj.w1, obj.w1_sf, obj.w2, obj.w2_sf)), obj.recipe)
+    return obj
+
+
+@pytest.mark.gpu
+def test_reference_on_cuda_matches_naive_loop():
+    x, x_sf, idx, w, l1, l2, shared = make_inputs(9, 4, seed=40)
+    got = moe_reference(*to_cuda((x, x_sf, idx, w, l1, l2)), shared_weights=to_cuda(shared))
+    assert got.is_cuda
+    assert_bf16_matches(got.cpu(), naive_moe(x, x_sf, idx, w, l1, l2, alpha=1.0, clamp=10.0, shared=shared))
+
+
+def nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        counts, acts, (l1, l2), kwargs = scenario("empty_rank_with_shared")
+        counts = (sum(counts) - 1, 1)[:world] if world > 1 else (sum(counts),)
+        rows = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
+        experts = slice(rank * E // world, (rank + 1) * E // world)
+        local = (l1[0][experts], l1[1][experts]), (l2[0][experts], l2[1][experts])
+        device = f"cuda:{rank}"
+        y = moe_reference_ep(None, *(to_cuda(a[rows], device) for a in acts), *to_cuda(local, device), num_experts=E,
+                             shared_weights=to_cuda(kwargs["shared_weights"], device))
+        torch.save(y.cpu(), f"{out_dir}/nccl.{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_expert_parallel_nccl_matches_cpu_reference(tmp_path):
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(nccl_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    _, acts, weights, kwargs = scenario("empty_rank_with_shared")
+    got = torch.cat([torch.load(tmp_path / f"nccl.{rank}.pt") for rank in range(world)])
+    want = naive_moe(*acts, *weights, alpha=1.0, clamp=10.0, shared=kwargs["shared_weights"])
+    assert_bf16_matches(got, want)
