@@ -85,7 +85,7 @@ def _cell(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, float):
-        return "" if math.isnan(value) else repr(round(value, 6))
+        return "" if math.isnan(value) else repr(value)  # shortest exact form: cosines need every digit
     if isinstance(value, bool):
         return str(value).lower()
     return value

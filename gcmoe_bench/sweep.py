@@ -139,6 +139,10 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
         try:
             if resume is not None:
                 writer = results.open_for_resume(resume)
+                recorded = writer.read_env().get("world_size")
+                if recorded != ctx.world_size:
+                    raise ValueError(f"{resume} was measured on {recorded} rank(s); resume it with the same "
+                                     f"number (torchrun --nproc-per-node {recorded}), not {ctx.world_size}")
                 dropped = writer.prune_unfinished_raw()
                 if dropped:
                     console.print(f"resume: dropped {dropped} raw rows of an interrupted point")

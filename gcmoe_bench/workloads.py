@@ -89,6 +89,11 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+def shared_recipe(model: ModelShape) -> tuple[int, int, int]:
+    """The shared expert's FP8 scale recipe from its K group (Table 4): per-32 UE8M0 scales, or 128x128 blocks."""
+    return (1, 1, 32) if model.shared_k_group == 32 else (1, 128, 128)
+
+
 def expert_bytes(model: ModelShape) -> int:
     """HBM bytes one routed expert streams: FP4 W1 [2I, H] and W2 [H, I] plus their UE8M0 scales."""
     values = 2 * model.intermediate * model.hidden + model.hidden * model.intermediate
@@ -123,7 +128,8 @@ def build_weights(model: ModelShape, num_ranks: int, rank: int, *, shared_expert
     shared = None
     if shared_experts:
         shared = cases.random_shared_expert_weights(model.hidden, model.intermediate,
-                                                    seed=stable_seed(seed, model.name, "shared"))
+                                                    seed=stable_seed(seed, model.name, "shared"),
+                                                    recipe=shared_recipe(model))
     return Weights(l1=_to(l1, device), l2=_to(l2, device), shared=_to(shared, device))
 
 

@@ -54,7 +54,7 @@ def test_points_append_and_resume_drops_raw_rows_of_an_unfinished_point(tmp_path
     finished = writer.finished()
     assert set(finished) == {("m", "routed", t, op) for t in (1, 2) for op in ("reference", "gc")}
     for key, row in finished.items():
-        assert float(row["latency_us"]) == round(latencies[key[2], key[3]], 6)
+        assert float(row["latency_us"]) == latencies[key[2], key[3]]
     assert writer.prune_unfinished_raw() == 6
     raw = read_rows(writer.raw_path)
     assert len(raw) == 4 * 6 and all(int(r["tokens_per_rank"]) in (1, 2) for r in raw)
