@@ -294,7 +294,13 @@ def suite_means(points: pd.DataFrame, overall_label: str = "all") -> pd.DataFram
         "max_speedup",
         "faster_points",
     ]
-    return pd.DataFrame(groups, columns=columns)
+    means = pd.DataFrame(groups, columns=columns)
+    # stable order: per source, GPU, suite and operator, each model then the all-models mean
+    overall = means["model"].eq(overall_label)
+    means = means.assign(_overall=overall).sort_values(
+        ["source", "gpu", "suite", "operator", "_overall", "model"], kind="stable"
+    )
+    return means.drop(columns="_overall").reset_index(drop=True)
 
 
 def add_throughput(points: pd.DataFrame) -> pd.DataFrame:

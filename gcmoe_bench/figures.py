@@ -98,8 +98,8 @@ def _shared_b300(name, model, number):
         "b300",
         model,
         (
-            Curve("shared", "mega-se", "Mega MoE (fused shared)"),
-            Curve("shared", "gc-se", "GC-MoE (fused shared)"),
+            Curve("shared", "mega-se", "Mega MoE, fused shared"),
+            Curve("shared", "gc-se", "GC-MoE, fused shared"),
         ),
         (Curve("shared", "gc-se", "GC-MoE vs Mega MoE"),),
     )
@@ -254,7 +254,7 @@ def measured_figure(group: MeasuredGroup, points: pd.DataFrame) -> Figure:
     for operator in group.operators:
         rows = _select(points, group.source, group.gpu, group.model, group.suite, operator)
         colour = colour_of(operator)
-        name = operator_name(operator) + (" (baseline)" if operator == group.baseline else "")
+        name = operator_name(operator) + (", baseline" if operator == group.baseline else "")
         latency_axes.plot(
             rows["tokens_per_rank"],
             rows["latency_us"],

@@ -54,6 +54,8 @@ def operator_name(operator: str) -> str:
 
 def gpu_name(gpu: str, num_ranks: int | None = None) -> str:
     name = GPU_NAMES.get(gpu, gpu.upper())
+    if gpu == "cpu" and num_ranks:
+        return f"{num_ranks} CPU rank{'s' if num_ranks > 1 else ''}"
     return f"{num_ranks}×{name}" if num_ranks else name
 
 
@@ -722,10 +724,19 @@ def _index_markdown(files: ReportFiles, tables: list[Table], means: pd.DataFrame
     for table in tables:
         lines += [table.to_markdown(), ""]
     if files.figures:
+        from .figures import PAPER_FIGURES
+
+        titles = {spec.name: spec.title for spec in PAPER_FIGURES}
         lines += ["## Figures", ""]
         for name, paths in files.figures.items():
             image = next((p for p in paths if p.suffix == ".png"), paths[0])
-            lines += [f"![{name}]({_relative(image, out)})", ""]
+            others = ", ".join(f"[{p.suffix[1:]}]({_relative(p, out)})" for p in paths if p != image)
+            lines += [
+                f"![{name}]({_relative(image, out)})",
+                "",
+                f"*{titles.get(name, name)}*" + (f" ({others})" if others else ""),
+                "",
+            ]
     return "\n".join(lines)
 
 
