@@ -10,8 +10,8 @@
 | shared weights    | float8_e4m3fn + UE8M0/32 or fp32 128x128   | recipe (1,1,32) or (1,128,128)                     |
 
 A UE8M0 byte e means 2^(e - 127). Byte g of an int32 scale word covers values [32*(4*w+g), 32*(4*w+g)+32).
-Scales follow DeepGEMM's host quantizers: the block amax is floored at 1e-4, divided by the format maximum
-in float32 and rounded up to a power of two (exponent byte clamped to [1, 254]). FP4 rounds to the nearest
+Scales follow DeepGEMM's quantizers as they run on a GPU: the block amax is floored at 1e-4, multiplied by
+the float32 reciprocal of the format maximum and rounded up to a power of two (exponent byte clamped to [1, 254]). FP4 rounds to the nearest
 E2M1 value with ties going to the smaller magnitude. docs/formats.md has the full tables and worked bytes.
 All functions are vectorized torch and run on CPU and CUDA tensors.
 """
@@ -41,7 +41,9 @@ E2M1_VALUES = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES),
 # so an exact midpoint rounds to the smaller magnitude (DeepGEMM's rounding, not IEEE ties-to-even).
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 # packed byte -> (value of the low nibble, value of the high nibble): one gather decodes two weights.
-_E2M1_BYTE_PAIRS = torch.stack((E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[torch.arange(256) >> 4]), -1)
+_E2M1_BYTE_PAIRS = torch.stack(
+    (E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[torch.arange(256) >> 4]), -1
+)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -66,18 +68,31 @@ def _check_float_input(x: torch.Tensor, what: str) -> None:
 def _check_scale_shape(values: torch.Tensor, k: int, sf: torch.Tensor, per_scale: int, what: str) -> None:
     want = (*values.shape[:-1], k // per_scale)
     if tuple(sf.shape) != want:
-        raise ValueError(f"{what}: scales have shape {tuple(sf.shape)}, expected {want} "
-                         f"(one per {per_scale} values of the {k} along the last dimension)")
+        raise ValueError(
+            f"{what}: scales have shape {tuple(sf.shape)}, expected {want} "
+            f"(one per {per_scale} values of the {k} along the last dimension)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- UE8M0
+def _amax_to_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+    """max(amax, 1e-4) / fmt_max the way DeepGEMM's quantizers get it on a GPU.
+
+    They divide a CUDA tensor by a Python number, which PyTorch's CUDA kernel evaluates as a multiplication
+    by the float32 reciprocal (a true division differs in the last bit for about half of all inputs).
+    Doing the same on every device gives DeepGEMM's GPU bytes on CPU too.
+    """
+    reciprocal = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(fmt_max, dtype=torch.float32))
+    return amax.float().clamp_min(AMAX_FLOOR) * reciprocal
+
+
 def ue8m0_from_amax(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     """Block amax -> UE8M0 bytes (uint8): the power of two at or above max(amax, 1e-4) / fmt_max.
 
     The ceiling is taken on the float32 bits of the quotient (exponent, plus one if any mantissa bit is set),
     exactly as DeepGEMM's `ceil_to_ue8m0`; the byte is clamped to [1, 254] (2^-126 .. 2^127).
     """
-    sf = amax.float().clamp_min(AMAX_FLOOR) / fmt_max
+    sf = _amax_to_scale(amax, fmt_max)
     bits = sf.view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return exponent.clamp(1, 254).to(torch.uint8)
@@ -183,11 +198,14 @@ def dequantize_fp8_ue8m0(x: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- FP8 E4M3FN, FP32 per 128
-def quantize_fp8_k128(x: torch.Tensor, *, power_of_two_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_k128(
+    x: torch.Tensor, *, power_of_two_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] float -> (float8_e4m3fn [..., K], float32 [..., K/128]): the SM90 path's activation format.
 
-    The scale of each 128-value block is max(amax, 1e-4) / 448 (DeepGEMM's `per_token_cast_to_fp8` with
-    gran_k=128); with power_of_two_scales it is rounded up to a power of two (its use_ue8m0=True).
+    The scale of each 128-value block is max(amax, 1e-4) * fl32(1/448) (DeepGEMM's `per_token_cast_to_fp8`
+    with gran_k=128, as evaluated on a GPU); with power_of_two_scales it is rounded up to a power of two
+    (its use_ue8m0=True).
     The scale tensor is contiguous with K fastest (row-major), not DeepGEMM's MN-major TMA layout.
     """
     _check_float_input(x, "quantize_fp8_k128")
@@ -197,7 +215,7 @@ def quantize_fp8_k128(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     if power_of_two_scales:
         sf = ue8m0_to_float(ue8m0_from_amax(amax, FP8_E4M3_MAX))
     else:
-        sf = amax.clamp_min(AMAX_FLOOR) / FP8_E4M3_MAX
+        sf = _amax_to_scale(amax, FP8_E4M3_MAX)
     q = blocks * (1.0 / sf).unsqueeze(-1)
     return q.flatten(-2).to(torch.float8_e4m3fn), sf.contiguous()
 
@@ -240,8 +258,10 @@ def dequantize_fp8_block128(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     want = (-(-n // BLOCK128), k // BLOCK128)
     if k % BLOCK128 or tuple(sf.shape) != want:
-        raise ValueError(f"dequantize_fp8_block128: weight {tuple(w.shape)} needs K % 128 == 0 and scales of "
-                         f"shape {want}, got {tuple(sf.shape)}")
+        raise ValueError(
+            f"dequantize_fp8_block128: weight {tuple(w.shape)} needs K % 128 == 0 and scales of "
+            f"shape {want}, got {tuple(sf.shape)}"
+        )
     row_scales = sf.repeat_interleave(BLOCK128, dim=0)[:n]
     return _apply_block_scales(w.float(), row_scales, BLOCK128)
 
@@ -254,8 +274,10 @@ def expand_block_scales_to_rows(sf: torch.Tensor, rows: int) -> torch.Tensor:
     """
     _check_dtype(sf, torch.float32, "expand_block_scales_to_rows scales")
     if sf.dim() != 2 or sf.shape[0] != -(-rows // BLOCK128):
-        raise ValueError(f"expand_block_scales_to_rows: scales {tuple(sf.shape)} do not cover {rows} rows "
-                         f"in blocks of 128 (expected {-(-rows // BLOCK128)} block rows)")
+        raise ValueError(
+            f"expand_block_scales_to_rows: scales {tuple(sf.shape)} do not cover {rows} rows "
+            f"in blocks of 128 (expected {-(-rows // BLOCK128)} block rows)"
+        )
     bits = sf.contiguous().view(torch.int32)
     if bool(((bits & 0x7FFFFF) != 0).any() | (bits <= 0).any()):
         raise ValueError("expand_block_scales_to_rows: every scale must be a positive power of two (UE8M0)")
@@ -276,21 +298,32 @@ def quantize_moe_weights(
     Experts are quantized one at a time so the float32 temporaries stay one expert large.
     """
     if w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"quantize_moe_weights wants w1 [E, 2I, H] and w2 [E, H, I], got {tuple(w1.shape)} "
-                         f"and {tuple(w2.shape)}")
+        raise ValueError(
+            f"quantize_moe_weights wants w1 [E, 2I, H] and w2 [E, H, I], got {tuple(w1.shape)} "
+            f"and {tuple(w2.shape)}"
+        )
     e, two_i, h = w1.shape
     if w2.shape != (e, h, two_i // 2) or two_i % 2:
-        raise ValueError(f"quantize_moe_weights: w1 {tuple(w1.shape)} implies w2 [E={e}, H={h}, I={two_i // 2}], "
-                         f"got {tuple(w2.shape)}")
+        raise ValueError(
+            f"quantize_moe_weights: w1 {tuple(w1.shape)} implies w2 [E={e}, H={h}, I={two_i // 2}], "
+            f"got {tuple(w2.shape)}"
+        )
     if h % K128 or (two_i // 2) % K128:
-        raise ValueError(f"quantize_moe_weights: hidden {h} and intermediate {two_i // 2} must be multiples of 128")
+        raise ValueError(
+            f"quantize_moe_weights: hidden {h} and intermediate {two_i // 2} must be multiples of 128"
+        )
     l1 = [quantize_fp4_ue8m0(w1[i]) for i in range(e)]
     l2 = [quantize_fp4_ue8m0(w2[i]) for i in range(e)]
 
     def stacked(parts, j, shape, dtype):
-        return torch.stack([p[j] for p in parts]) if parts else torch.empty(shape, dtype=dtype, device=w1.device)
+        return (
+            torch.stack([p[j] for p in parts]) if parts else torch.empty(shape, dtype=dtype, device=w1.device)
+        )
 
-    l1_weights = (stacked(l1, 0, (0, two_i, h // 2), torch.int8), stacked(l1, 1, (0, two_i, h // K128), torch.int32))
+    l1_weights = (
+        stacked(l1, 0, (0, two_i, h // 2), torch.int8),
+        stacked(l1, 1, (0, two_i, h // K128), torch.int32),
+    )
     i = two_i // 2
     l2_weights = (stacked(l2, 0, (0, h, i // 2), torch.int8), stacked(l2, 1, (0, h, i // K128), torch.int32))
     return l1_weights, l2_weights
@@ -304,8 +337,10 @@ def dequantize_moe_weights(
     w2 = dequantize_fp4_ue8m0(*l2_weights)
     e, two_i, h = w1.shape
     if w2.shape != (e, h, two_i // 2):
-        raise ValueError(f"dequantize_moe_weights: L1 decodes to {tuple(w1.shape)} = [E, 2I, H], so L2 must decode "
-                         f"to [E, H, I] = {(e, h, two_i // 2)}, got {tuple(w2.shape)}")
+        raise ValueError(
+            f"dequantize_moe_weights: L1 decodes to {tuple(w1.shape)} = [E, 2I, H], so L2 must decode "
+            f"to [E, H, I] = {(e, h, two_i // 2)}, got {tuple(w2.shape)}"
+        )
     return w1, w2
 
 
@@ -328,16 +363,22 @@ class SharedExpertWeights:
     def __post_init__(self) -> None:
         recipe = tuple(self.recipe)
         if recipe not in SHARED_RECIPES:
-            raise ValueError(f"shared-expert recipe {self.recipe} is not supported; allowed: {SHARED_RECIPES}")
+            raise ValueError(
+                f"shared-expert recipe {self.recipe} is not supported; allowed: {SHARED_RECIPES}"
+            )
         object.__setattr__(self, "recipe", recipe)
         for name in ("w1", "w2"):
             _check_dtype(getattr(self, name), torch.float8_e4m3fn, f"shared-expert {name}")
             if getattr(self, name).dim() != 2:
-                raise ValueError(f"shared-expert {name} must be 2-D, got shape {tuple(getattr(self, name).shape)}")
+                raise ValueError(
+                    f"shared-expert {name} must be 2-D, got shape {tuple(getattr(self, name).shape)}"
+                )
         two_i, h = self.w1.shape
         if two_i % 2 or self.w2.shape != (h, two_i // 2):
-            raise ValueError(f"shared-expert w1 {tuple(self.w1.shape)} = [2Is, H] needs w2 [H, Is] = "
-                             f"{(h, two_i // 2)}, got {tuple(self.w2.shape)}")
+            raise ValueError(
+                f"shared-expert w1 {tuple(self.w1.shape)} = [2Is, H] needs w2 [H, Is] = "
+                f"{(h, two_i // 2)}, got {tuple(self.w2.shape)}"
+            )
         for w, sf, name in ((self.w1, self.w1_sf, "w1_sf"), (self.w2, self.w2_sf, "w2_sf")):
             n, k = w.shape
             if recipe == RECIPE_K32:
@@ -347,8 +388,10 @@ class SharedExpertWeights:
                 _check_dtype(sf, torch.float32, f"shared-expert {name} (recipe (1,128,128))")
                 want = (-(-n // BLOCK128), k // BLOCK128)
             if k % K128 or tuple(sf.shape) != want:
-                raise ValueError(f"shared-expert {name}: weight {(n, k)} needs K % 128 == 0 and scales {want} "
-                                 f"for recipe {recipe}, got {tuple(sf.shape)}")
+                raise ValueError(
+                    f"shared-expert {name}: weight {(n, k)} needs K % 128 == 0 and scales {want} "
+                    f"for recipe {recipe}, got {tuple(sf.shape)}"
+                )
 
     @property
     def hidden(self) -> int:
@@ -369,8 +412,10 @@ class SharedExpertWeights:
         the stored int32 scales unchanged for (1,1,32)."""
         if self.recipe == RECIPE_K32:
             return self.w1_sf, self.w2_sf
-        return (expand_block_scales_to_rows(self.w1_sf, self.w1.shape[0]),
-                expand_block_scales_to_rows(self.w2_sf, self.w2.shape[0]))
+        return (
+            expand_block_scales_to_rows(self.w1_sf, self.w1.shape[0]),
+            expand_block_scales_to_rows(self.w2_sf, self.w2.shape[0]),
+        )
 
 
 def quantize_shared_expert_weights(
@@ -381,8 +426,10 @@ def quantize_shared_expert_weights(
     if recipe not in SHARED_RECIPES:
         raise ValueError(f"shared-expert recipe {recipe} is not supported; allowed: {SHARED_RECIPES}")
     if w1.dim() != 2 or w2.dim() != 2:
-        raise ValueError(f"quantize_shared_expert_weights wants w1 [2Is, H] and w2 [H, Is], got {tuple(w1.shape)} "
-                         f"and {tuple(w2.shape)}")
+        raise ValueError(
+            f"quantize_shared_expert_weights wants w1 [2Is, H] and w2 [H, Is], got {tuple(w1.shape)} "
+            f"and {tuple(w2.shape)}"
+        )
     quantize = quantize_fp8_ue8m0 if recipe == RECIPE_K32 else quantize_fp8_block128
     q1, s1 = quantize(w1)
     q2, s2 = quantize(w2)

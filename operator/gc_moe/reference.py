@@ -39,7 +39,9 @@ def swiglu(gate_up: torch.Tensor, *, alpha: float = 1.0, clamp: float | None = 1
     alpha scales the sigmoid's argument (Swish-beta); alpha = 1 is DeepGEMM's silu(gate) * up.
     """
     if gate_up.shape[-1] % 2:
-        raise ValueError(f"swiglu wants [..., 2I] with gate and up halves, got last dimension {gate_up.shape[-1]}")
+        raise ValueError(
+            f"swiglu wants [..., 2I] with gate and up halves, got last dimension {gate_up.shape[-1]}"
+        )
     gate, up = gate_up.float().chunk(2, dim=-1)
     if clamp is not None:
         gate = gate.clamp(max=clamp)
@@ -48,36 +50,49 @@ def swiglu(gate_up: torch.Tensor, *, alpha: float = 1.0, clamp: float | None = 1
 
 
 # ----------------------------------------------------------------------------------------------- input checks
-def _check_activations(x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+def _check_activations(
+    x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+):
     if x.dtype != torch.float8_e4m3fn or x.dim() != 2:
         raise TypeError(f"x must be float8_e4m3fn [T, H], got {x.dtype} {tuple(x.shape)}")
     t, h = x.shape
     if x_sf.dtype != torch.int32 or tuple(x_sf.shape) != (t, h // 128) or h % 128:
-        raise ValueError(f"x_sf must be int32 [T, H/128] = {(t, h // 128)} with H % 128 == 0, "
-                         f"got {x_sf.dtype} {tuple(x_sf.shape)} for H = {h}")
+        raise ValueError(
+            f"x_sf must be int32 [T, H/128] = {(t, h // 128)} with H % 128 == 0, "
+            f"got {x_sf.dtype} {tuple(x_sf.shape)} for H = {h}"
+        )
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != t:
         raise ValueError(f"topk_idx must be int64 [T={t}, k], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
-        raise ValueError(f"topk_weights must be float32 of topk_idx's shape {tuple(topk_idx.shape)}, "
-                         f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_weights must be float32 of topk_idx's shape {tuple(topk_idx.shape)}, "
+            f"got {topk_weights.dtype} {tuple(topk_weights.shape)}"
+        )
     if topk_idx.numel() and int(topk_idx.min()) < -1:
-        raise ValueError(f"topk_idx entries must be expert ids >= 0 or -1 (no expert), found {int(topk_idx.min())}")
+        raise ValueError(
+            f"topk_idx entries must be expert ids >= 0 or -1 (no expert), found {int(topk_idx.min())}"
+        )
 
 
 def _check_expert_weights(l1_weights: WeightPair, l2_weights: WeightPair, hidden: int) -> tuple[int, int]:
     """Returns (local experts, intermediate) after checking DeepGEMM's tuple shapes."""
     (w1, w1_sf), (w2, w2_sf) = l1_weights, l2_weights
     if w1.dim() != 3 or w1.dtype != torch.int8 or w1.shape[2] * 2 != hidden:
-        raise ValueError(f"l1_weights[0] must be int8 [E, 2I, H/2] with H = {hidden}, got {w1.dtype} {tuple(w1.shape)}")
+        raise ValueError(
+            f"l1_weights[0] must be int8 [E, 2I, H/2] with H = {hidden}, got {w1.dtype} {tuple(w1.shape)}"
+        )
     e, two_i, _ = w1.shape
     i = two_i // 2
-    want = {"l1 scales": (w1_sf, (e, two_i, hidden // 128), torch.int32),
-            "l2 weights": (w2, (e, hidden, i // 2), torch.int8),
-            "l2 scales": (w2_sf, (e, hidden, i // 128), torch.int32)}
+    want = {
+        "l1 scales": (w1_sf, (e, two_i, hidden // 128), torch.int32),
+        "l2 weights": (w2, (e, hidden, i // 2), torch.int8),
+        "l2 scales": (w2_sf, (e, hidden, i // 128), torch.int32),
+    }
     for name, (t, shape, dtype) in want.items():
         if t.dtype != dtype or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be {dtype} {shape} for E={e}, I={i}, H={hidden}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be {dtype} {shape} for E={e}, I={i}, H={hidden}, got {t.dtype} {tuple(t.shape)}"
+            )
     if two_i % 2 or i % 128:
         raise ValueError(f"intermediate size I = {i} must be a multiple of 128")
     return e, i
@@ -89,8 +104,16 @@ def _check_shared(shared: SharedExpertWeights | None, hidden: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the math
-def _ffn(x_rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, row_weights: torch.Tensor | None, *,
-         alpha: float, clamp: float | None, requantize: bool) -> torch.Tensor:
+def _ffn(
+    x_rows: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    row_weights: torch.Tensor | None,
+    *,
+    alpha: float,
+    clamp: float | None,
+    requantize: bool,
+) -> torch.Tensor:
     """One expert on its rows: [n, H] -> [n, H] float32 (weighted by row_weights when given)."""
     h = x_rows @ w1.T
     if requantize:
@@ -104,9 +127,17 @@ def _ffn(x_rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, row_weights: 
     return out.bfloat16().float() if requantize else out
 
 
-def _routed_partials(x_rows: torch.Tensor, local_expert: torch.Tensor, weights: torch.Tensor,
-                     l1_weights: WeightPair, l2_weights: WeightPair, *, alpha: float, clamp: float | None,
-                     requantize: bool) -> torch.Tensor:
+def _routed_partials(
+    x_rows: torch.Tensor,
+    local_expert: torch.Tensor,
+    weights: torch.Tensor,
+    l1_weights: WeightPair,
+    l2_weights: WeightPair,
+    *,
+    alpha: float,
+    clamp: float | None,
+    requantize: bool,
+) -> torch.Tensor:
     """Per (token, expert) assignment: g * W2 SwiGLU(W1 x), [N, H] float32; rows may repeat a token.
 
     Rows are grouped by expert (stable, so each group keeps its arrival order) and only the experts that
@@ -121,7 +152,7 @@ def _routed_partials(x_rows: torch.Tensor, local_expert: torch.Tensor, weights: 
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        rows = order[start:start + count]
+        rows = order[start : start + count]
         start += count
         w1 = dequantize_fp4_ue8m0(l1_weights[0][expert], l1_weights[1][expert])
         w2 = dequantize_fp4_ue8m0(l2_weights[0][expert], l2_weights[1][expert])
@@ -129,8 +160,16 @@ def _routed_partials(x_rows: torch.Tensor, local_expert: torch.Tensor, weights: 
     return out
 
 
-def _combine(num_tokens: int, hidden: int, token: torch.Tensor, slot: torch.Tensor, partials: torch.Tensor,
-             topk: int, shared_partial: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _combine(
+    num_tokens: int,
+    hidden: int,
+    token: torch.Tensor,
+    slot: torch.Tensor,
+    partials: torch.Tensor,
+    topk: int,
+    shared_partial: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
     """Sum partials per token in top-k slot order, then the shared partial; round to BF16."""
     y = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
     for j in range(topk):  # each token appears at most once per slot, so every add is a plain sum
@@ -141,8 +180,14 @@ def _combine(num_tokens: int, hidden: int, token: torch.Tensor, slot: torch.Tens
     return y.bfloat16()
 
 
-def _shared_partial(x_f32: torch.Tensor, shared: SharedExpertWeights | None, *, alpha: float,
-                    clamp: float | None, requantize: bool) -> torch.Tensor | None:
+def _shared_partial(
+    x_f32: torch.Tensor,
+    shared: SharedExpertWeights | None,
+    *,
+    alpha: float,
+    clamp: float | None,
+    requantize: bool,
+) -> torch.Tensor | None:
     if shared is None:
         return None
     w1, w2 = shared.dequantize()
@@ -179,18 +224,28 @@ def moe_reference(
     mine = (topk_idx >= 0) & (local >= 0) & (local < num_local)
     token, slot = mine.nonzero(as_tuple=True)  # (token, slot) pairs in token-major order
     numerics = {"alpha": activation_alpha, "clamp": activation_clamp, "requantize": requantize_intermediate}
-    partials = _routed_partials(x_f32[token], local[token, slot], topk_weights[token, slot],
-                                l1_weights, l2_weights, **numerics)
+    partials = _routed_partials(
+        x_f32[token], local[token, slot], topk_weights[token, slot], l1_weights, l2_weights, **numerics
+    )
     shared = _shared_partial(x_f32, shared_weights, **numerics)
     return _combine(t, h, token, slot, partials, topk_idx.shape[1], shared, x.device)
 
 
 # ----------------------------------------------------------------------------------------------- expert parallel
-def _all_to_all(payload: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_to_all(
+    payload: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     out = payload.new_empty((sum(recv_counts), *payload.shape[1:]))
-    dist.all_to_all_single(out, payload.contiguous(), output_split_sizes=list(recv_counts),
-                           input_split_sizes=list(send_counts), group=group)
+    dist.all_to_all_single(
+        out,
+        payload.contiguous(),
+        output_split_sizes=list(recv_counts),
+        input_split_sizes=list(send_counts),
+        group=group,
+    )
     return out
 
 
@@ -231,10 +286,14 @@ def moe_reference_ep(
     per_rank = num_experts // world
     num_local, _ = _check_expert_weights(l1_weights, l2_weights, h)
     if num_local != per_rank:
-        raise ValueError(f"rank {rank} holds {num_local} experts, but {num_experts} experts over {world} ranks "
-                         f"means {per_rank} per rank")
+        raise ValueError(
+            f"rank {rank} holds {num_local} experts, but {num_experts} experts over {world} ranks "
+            f"means {per_rank} per rank"
+        )
     if topk_idx.numel() and int(topk_idx.max()) >= num_experts:
-        raise ValueError(f"topk_idx has expert {int(topk_idx.max())}, allowed are -1 and 0..{num_experts - 1}")
+        raise ValueError(
+            f"topk_idx has expert {int(topk_idx.max())}, allowed are -1 and 0..{num_experts - 1}"
+        )
     _check_shared(shared_weights, h)
     numerics = {"alpha": activation_alpha, "clamp": activation_clamp, "requantize": requantize_intermediate}
 
@@ -249,9 +308,15 @@ def moe_reference_ep(
     send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
 
     sf_bytes = x_sf.shape[1] * 4
-    payload = torch.cat([x[token].view(torch.uint8), x_sf[token].view(torch.uint8),
-                         expert.unsqueeze(1).view(torch.uint8),
-                         topk_weights[token, slot].unsqueeze(1).view(torch.uint8)], dim=1)
+    payload = torch.cat(
+        [
+            x[token].view(torch.uint8),
+            x_sf[token].view(torch.uint8),
+            expert.unsqueeze(1).view(torch.uint8),
+            topk_weights[token, slot].unsqueeze(1).view(torch.uint8),
+        ],
+        dim=1,
+    )
     received = _all_to_all(payload, send_counts, recv_counts, group)
     recv_x = _byte_field(received, 0, h, torch.float8_e4m3fn)
     recv_sf = _byte_field(received, h, h + sf_bytes, torch.int32)
@@ -259,8 +324,14 @@ def moe_reference_ep(
     recv_weight = _byte_field(received, h + sf_bytes + 8, h + sf_bytes + 12, torch.float32).squeeze(1)
 
     # owners compute, then partials travel back along the reverse split
-    partials = _routed_partials(dequantize_fp8_ue8m0(recv_x, recv_sf), recv_expert - rank * per_rank,
-                                recv_weight, l1_weights, l2_weights, **numerics)
+    partials = _routed_partials(
+        dequantize_fp8_ue8m0(recv_x, recv_sf),
+        recv_expert - rank * per_rank,
+        recv_weight,
+        l1_weights,
+        l2_weights,
+        **numerics,
+    )
     returned = _all_to_all(partials, recv_counts, send_counts, group)
 
     shared = _shared_partial(dequantize_fp8_ue8m0(x, x_sf), shared_weights, **numerics)

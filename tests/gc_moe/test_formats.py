@@ -91,8 +91,12 @@ def test_fp8_ue8m0_random_round_trip_matches_independent_scales():
     assert torch.equal(f.dequantize_fp8_ue8m0(q, sf), expect.view_as(x))
     assert f.unpack_ue8m0(sf).view(-1).tolist() == (exponents + 127).tolist()
     # round to nearest in E4M3 (3 mantissa bits) loses at most 2^-4 of each value, plus subnormal spacing
-    assert bool(((f.dequantize_fp8_ue8m0(q, sf) - x).abs() <= x.abs() / 16 + scale.view(6, 3, 8).repeat_interleave(
-        32, -1) * 2.0**-10).all())
+    assert bool(
+        (
+            (f.dequantize_fp8_ue8m0(q, sf) - x).abs()
+            <= x.abs() / 16 + scale.view(6, 3, 8).repeat_interleave(32, -1) * 2.0**-10
+        ).all()
+    )
 
 
 # ----------------------------------------------------------------------------------------------- FP4 + UE8M0/32
@@ -129,7 +133,23 @@ def test_fp4_codes_cover_every_midpoint_and_saturate():
     v = torch.tensor([0.25, 0.26, 0.75, 0.76, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 6.0, 9.0, -9.0, -0.1, -0.0])
     assert f.fp4_codes_from_float(v).tolist() == [0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 7, 7, 15, 0, 0]
     assert f.fp4_codes_to_float(torch.arange(16, dtype=torch.uint8)).tolist() == [
-        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+        0.0,
+        0.5,
+        1.0,
+        1.5,
+        2.0,
+        3.0,
+        4.0,
+        6.0,
+        -0.0,
+        -0.5,
+        -1.0,
+        -1.5,
+        -2.0,
+        -3.0,
+        -4.0,
+        -6.0,
+    ]
 
 
 def test_pack_unpack_fp4_nibble_order():
@@ -171,9 +191,17 @@ def test_fp8_k128_hand_example(device):
     x[1, 0:2] = torch.tensor([0.7, -0.35])  # scale 0.7/448, 0.7 -> 448, -0.35 -> -224 (0xF6)
     q, sf = f.quantize_fp8_k128(x.to(device))
     assert sf.dtype == torch.float32 and sf.shape == (3, 2) and sf.is_contiguous()
-    floor = torch.tensor(1e-4) / 448.0
-    expect_sf = torch.stack([torch.tensor([1.0, 2.0]), torch.stack([torch.tensor(0.7) / 448.0, floor]),
-                             torch.stack([floor, floor])])
+    inv448 = torch.tensor(1.0) / torch.tensor(
+        448.0
+    )  # a scale is amax times the float32 reciprocal, as on a GPU
+    floor = torch.tensor(1e-4) * inv448
+    expect_sf = torch.stack(
+        [
+            torch.tensor([1.0, 2.0]),
+            torch.stack([torch.tensor(0.7) * inv448, floor]),
+            torch.stack([floor, floor]),
+        ]
+    )
     assert torch.equal(sf.cpu(), expect_sf)
     assert u8(q.cpu()[0, [0, 1, 128, 129]]) == [0x7E, 0xB8, 0x7E, 0x3C]
     assert u8(q.cpu()[1, [0, 1]]) == [0x7E, 0xF6]
@@ -183,9 +211,19 @@ def test_fp8_k128_hand_example(device):
     assert not bool(back[1, 2:].any()) and not bool(back[2].any())
 
 
+def test_scales_use_the_float32_reciprocal_like_deepgemm_on_a_gpu():
+    """0.1/448 and 0.1*fl32(1/448) differ in the last bit; DeepGEMM's GPU quantizer produces the latter."""
+    x = torch.zeros(1, 128)
+    x[0, 0] = 0.1
+    _, sf = f.quantize_fp8_k128(x)
+    assert sf[0, 0].view(torch.int32) == (torch.tensor(0.1) * (torch.tensor(1.0) / 448.0)).view(torch.int32)
+    assert sf[0, 0].view(torch.int32) == (torch.tensor(0.1) / 448.0).view(torch.int32) + 1
+
+
 def test_fp8_k128_power_of_two_scales():
     x = torch.zeros(1, 128)
-    x[0, :2] = torch.tensor([0.7, 0.1])  # 0.7/448 = 2^-9.3 -> 2^-9: 0.7*512 = 358.4 -> 352, 0.1*512 = 51.2 -> 52
+    # 0.7/448 = 2^-9.3 -> 2^-9: 0.7*512 = 358.4 -> 352, 0.1*512 = 51.2 -> 52
+    x[0, :2] = torch.tensor([0.7, 0.1])
     q, sf = f.quantize_fp8_k128(x, power_of_two_scales=True)
     assert sf.tolist() == [[2.0**-9]]
     assert f.dequantize_fp8_k128(q, sf)[0, :2].tolist() == [352 / 512, 52 / 512]
@@ -214,9 +252,18 @@ def test_quantize_moe_weights_shapes_and_per_expert_bytes():
     e, i, h = 3, 128, 256
     w1, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
     (l1, l1_sf), (l2, l2_sf) = f.quantize_moe_weights(w1, w2)
-    assert (l1.shape, l1_sf.shape, l2.shape, l2_sf.shape) == ((e, 2 * i, h // 2), (e, 2 * i, h // 128),
-                                                            (e, h, i // 2), (e, h, i // 128))
-    assert (l1.dtype, l1_sf.dtype, l2.dtype, l2_sf.dtype) == (torch.int8, torch.int32, torch.int8, torch.int32)
+    assert (l1.shape, l1_sf.shape, l2.shape, l2_sf.shape) == (
+        (e, 2 * i, h // 2),
+        (e, 2 * i, h // 128),
+        (e, h, i // 2),
+        (e, h, i // 128),
+    )
+    assert (l1.dtype, l1_sf.dtype, l2.dtype, l2_sf.dtype) == (
+        torch.int8,
+        torch.int32,
+        torch.int8,
+        torch.int32,
+    )
     for expert in range(e):  # stacking is per expert: each slice equals quantizing that expert alone
         assert torch.equal(l1[expert], f.quantize_fp4_ue8m0(w1[expert])[0])
         assert torch.equal(l2_sf[expert], f.quantize_fp4_ue8m0(w2[expert])[1])
@@ -258,7 +305,9 @@ def test_cuda_bytes_equal_cpu_bytes():
         assert torch.equal(cpu_q.view(torch.uint8), gpu_q.cpu().view(torch.uint8))
         assert torch.equal(cpu_sf, gpu_sf.cpu())
     packed, sf = f.quantize_fp4_ue8m0(x)
-    assert torch.equal(f.dequantize_fp4_ue8m0(packed.cuda(), sf.cuda()).cpu(), f.dequantize_fp4_ue8m0(packed, sf))
+    assert torch.equal(
+        f.dequantize_fp4_ue8m0(packed.cuda(), sf.cuda()).cpu(), f.dequantize_fp4_ue8m0(packed, sf)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -270,7 +319,9 @@ def test_errors_name_the_problem():
     with pytest.raises(TypeError, match="float32/bfloat16/float16"):
         f.quantize_fp8_ue8m0(torch.ones(1, 128, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"expected \(2, 1\)"):
-        f.dequantize_fp8_ue8m0(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, dtype=torch.int32))
+        f.dequantize_fp8_ue8m0(
+            torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, dtype=torch.int32)
+        )
     with pytest.raises(TypeError, match="int32"):
         f.dequantize_fp4_ue8m0(torch.zeros(1, 64, dtype=torch.int8), torch.zeros(1, 1, dtype=torch.float32))
     with pytest.raises(ValueError, match="4-bit"):

@@ -132,7 +132,9 @@ def test_expert_offset_keeps_only_local_experts():
     got = moe_reference(x, x_sf, idx, w, *local, expert_offset=4)
     want = naive_moe(x, x_sf, idx, w, *local, alpha=1.0, clamp=10.0, expert_offset=4)
     assert_bf16_matches(got, want)
-    assert bool(((idx >= 4).any(1) == got.ne(0).any(1)).all())  # output exactly where a local expert is chosen
+    assert bool(
+        ((idx >= 4).any(1) == got.ne(0).any(1)).all()
+    )  # output exactly where a local expert is chosen
 
 
 def test_empty_inputs():
@@ -247,7 +249,9 @@ def test_expert_parallel_two_ranks_match_single_process(tmp_path):
             assert got.shape == want.shape == (sum(counts), H), name
             assert float(want.float().abs().max()) > 1.0, name
             # same assignments, same per-expert row order, same slot-order combine: bit-identical output
-            assert torch.equal(got, want), f"{name}: max diff {float((got.float() - want.float()).abs().max())}"
+            assert torch.equal(got, want), (
+                f"{name}: max diff {float((got.float() - want.float()).abs().max())}"
+            )
     finally:
         torch.set_num_threads(threads)
 
@@ -259,7 +263,9 @@ def to_cuda(obj, device="cuda"):
     if isinstance(obj, tuple):
         return tuple(to_cuda(o, device) for o in obj)
     if isinstance(obj, f.SharedExpertWeights):
-        return f.SharedExpertWeights(*(to_cuda(t, device) for t in (obj.w1, obj.w1_sf, obj.w2, obj.w2_sf)), obj.recipe)
+        return f.SharedExpertWeights(
+            *(to_cuda(t, device) for t in (obj.w1, obj.w1_sf, obj.w2, obj.w2_sf)), obj.recipe
+        )
     return obj
 
 
@@ -281,8 +287,13 @@ def nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         experts = slice(rank * E // world, (rank + 1) * E // world)
         local = (l1[0][experts], l1[1][experts]), (l2[0][experts], l2[1][experts])
         device = f"cuda:{rank}"
-        y = moe_reference_ep(None, *(to_cuda(a[rows], device) for a in acts), *to_cuda(local, device), num_experts=E,
-                             shared_weights=to_cuda(kwargs["shared_weights"], device))
+        y = moe_reference_ep(
+            None,
+            *(to_cuda(a[rows], device) for a in acts),
+            *to_cuda(local, device),
+            num_experts=E,
+            shared_weights=to_cuda(kwargs["shared_weights"], device),
+        )
         torch.save(y.cpu(), f"{out_dir}/nccl.{rank}.pt")
     finally:
         dist.destroy_process_group()
