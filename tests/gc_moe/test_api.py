@@ -88,7 +88,7 @@ def test_listing1_on_cpu_matches_the_reference_and_a_naive_loop(moe_weights):
     assert torch.equal(y, expected)
     naive = naive_layer(x, x_sf, idx, weights, l1, l2)
     assert torch.allclose(y.float(), naive, rtol=1e-2, atol=1e-2 * float(naive.abs().max()))
-    assert float(naive.abs().min()) >= 0 and float(y.float().abs().max()) > 0.05
+    assert float(y.float().abs().max()) > 0.05  # a real signal, not an all-zero output
 
 
 @pytest.mark.parametrize("arch", ["sm103", "sm90"])
