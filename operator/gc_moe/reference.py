@@ -17,7 +17,8 @@ Intermediate precision (`requantize_intermediate`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,17 @@ def _check_shared(shared: SharedExpertWeights | None, hidden: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the math
+@contextlib.contextmanager
+def _float32_matmul() -> Iterator[None]:
+    """Full float32 GEMMs even where the caller allowed TF32 (torch.set_float32_matmul_precision)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def _ffn(
     x_rows: torch.Tensor,
     w1: torch.Tensor,
@@ -195,6 +207,7 @@ def _shared_partial(
 
 
 # ----------------------------------------------------------------------------------------------- single process
+@_float32_matmul()
 def moe_reference(
     x: torch.Tensor,
     x_sf: torch.Tensor,
@@ -255,6 +268,7 @@ def _byte_field(rows: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -
     return rows[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
 
 
+@_float32_matmul()
 def moe_reference_ep(
     group: dist.ProcessGroup | None,
     x: torch.Tensor,

@@ -307,3 +307,15 @@ def test_expert_parallel_nccl_matches_cpu_reference(tmp_path):
     got = torch.cat([torch.load(tmp_path / f"nccl.{rank}.pt") for rank in range(world)])
     want = naive_moe(*acts, *weights, alpha=1.0, clamp=10.0, shared=kwargs["shared_weights"])
     assert_bf16_matches(got, want)
+
+
+def test_reference_ignores_a_callers_tf32_setting():
+    x, x_sf, idx, w, l1, l2, _ = make_inputs(4, 2, seed=41)
+    want = moe_reference(x, x_sf, idx, w, l1, l2)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert torch.equal(moe_reference(x, x_sf, idx, w, l1, l2), want)
+        assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting is restored
+    finally:
+        torch.set_float32_matmul_precision(previous)
