@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -29,12 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from gc_moe.kernels import registry  # noqa: E402
-from gc_moe.kernels.sm90 import ring_proof as rp  # noqa: E402
-from gc_moe.runtime import describe_environment, jit  # noqa: E402
-from gc_moe.runtime.driver import check, cu  # noqa: E402
-from gc_moe.runtime.launch import (  # noqa: E402
-    ParamLayoutError, TiledTensorMapSpec, encode_tiled_tensor_map, i32, i64, launch, ptr)
+from gc_moe.kernels import registry
+from gc_moe.kernels.sm90 import ring_proof as rp
+from gc_moe.runtime import describe_environment, jit
+from gc_moe.runtime.driver import cu
+from gc_moe.runtime.launch import (
+    ParamLayoutError,
+    TiledTensorMapSpec,
+    encode_tiled_tensor_map,
+    i32,
+    i64,
+    launch,
+    ptr,
+)
 
 NUM_SLOTS, SLOT_WORDS = 64, 4096
 
@@ -124,7 +130,6 @@ def overlap_stats(timeline, replays: int) -> dict:
 def run_trap_child(timeout_ns: int) -> None:
     """Child process: consumer alone with trap-on-timeout; the launch must fail, not hang."""
     import torch
-
     from gc_moe.runtime.partition import get_partitions
 
     torch.zeros(1, device="cuda")
@@ -293,9 +298,42 @@ def main() -> int:
 
     step("launcher", launcher_checks)
 
+    def launch_probe():
+        from gc_moe.runtime.graph import ChildGraph, GraphCache, graph_key
+
+        probe = jit.load_kernel(registry.LAUNCH_PROBE, "sm_90a")
+        fields = rp.PROBE_FIELDS * rp.PROBE_CLUSTER
+        expect = []
+        for b in range(rp.PROBE_CLUSTER):
+            expect += [rp.expected_probe_checksum(b), b, rp.PROBE_CLUSTER, 4 * rp.PROBE_SMEM_WORDS]
+        out = torch.zeros(fields, dtype=torch.int32, device="cuda")
+        launch(probe, rp.PROBE_CLUSTER, [ptr(out)], parts.compute_stream)
+        wait_stream(parts.compute_stream, 30, "launch probe")
+        direct = out.cpu().tolist()
+        out.zero_()
+        cache = GraphCache()
+        key = graph_key([(probe, rp.PROBE_CLUSTER, [ptr(out)])], parts.describe())
+
+        def build():
+            g = ChildGraph()
+            g.add_kernel("probe", probe, rp.PROBE_CLUSTER, [ptr(out)], parts.comm_context)
+            return g
+
+        g1 = cache.get_or_build(key, build)
+        g2 = cache.get_or_build(graph_key([(probe, rp.PROBE_CLUSTER, [ptr(out)])], parts.describe()), build)
+        g1.launch(parts.comm_stream)
+        wait_stream(parts.comm_stream, 30, "launch probe graph")
+        in_graph = out.cpu().tolist()
+        ok = direct == expect and in_graph == expect and g1 is g2 and len(cache) == 1
+        rows.append(("cluster + smem", "PASS" if ok else "FAIL",
+                     f"2-CTA cluster, 64 KiB dynamic smem: direct {direct == expect}, graph node {in_graph == expect}, "
+                     f"graph cache hit {g1 is g2}"))
+        return {"expect": expect, "direct": direct, "graph": in_graph, "ok": ok}
+
+    step("launch_probe", launch_probe)
+
     def workspace():
         import torch.distributed as dist
-
         from gc_moe.runtime.workspace import Region, SymmetricWorkspace, WorkspaceLayout
 
         if not dist.is_initialized():

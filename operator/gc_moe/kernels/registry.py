@@ -40,9 +40,12 @@ RING_PROOF_CONSUMER = KernelVariant.make("ring_proof.consumer", RING_PROOF_MODUL
 RING_PROOF_CHECKER = KernelVariant.make("ring_proof.checker", RING_PROOF_MODULE, "build_checker",
                                         promises=("st.release.gpu",))
 
+LAUNCH_PROBE = KernelVariant.make("ring_proof.launch_probe", RING_PROOF_MODULE, "build_launch_probe",
+                                  promises=("atom.global.add",))
+
 
 @family
 def ring_proof(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
     """The runtime's cross-partition proof kernels (built for every profile: `device_runtime_proof.py`)."""
     if arch == "sm_90a":
-        yield from (RING_PROOF_PRODUCER, RING_PROOF_CONSUMER, RING_PROOF_CHECKER)
+        yield from (RING_PROOF_PRODUCER, RING_PROOF_CONSUMER, RING_PROOF_CHECKER, LAUNCH_PROBE)

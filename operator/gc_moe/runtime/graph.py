@@ -12,8 +12,9 @@ parameter signature and partition, so repeated layers and token counts replay th
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .driver import check, cu
 from .launch import LoadedKernel, ParamBuffer, _dim3, stream_handle
@@ -43,10 +44,9 @@ class ChildGraph:
         if self._exec is not None:
             raise RuntimeError("the graph is already instantiated: build a new ChildGraph to change it")
         shape = kernel.entry.launch
-        if shape.cluster != (1, 1, 1):
-            raise ValueError(f"{kernel.name}: cluster launches are not supported as graph kernel nodes here; "
-                             "launch it with runtime.launch.launch")
         grid = _dim3(grid, "grid")
+        if any(g % c for g, c in zip(grid, shape.cluster)):
+            raise ValueError(f"{kernel.name}: grid {grid} is not a multiple of the cluster {shape.cluster}")
         smem = shape.dynamic_smem_bytes if dynamic_smem is None else int(dynamic_smem)
         params = kernel.pack(args)
         kernel.ensure_dynamic_smem(smem)
@@ -59,6 +59,12 @@ class ChildGraph:
         p.kernelParams = params.address
         deps = [n.handle for n in depends_on]
         handle = check(cu.cuGraphAddKernelNode(self.graph, deps, len(deps), p), f"cuGraphAddKernelNode({name})")
+        if shape.cluster != (1, 1, 1):
+            value = cu.CUkernelNodeAttrValue()
+            value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = shape.cluster
+            check(cu.cuGraphKernelNodeSetAttribute(
+                handle, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value),
+                f"cluster dimension of node {name}")
         node = KernelNode(name, handle, kernel, params, context, grid)
         self.nodes.append(node)
         return node
@@ -102,6 +108,20 @@ class ChildGraph:
             check(cu.cuGraphExecDestroy(self._exec), "cuGraphExecDestroy")
             self._exec = None
         check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
+
+
+def graph_key(nodes: Sequence[tuple[LoadedKernel, Any, Sequence[Any]]], partition_key: Any = None) -> str:
+    """Cache key of a graph before it is built: each node's cubin hash, grid and argument bytes, plus the
+    partition (e.g. `GreenPartitions.describe()`), so equal layers and token counts share one graph."""
+    from .launch import as_kernel_arg
+
+    h = hashlib.sha256()
+    for kernel, grid, args in nodes:
+        h.update(kernel.entry.cubin_sha256.encode() + kernel.entry.entry_name.encode())
+        h.update(repr(_dim3(grid, "grid")).encode())
+        h.update(b"".join(as_kernel_arg(a).data for a in args))
+    h.update(repr(partition_key).encode())
+    return h.hexdigest()
 
 
 class GraphCache:

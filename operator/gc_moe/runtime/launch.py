@@ -13,7 +13,7 @@ import ctypes
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .cubin import ParamSlot
 from .driver import check, cu

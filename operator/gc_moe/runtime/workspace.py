@@ -10,8 +10,8 @@ peer descriptor that kernels take by value is 592 bytes: the local base (u64), 7
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 MAX_PEERS = 72
 PEER_DESCRIPTOR_BYTES = 8 + 8 * MAX_PEERS + 8  # 592

@@ -31,7 +31,17 @@ CONTROL_WORDS = 8
 TIMELINE_FIELDS = 4
 BLOCK_THREADS = 128
 CHECKER_THREADS = 32
+# launch probe: a 2-CTA cluster with more dynamic shared memory than the 48 KiB default
+PROBE_CLUSTER = 2
+PROBE_SMEM_WORDS = 16384  # 64 KiB of int32
+PROBE_FIELDS = 4  # per CTA: checksum of its shared-memory words, rank in cluster, cluster size, dynamic smem bytes
 _PATTERN_GEN, _PATTERN_SLOT = 65599, 4099
+
+
+def expected_probe_checksum(block: int) -> int:
+    """Sum over the probe's shared-memory words (word + block), as int32."""
+    v = (PROBE_SMEM_WORDS * (PROBE_SMEM_WORDS - 1) // 2 + PROBE_SMEM_WORDS * block) & 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def expected_word(generation: int, slot: int, word: int) -> int:
@@ -44,6 +54,7 @@ try:
     import cutlass  # noqa: F401  (the DSL probe: the kernels below need it)
     from cutlass import Int32, Int64, cute
     from cutlass.cute.runtime import make_ptr
+    from cutlass.memory import SmemAllocator
 except ImportError:  # runtime-only machines: the constants above are all they need
     cute = None
 
@@ -177,6 +188,30 @@ if cute is not None:
         checker_kernel(counters, control, p_stamps, c_stamps, timeline, num_slots, producer_ctas, consumer_ctas,
                        timeline_capacity).launch(grid=[1, 1, 1], block=[CHECKER_THREADS, 1, 1])
 
+    @cute.kernel
+    def launch_probe_kernel(out: cute.Pointer):
+        """Checks the launcher's dynamic shared memory and cluster attributes from inside a kernel."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = SmemAllocator()
+        words = smem.allocate_tensor(Int32, cute.make_layout(PROBE_SMEM_WORDS), byte_alignment=16)
+        for i in range(tidx, PROBE_SMEM_WORDS, BLOCK_THREADS):
+            words[i] = i + bidx
+        cute.arch.barrier()
+        partial = Int32(0)
+        for i in range(tidx, PROBE_SMEM_WORDS, BLOCK_THREADS):
+            partial = partial + words[(i + 7 * BLOCK_THREADS) % PROBE_SMEM_WORDS]  # read other threads' words
+        cute.arch.atomic_add(out + PROBE_FIELDS * bidx, partial)
+        if tidx == 0:
+            cute.arch.store(out + (PROBE_FIELDS * bidx + 1), cute.arch.block_idx_in_cluster())
+            cute.arch.store(out + (PROBE_FIELDS * bidx + 2), cute.arch.cluster_size())
+            cute.arch.store(out + (PROBE_FIELDS * bidx + 3), cute.arch.dynamic_smem_size())
+
+    @cute.jit
+    def _launch_probe(out: cute.Pointer):
+        launch_probe_kernel(out).launch(grid=[PROBE_CLUSTER, 1, 1], block=[BLOCK_THREADS, 1, 1],
+                                        cluster=[PROBE_CLUSTER, 1, 1], smem=4 * PROBE_SMEM_WORDS)
+
     def _gmem(dtype):
         return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
@@ -192,3 +227,8 @@ if cute is not None:
         args = (_gmem(Int32), _gmem(Int32), _gmem(Int64), _gmem(Int64), _gmem(Int64),
                 Int32(1), Int32(1), Int32(1), Int32(1))
         return CompileRequest(_launch_checker, args, LaunchShape(block=(CHECKER_THREADS, 1, 1)))
+
+    def build_launch_probe(arch: str) -> CompileRequest:
+        return CompileRequest(_launch_probe, (_gmem(Int32),),
+                              LaunchShape(block=(BLOCK_THREADS, 1, 1), cluster=(PROBE_CLUSTER, 1, 1),
+                                          dynamic_smem_bytes=4 * PROBE_SMEM_WORDS))
