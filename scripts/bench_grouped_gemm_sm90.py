@@ -111,11 +111,14 @@ class Point:
         self.mid_scale.fill_(float("nan"))
         self.out.fill_(float("nan"))
 
-    def launch(self, stream):
+    def launch(self, stream, sync_each: bool = False):
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
         launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
                   self.mid_scale, self.capacity, stream)
+        if sync_each:
+            torch.cuda.synchronize()
+            print("# w1 ran", flush=True)
         launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
                   self.capacity, stream)
 
@@ -221,6 +224,7 @@ def main() -> int:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--build-only", action="store_true", help="compile every variant into the cubin cache and exit")
     ap.add_argument("--sass", action="store_true", help="disassemble each cubin (cuobjdump): QGMMA, LDL/STL counts")
+    ap.add_argument("--sync-each", action="store_true", help="synchronize after W1 (locates a failing kernel)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -240,6 +244,7 @@ def main() -> int:
         sass_report(gg, jit)
 
     device = torch.device("cuda")
+    torch.zeros(1, device=device)  # make the primary context current before the driver-level kernel loads
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
     kernels = {}
@@ -270,7 +275,7 @@ def main() -> int:
             if args.check:
                 pt.poison()
                 with torch.cuda.stream(stream):
-                    pt.launch(stream)
+                    pt.launch(stream, sync_each=args.sync_each)
                 stream.synchronize()
                 c = pt.check()
                 row.update(cos_mid=c["mid"]["cosine"], cos_out=c["out"]["cosine"], diff_out=c["out"]["diff"],

@@ -19,12 +19,6 @@ Kernel parameters (all scalars, in order): see `PARAMS_W1` / `PARAMS_W2`.
 
 from dataclasses import dataclass
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
-
-from gc_moe.kernels.sm90 import ptx
-
 BLOCK_N_CHOICES = (8, 16, 32, 64)
 THREADS = 512
 TILES_PER_CTA = 4
@@ -32,6 +26,7 @@ ROWS_PER_CTA = 64 * TILES_PER_CTA
 TILE_BYTES = 4096  # 64 x 128 FP4 codes
 TILE_SCALE_BYTES = 256  # 64 rows x 4 K32 scale bytes
 FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
 
 PARAMS_W1 = (
     ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
@@ -112,6 +107,11 @@ def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple
 
 # ---------------------------------------------------------------------------------------------- kernel
 def _make_kernel(cfg: GemmConfig):
+    import cutlass  # the CuTe DSL is needed to build only; launching needs the cubin and the driver
+    from cutlass import Float32, Int32, Int64, cute
+
+    from gc_moe.kernels.sm90 import ptx
+
     BN = cfg.block_n
     STAGES = cfg.stages
     NSUB = BN // 8
@@ -263,7 +263,8 @@ def _make_kernel(cfg: GemmConfig):
                         amax = Float32(0.0)
                         for p in cutlass.range_constexpr(16):
                             amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
-                        inv = ptx.safe_reciprocal_scaled(amax, FP8_MAX)
+                        amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
+                        inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
                         if n < count:
                             nrow = Int64(row0) + Int64(n)
                             ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
@@ -307,6 +308,8 @@ def _make_kernel(cfg: GemmConfig):
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
+    from cutlass import Int32, Int64, cute
+
     from gc_moe.runtime.jit import CompileRequest, LaunchShape
 
     if arch != "sm_90a":
@@ -348,3 +351,61 @@ def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0,
 def all_variants():
     """Every variant CI builds: both roles at every block_n, default SwiGLU (alpha 1, clamp 10)."""
     return [variant(role, bn) for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def _check_cuda(what: str, t, dtype, shape=None):
+    if not t.is_cuda or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous CUDA {dtype} tensor, got {t.dtype} on {t.device}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream):
+    """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
+
+    mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
+    expert_offsets int32 [E+1] (rows of expert e: [off[e], off[e+1])); routing_weight f32 [R];
+    out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold.
+    """
+    import torch
+
+    from gc_moe.runtime.launch import i32, launch, ptr
+
+    if not mat.gate_up_interleaved:
+        raise ValueError("launch_w1 needs the W1 matrix (gate/up interleaved), got a W2 matrix")
+    rows, hidden, inter = act.shape[0], mat.cols, mat.rows // 2
+    _check_cuda("act", act, torch.float8_e4m3fn, (rows, hidden))
+    _check_cuda("act_scale", act_scale, torch.float32, (rows, hidden // 128))
+    _check_cuda("expert_offsets", expert_offsets, torch.int32, (mat.num_experts + 1,))
+    _check_cuda("routing_weight", routing_weight, torch.float32, (rows,))
+    _check_cuda("out", out, torch.float8_e4m3fn, (rows, inter))
+    _check_cuda("out_scale", out_scale, torch.float32, (rows, inter // 128))
+    cfg = GemmConfig("w1", dict(kernel.entry.variant.params)["block_n"])
+    return launch(kernel, grid(cfg, mat.rows, mat.num_experts, capacity),
+                  [ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale),
+                   ptr(expert_offsets), ptr(routing_weight), ptr(out), ptr(out_scale),
+                   i32(hidden // 128), i32(mat.rows // 64)], stream)
+
+
+def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream):
+    """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
+
+    act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H].
+    """
+    import torch
+
+    from gc_moe.runtime.launch import i32, launch, ptr
+
+    rows, inter, hidden = act.shape[0], mat.cols, mat.rows
+    _check_cuda("act", act, torch.float8_e4m3fn, (rows, inter))
+    _check_cuda("act_scale", act_scale, torch.float32, (rows, inter // 128))
+    _check_cuda("expert_offsets", expert_offsets, torch.int32, (mat.num_experts + 1,))
+    _check_cuda("dest_row", dest_row, torch.int32, (rows,))
+    _check_cuda("out", out, torch.bfloat16)
+    if out.shape[1] != hidden:
+        raise ValueError(f"out must be [P, {hidden}], got {tuple(out.shape)}")
+    cfg = GemmConfig("w2", dict(kernel.entry.variant.params)["block_n"])
+    return launch(kernel, grid(cfg, mat.rows, mat.num_experts, capacity),
+                  [ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale),
+                   ptr(expert_offsets), ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)], stream)

@@ -184,11 +184,6 @@ def fabs(a: Float32) -> Float32:
     return asm("abs.f32 $0, $1;", [Float32], [a])
 
 
-def safe_reciprocal_scaled(amax: Float32, fmt_max: float) -> Float32:
-    """fmt_max / amax, or 0 where amax is 0 (an all-zero block quantizes to zeros)."""
-    return asm(
-        "{\n.reg .pred z;\n.reg .f32 r;\nsetp.eq.f32 z, $1, 0f00000000;\ndiv.rn.f32 r, $2, $1;\n"
-        "selp.f32 $0, 0f00000000, r, z;\n}",
-        [Float32],
-        [amax, Float32(fmt_max)],
-    )
+def fast_reciprocal(a: Float32) -> Float32:
+    """1 / a with the approximate unit (an IEEE division would pull in a slow-path subroutine)."""
+    return asm("rcp.approx.ftz.f32 $0, $1;", [Float32], [a])
