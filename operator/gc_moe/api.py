@@ -289,7 +289,6 @@ def get_symm_buffer_for_gc_moe(
     device = torch.device(device) if device is not None else _default_device(group)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    chosen = select_backend(device, backend)
     arch = device_arch(device)
     check_constraints(
         hidden=hidden,
@@ -301,6 +300,7 @@ def get_symm_buffer_for_gc_moe(
         capacity=capacity,
         arch=arch if arch in ARCHS else "sm103",
     )
+    chosen = select_backend(device, backend)
     buffer = GcMoeBuffer(
         group=group,
         num_experts=num_experts,
@@ -423,7 +423,9 @@ def fp8_fp4_gc_moe(
                 f"allowed: hidden {buffer.hidden} on {buffer.device}"
             )
 
-    backend = registered_backends()[buffer.backend]
+    backend = registered_backends().get(buffer.backend)
+    if backend is None:
+        raise RuntimeError(f"buffer was made for backend {buffer.backend!r}, which is no longer registered")
     layout = weight_layouts.layout_of(w1)
     if layout != backend.weight_layout:
         if backend.weight_layout != weight_layouts.CANONICAL:
