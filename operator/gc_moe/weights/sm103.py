@@ -1,7 +1,8 @@
 """SM103 (Blackwell, B300) weight layout: the K128 tile-contiguous prepack of Section 4.4, and its exact inverse.
 
-The SM103 kernels target B300 (sm_103f); this project's lent GPUs are H200s, so this layout is verified here
-only on the host (byte-exact round trips and hand-checked positions), not yet against a running kernel.
+The SM103 kernels target B300 (sm_103f), which this project cannot run yet (its test GPUs are Hopper H200s), so
+this layout is verified only on the host (byte-exact round trips and hand-checked positions), not against a
+running kernel.
 See docs/layouts.md for the byte tables.
 
 Input (DeepGEMM's layout): L1 = (int8 [E, 2I, H/2], int32 [E, 2I, H/128]) with rows [gate; up],
