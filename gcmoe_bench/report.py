@@ -33,7 +33,7 @@ OPERATOR_NAMES = {
 GPU_NAMES = {"h20": "H20", "b300": "B300", "h200": "H200", "cpu": "CPU"}
 SUITE_NAMES = {
     "routed": "routed experts",
-    "shared": "fused shared experts",
+    "shared": "with shared experts",
     "shared-ablation": "fusion ablation",
 }
 # The paper GPU whose numbers stand beside a measured run of a GPU kind the paper did not measure.
@@ -41,7 +41,6 @@ PAPER_COUNTERPART_ORDER = ("h20", "b300")
 # Printed decimals per field, as in the paper.
 DECIMALS = {"latency_us": 3, "speedup": 4, "tflops": 3, "hbm_gbps": 1, "nvlink_gbps": 3}
 UNITS = {"latency_us": "µs", "speedup": "×", "tflops": "TFLOPS", "hbm_gbps": "GB/s", "nvlink_gbps": "GB/s"}
-THROUGHPUT_FIELDS = ("tflops", "hbm_gbps", "nvlink_gbps")
 
 
 def model_name(model: str) -> str:
