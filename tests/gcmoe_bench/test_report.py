@@ -317,3 +317,17 @@ def test_cpu_run_has_no_paper_counterpart_and_ids_must_differ(tmp_path, rng):
         assert not any(c.startswith("Speedup, paper") for c in _csv(tmp_path / "out", name).columns)
     with pytest.raises(ValueError, match="share the id"):
         report.run_report([run_dir, run_dir], tmp_path / "again", with_figures=False)
+
+
+def test_committed_reproduction_is_current(paper_report):
+    """docs/paper/tables and figures/ are what `gcmoe-bench report --out docs/paper --figures-out figures` writes."""
+    out, _ = paper_report
+    root = PAPER.parent.parent
+    for name in PAPER_TABLES:
+        for suffix in ("md", "tex", "csv"):
+            committed = root / "docs" / "paper" / "tables" / f"{name}.{suffix}"
+            generated = out / "tables" / f"{name}.{suffix}"
+            assert committed.read_text() == generated.read_text(), f"regenerate {committed}"
+    for number in range(3, 9):
+        for suffix in ("png", "pdf"):
+            assert (root / "figures" / f"figure{number}.{suffix}").stat().st_size > 10_000
