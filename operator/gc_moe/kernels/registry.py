@@ -49,3 +49,12 @@ def ring_proof(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
     """The runtime's cross-partition proof kernels (built for every profile: `device_runtime_proof.py`)."""
     if arch == "sm_90a":
         yield from (RING_PROOF_PRODUCER, RING_PROOF_CONSUMER, RING_PROOF_CHECKER, LAUNCH_PROBE)
+
+
+@family
+def sm90_grouped_gemm(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
+    """The SM90 FP8xFP4 grouped GEMM: both roles at every block_n its module lists."""
+    if arch == "sm_90a":
+        from gc_moe.kernels.sm90 import grouped_gemm  # imports without the DSL; kernels are built lazily
+
+        yield from grouped_gemm.all_variants()

@@ -34,7 +34,7 @@ from typing import Any
 
 from . import cubin as cubin_info
 
-ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+ARCHS = ("sm_90a", "sm_100a", "sm_100f", "sm_103a", "sm_103f")  # arch- or family-specific targets
 SUPPORTED_DSL_VERSION = "4.8.1"
 DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
 # bump when the entry format or the way binaries are produced changes: it invalidates every entry
@@ -182,7 +182,8 @@ def default_cache_dir() -> Path:
 
 def check_arch(arch: str) -> str:
     if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}: allowed {', '.join(ARCHS)} (arch-specific targets, with the 'a')")
+        raise ValueError(f"unknown arch {arch!r}: allowed {', '.join(ARCHS)} (arch-specific 'a' or family 'f' "
+                         "targets: plain sm_90 lacks wgmma/setmaxnreg)")
     return arch
 
 
@@ -440,7 +441,11 @@ def cache_state(cache_dir: Path | None = None) -> dict:
 
 
 def arch_of_device(device: int = 0) -> str:
-    """The arch-specific target for a CUDA device: sm_90a (Hopper), sm_100a, sm_103a (Blackwell)."""
+    """The target whose cubins a device loads: GC_MOE_ARCH if set (e.g. sm_103f), else the arch-specific
+    target of its compute capability: sm_90a (Hopper), sm_100a, sm_103a (Blackwell)."""
+    override = os.environ.get("GC_MOE_ARCH")
+    if override:
+        return check_arch(override)
     from .driver import check, cu
 
     check(cu.cuInit(0), "cuInit")
