@@ -179,8 +179,9 @@ def main() -> int:
     torch.zeros(1, device="cuda")
     env = step("environment", lambda: describe_environment(with_partition=False))
     if env:
-        rows.append(("environment", "ok", f"driver {env.get('driver_version')} {env.get('device', {}).get('arch')} "
-                                          f"{env.get('device', {}).get('sm_count')} SMs; {env.get('workqueue')}"[:90]))
+        detail = (f"driver {env.get('driver_version')} {env.get('device', {}).get('arch')} "
+                  f"{env.get('device', {}).get('sm_count')} SMs; {env.get('workqueue')}"[:90])
+        rows.append(("environment", "ok", detail))
 
     from gc_moe.runtime.partition import get_partitions
 
@@ -188,8 +189,9 @@ def main() -> int:
     if parts is None:
         return finish(out, results, rows)
     results["partitions"] = parts.describe()
-    rows.append(("partitions", "ok", f"comm {parts.comm_sms} / compute {parts.compute_sms} SMs; "
-                                     f"workqueue {parts.workqueue_mode}"[:90]))
+    detail = (f"comm {parts.comm_sms} / compute {parts.compute_sms} SMs; "
+              f"workqueue {parts.workqueue_mode}"[:90])
+    rows.append(("partitions", "ok", detail))
 
     proof = step("load", lambda: Proof(torch, parts, args.replays))
     if proof is None:
@@ -221,11 +223,12 @@ def main() -> int:
               and ctl["missing_full"] == 0 and ctl["missing_done"] == 0 and host_bad == 0)
         res["ok"] = ok
         rows.append(("graph replays", "PASS" if ok else "FAIL",
-                     f"{ctl['replays_checked']} checked, {ctl['data_mismatches']} bad words, "
-                     f"{ctl['wait_timeouts']} timeouts, {ctl['missing_full']}+{ctl['missing_done']} missing"))
-        rows.append(("root overlap", "info", f"median {ov['overlap_ns_median'] / 1e3:.1f} us of producer "
-                                             f"{ov['producer_ns_median'] / 1e3:.1f} us; {ov['replays_with_overlap']}"
-                                             f"/{ov['replays']} replays overlap"))
+                     (f"{ctl['replays_checked']} checked, {ctl['data_mismatches']} bad words, "
+                      f"{ctl['wait_timeouts']} timeouts, {ctl['missing_full']}+{ctl['missing_done']} missing")))
+        detail = (f"median {ov['overlap_ns_median'] / 1e3:.1f} us of producer "
+                  f"{ov['producer_ns_median'] / 1e3:.1f} us; {ov['replays_with_overlap']}"
+                  f"/{ov['replays']} replays overlap")
+        rows.append(("root overlap", "info", detail))
         rows.append(("replay time", "info", f"{res['us_per_replay']:.2f} us per replay (events)"))
         proof.graph = graph
         return res
@@ -262,8 +265,8 @@ def main() -> int:
         ctl = proof.control_dict()
         ok = ctl["wait_timeouts"] == NUM_SLOTS and elapsed < 10 * args.timeout_ms / 1e3 + 1.0
         rows.append(("no producer", "PASS" if ok else "FAIL",
-                     f"{ctl['wait_timeouts']}/{NUM_SLOTS} waits reported timeout; returned in {elapsed * 1e3:.1f} ms "
-                     f"(timeout {args.timeout_ms} ms)"))
+                     (f"{ctl['wait_timeouts']}/{NUM_SLOTS} waits reported timeout; returned in "
+                      f"{elapsed * 1e3:.1f} ms (timeout {args.timeout_ms} ms)")))
         return {"control": ctl, "elapsed_s": elapsed, "wait_s": wall, "ok": ok}
 
     step("no_producer", no_producer)
@@ -271,7 +274,7 @@ def main() -> int:
     def trap_child():
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--trap-child", "--timeout-ms", str(args.timeout_ms)],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, check=False)
         elapsed = time.perf_counter() - t0
         last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         info = json.loads(last[-1]) if last else {}
@@ -292,8 +295,9 @@ def main() -> int:
         t = torch.empty(256, 128, dtype=torch.bfloat16, device="cuda")
         tmap = encode_tiled_tensor_map(TiledTensorMapSpec("bfloat16", t.data_ptr(), (128, 256), (256,), (64, 64)))
         ok = bool(refused) and tmap.size == 128
-        rows.append(("launcher", "PASS" if ok else "FAIL", f"bad layout refused: {bool(refused)}; "
-                                                           f"TMA descriptor {tmap.size} bytes"))
+        detail = (f"bad layout refused: {bool(refused)}; "
+                  f"TMA descriptor {tmap.size} bytes")
+        rows.append(("launcher", "PASS" if ok else "FAIL", detail))
         return {"refused": refused, "tmap_bytes": tmap.size, "ok": ok}
 
     step("launcher", launcher_checks)
@@ -326,8 +330,8 @@ def main() -> int:
         in_graph = out.cpu().tolist()
         ok = direct == expect and in_graph == expect and g1 is g2 and len(cache) == 1
         rows.append(("cluster + smem", "PASS" if ok else "FAIL",
-                     f"2-CTA cluster, 64 KiB dynamic smem: direct {direct == expect}, graph node {in_graph == expect}, "
-                     f"graph cache hit {g1 is g2}"))
+                     (f"2-CTA cluster, 64 KiB dynamic smem: direct {direct == expect}, "
+                      f"graph node {in_graph == expect}, graph cache hit {g1 is g2}")))
         return {"expect": expect, "direct": direct, "graph": in_graph, "ok": ok}
 
     step("launch_probe", launch_probe)
