@@ -61,16 +61,16 @@ def test_tensor_arguments_need_explicit_widths():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(address=8), "not 16-byte aligned"),
-    (dict(dims=(128, 256, 1, 1, 1, 1), strides_bytes=(256, 256, 256, 256, 256), box=(64,) * 6), "rank 1..5"),
-    (dict(strides_bytes=(250,)), "multiple of 16"),
-    (dict(box=(64, 300)), "outside 1..256"),
-    (dict(box=(4, 64)), "not a multiple of 16 bytes"),
-    (dict(box=(128, 64)), "exceeds the 128B swizzle span"),
-    (dict(dtype="float4"), "unsupported"),
+    ({"address": 8}, "not 16-byte aligned"),
+    ({"dims": (128, 256, 1, 1, 1, 1), "strides_bytes": (256, 256, 256, 256, 256), "box": (64,) * 6}, "rank 1..5"),
+    ({"strides_bytes": (250,)}, "multiple of 16"),
+    ({"box": (64, 300)}, "outside 1..256"),
+    ({"box": (4, 64)}, "not a multiple of 16 bytes"),
+    ({"box": (128, 64)}, "exceeds the 128B swizzle span"),
+    ({"dtype": "float4"}, "unsupported"),
 ])
 def test_tma_spec_validation_names_the_broken_constraint(kwargs, message):
-    base = dict(dtype="bfloat16", address=0x7F0000000000, dims=(128, 256), strides_bytes=(256,), box=(64, 64))
+    base = {"dtype": "bfloat16", "address": 0x7F0000000000, "dims": (128, 256), "strides_bytes": (256,), "box": (64, 64)}
     base.update(kwargs)
     with pytest.raises(ValueError, match=message):
         TiledTensorMapSpec(**base).validate()
