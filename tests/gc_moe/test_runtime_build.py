@@ -111,3 +111,15 @@ def test_entry_json_round_trips(built):
     entry = jit.find_entry(RING_PROOF_CONSUMER, "sm_90a", cache)
     again = jit.CacheEntry.from_json(json.loads(json.dumps(entry.to_json())), cache)
     assert again.to_json() == entry.to_json()
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no system ptxas")
+def test_system_ptxas_path_is_keyed_and_recorded(tmp_path, monkeypatch):
+    pytest.importorskip("cutlass")
+    dsl_key = jit.lookup_key(RING_PROOF_CONSUMER, "sm_90a")
+    monkeypatch.setenv("GC_MOE_PTXAS", "ptxas")
+    assert jit.lookup_key(RING_PROOF_CONSUMER, "sm_90a") != dsl_key
+    entry = jit.build_variant(RING_PROOF_CONSUMER, "sm_90a", cache_dir=tmp_path)
+    assert entry.identity["assembler"]["version"].startswith("Build cuda_")
+    assert entry.cubin()[:4] == b"\x7fELF" and jit.check_promises(entry) == []
+    assert jit.find_entry(RING_PROOF_CONSUMER, "sm_90a", tmp_path).cubin_sha256 == entry.cubin_sha256

@@ -187,6 +187,37 @@ def check_arch(arch: str) -> str:
     return arch
 
 
+def assembler() -> str:
+    """'dsl' (the DSL's own PTX->cubin path, the default) or the path of a system ptxas (GC_MOE_PTXAS)."""
+    return os.environ.get("GC_MOE_PTXAS") or "dsl"
+
+
+def _ptxas_identity(path: str) -> dict:
+    import shutil
+    import subprocess
+
+    exe = shutil.which(path) or path
+    if not os.path.isfile(exe):
+        raise KernelBuildError(f"GC_MOE_PTXAS={path!r} is not an executable file")
+    data = Path(exe).read_bytes()
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    return {"path": exe, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "version": version.splitlines()[-1] if version else ""}
+
+
+def _assemble_with_ptxas(exe: str, ptx: str, arch: str) -> bytes:
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="gc_moe_ptxas_") as d:
+        src, out = Path(d) / "k.ptx", Path(d) / "k.cubin"
+        src.write_text(ptx)
+        proc = subprocess.run([exe, f"-O{_OPT_LEVEL}", f"-arch={arch}", str(src), "-o", str(out)],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{exe} rejected the PTX for {arch}: {proc.stderr.strip()[:500]}")
+        return out.read_bytes()
+
+
 def compile_options(arch: str) -> str:
     return f"--gpu-arch {check_arch(arch)} --opt-level {_OPT_LEVEL} --keep-ptx --keep-cubin"
 
@@ -226,6 +257,7 @@ def lookup_key(variant: KernelVariant, arch: str) -> str:
         "variant": [variant.name, variant.module, variant.builder, [list(p) for p in variant.params]],
         "arch": check_arch(arch),
         "options": compile_options(arch),
+        "assembler": "dsl" if assembler() == "dsl" else "ptxas",
         "dsl": f"{DSL_DISTRIBUTION}=={SUPPORTED_DSL_VERSION}",
         "source": source_hash(variant),
     }
@@ -262,7 +294,8 @@ def compiler_identity() -> dict:
             record = ""
         h.update(record.encode())
     identity["dsl_record_sha256"] = h.hexdigest()
-    identity["assembler"] = "dsl-internal"  # the DSL's own PTX->cubin path; no system ptxas involved
+    exe = assembler()
+    identity["assembler"] = "dsl-internal" if exe == "dsl" else _ptxas_identity(exe)
     return identity
 
 
@@ -353,6 +386,8 @@ def build_variant(variant: KernelVariant, arch: str, cache_dir: Path | None = No
             raise KernelBuildError(f"building {variant.describe()} for {arch} failed: {exc}") from exc
     seconds = time.perf_counter() - started
     cubin_bytes, ptx_text = compiled.artifacts.CUBIN, compiled.artifacts.PTX
+    if ptx_text and assembler() != "dsl":
+        cubin_bytes = _assemble_with_ptxas(identity["assembler"]["path"], ptx_text, arch)
     if not cubin_bytes or not ptx_text:
         raise KernelBuildError(f"the DSL kept no cubin/PTX for {variant.describe()} (options {compile_options(arch)})")
 
