@@ -77,6 +77,7 @@ def run_accuracy(profile: Profile, *, out_root: Path, operators: list[str] | Non
                       console or Console(stderr=True))
     except BaseException as exc:
         distributed.report_failure(ctx, exc)
+        distributed.shutdown()
         raise
     distributed.shutdown()
     return passed

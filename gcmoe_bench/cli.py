@@ -106,7 +106,7 @@ def sweep(
         _fail(str(exc))
     try:
         sweep_module.run_sweep(profile, out_root=out, resume=resume, console=console)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the failing rank already printed its error
         # the rank's own one-line message is already printed by the sweep; exit non-zero on every rank
         raise typer.Exit(1)
 
@@ -137,7 +137,7 @@ def accuracy(
     try:
         passed = accuracy_module.run_accuracy(profile, out_root=out, operators=_split(operators),
                                               case_filter=_split(cases), console=console)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the failing rank already printed its error
         raise typer.Exit(1)
     raise typer.Exit(0 if passed else 1)
 
@@ -145,7 +145,7 @@ def accuracy(
 @app.command()
 def report(
     run_dirs: Annotated[list[Path] | None, typer.Argument(
-        help="Measured run directories (results/<gpu>/<run-id>/); none: the paper reproduction alone.")] = None,
+        metavar="RUN_DIR...", help="Measured run directories (results/<gpu>/<run-id>/); none: the paper reproduction alone.")] = None,
     out: Annotated[Path, typer.Option(help="Output directory for tables (md, tex, csv), figures and report.md.")] = Path(
         "report"),
     figures_out: Annotated[Path | None, typer.Option(help="Where figures go (default: OUT/figures).")] = None,
@@ -163,7 +163,7 @@ def report(
 
 @app.command()
 def compare(
-    run_dir: Annotated[Path, typer.Argument(help="The measured run directory to check.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="The measured run directory to check.")],
     baseline: Annotated[Path, typer.Option(help="Committed baseline file, e.g. results/baselines/cpu.csv.")],
     tolerance: Annotated[float, typer.Option(
         help="Allowed relative drop: a speedup below baseline x (1 - TOLERANCE) fails.")] = 0.03,
@@ -223,7 +223,7 @@ def env(
     else:
         try:
             info["gc_moe.runtime"] = describe_environment()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - env must print even when the runtime cannot describe itself
             info["gc_moe.runtime"] = f"describe_environment failed: {type(exc).__name__}: {exc}"
     if as_json:
         print(json.dumps(info, indent=2, default=str))
@@ -251,9 +251,15 @@ def build(
     except ImportError as exc:
         _fail(f"gc_moe.runtime.jit.build_profile is not available ({exc}); the offline build needs the GC-MoE "
               f"runtime and nvidia-cutlass-dsl (pip install -e '.[kernels]')")
-    result = build_profile(arch, resolved.to_dict())
-    if result is not None:
-        console.print(result)
+    rows = build_profile(arch, resolved.to_dict(), log=console.print) or []
+    if rows:
+        from rich.table import Table
+
+        table = Table(*rows[0].keys(), title=f"kernels for {profile} on {arch}")
+        for row in rows:
+            table.add_row(*(str(v) for v in row.values()))
+        console.print(table)
+    console.print(f"{len(rows)} kernel variant(s) in the cache for {arch}")
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ stop the others. Ranks that are still alive learn *which* rank failed and why th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -135,8 +136,11 @@ def bind_device(ctx: DistContext) -> None:
 
 
 def shutdown() -> None:
+    """Destroy the process groups. Also after a failure all ranks agreed on: a gloo group left open aborts the
+    process at exit once its peers are gone, which would bury the clear error under a crash."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # best effort on the way out: the outcome is already decided
+            dist.destroy_process_group()
 
 
 def report_failure(ctx: DistContext | None, exc: BaseException) -> None:

@@ -75,7 +75,7 @@ def nvml_driver() -> dict[str, Any]:
             pynvml.nvmlShutdown()
         driver = driver.decode() if isinstance(driver, bytes) else driver
         return {"driver": driver, "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}
-    except Exception:
+    except Exception:  # noqa: BLE001 - no NVML (CPU machines): versions stay unknown
         return {"driver": None, "cuda_driver": None}
 
 

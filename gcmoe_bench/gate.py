@@ -80,13 +80,14 @@ def observe_gpus(
     samples: int = MIN_SAMPLES,
     span_s: float = MIN_SPAN_S,
     nvml: Any = None,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] | None = None,
+    clock: Callable[[], float] | None = None,
     devices: list[int] | None = None,
 ) -> tuple[list[GpuObservation], float]:
     """Sample every local GPU ``samples`` times, evenly over ``span_s`` seconds; returns the observations and the
     span the samples really covered."""
     nvml = nvml or _load_nvml()
+    sleep, clock = sleep or time.sleep, clock or time.monotonic
     try:
         nvml.nvmlInit()
     except Exception as exc:
@@ -152,8 +153,8 @@ def run_gate(
     span_s: float = MIN_SPAN_S,
     max_utilization_percent: int = 0,
     nvml: Any = None,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> GateReport:
     """Observe and judge; raises GateError (listing every failing GPU and reason) unless every GPU is idle."""
     gpus, observed_span = observe_gpus(samples=samples, span_s=span_s, nvml=nvml, sleep=sleep, clock=clock)

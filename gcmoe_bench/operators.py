@@ -124,13 +124,13 @@ class GcAdapter(OperatorAdapter):
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         try:
-            import gc_moe
+            from gc_moe import api  # the module itself: robust even where a test tree shadows the package
         except ImportError as exc:
-            return False, f"gc_moe does not import ({exc})"
+            return False, f"gc_moe.api does not import ({exc})"
         needed = ("get_symm_buffer_for_gc_moe", "transform_weights_for_gc_moe", "fp8_fp4_gc_moe")
-        lacking = [n for n in needed if not hasattr(gc_moe, n)]
+        lacking = [n for n in needed if not hasattr(api, n)]
         if lacking:
-            return False, f"gc_moe lacks its public API ({', '.join(lacking)})"
+            return False, f"gc_moe.api lacks {', '.join(lacking)}"
         return True, ""
 
     @property
@@ -138,7 +138,7 @@ class GcAdapter(OperatorAdapter):
         return True
 
     def prepare(self, workload: Workload, group: Any) -> Invocation:
-        import gc_moe
+        from gc_moe import api as gc_moe
 
         model, w = workload.model, workload.weights
         fused_shared = bool(workload.shared_experts) and self.fuse_shared

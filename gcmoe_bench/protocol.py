@@ -191,7 +191,7 @@ def measure(
     runner = None
     try:
         runner = make_runner(invocations, device, capturable)
-    except Exception as exc:  # e.g. a capture failure: every rank must hear about it
+    except Exception as exc:  # e.g. a capture failure: every rank must hear about it  # noqa: BLE001 - every rank must hear about any failure
         error = f"preparing the timed call failed: {type(exc).__name__}: {exc}"
     ctx.check_in(error)
     timer = timer or (CudaEventTimer() if device.type == "cuda" else WallClockTimer())
@@ -205,7 +205,7 @@ def measure(
             timer.start()
             runner.run(replays)
             seconds = timer.stop()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
             error = f"window {window} failed: {type(exc).__name__}: {exc}"
             ctx.check_in(error)
         mine.append(seconds * 1e6 / replays)

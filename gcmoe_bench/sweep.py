@@ -113,6 +113,7 @@ def run_sweep(profile: Profile, *, out_root: Path, resume: Path | None = None,
         run_dir = _run(ctx, profile, out_root=out_root, resume=resume, console=console)
     except BaseException as exc:
         distributed.report_failure(ctx, exc)
+        distributed.shutdown()
         raise
     distributed.shutdown()
     return run_dir
@@ -149,7 +150,7 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
                 run_dir = writer.run_dir
             else:
                 run_dir = results.create_run_dir(out_root, profile.gpu)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
             error = f"{type(exc).__name__}: {exc}"
     ctx.check_in(error)
     run_dir = Path(ctx.broadcast_from_main(str(run_dir) if run_dir else None))
@@ -249,7 +250,7 @@ def _measure(ctx: DistContext, profile: Profile, workload: Workload, operator: s
     try:
         workloads = [workload] + [workload.clone() for _ in range(copies - 1)]
         invocations = [adapter.prepare(w, ctx.data) for w in workloads]
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
         error = f"{operator}: prepare failed at {workload.model.name} T={workload.tokens_per_rank}: " \
                 f"{type(exc).__name__}: {exc}"
     ctx.check_in(error)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
-import tomllib
 
 import pytest
+import tomllib
 
 from gcmoe_bench.models import table4_models
 from gcmoe_bench.profiles import (

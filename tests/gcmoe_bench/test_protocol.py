@@ -96,10 +96,10 @@ def test_slowest_rank_aggregation_across_two_gloo_ranks(tmp_path):
 
 
 def failing_worker(rank: int, port: int, out_dir: str, where: str) -> None:
-    from gcmoe_bench import protocol
+    from gcmoe_bench import distributed, protocol
     from gcmoe_bench.distributed import RemoteRankError
 
-    ctx = _init(rank, port, timeout_s=30.0)
+    ctx = _init(rank, port, timeout_s=90.0)
     started = time.monotonic()
     outcome = "no error"
     try:
@@ -114,8 +114,11 @@ def failing_worker(rank: int, port: int, out_dir: str, where: str) -> None:
         outcome = f"remote: {exc}"
     except RuntimeError as exc:
         outcome = f"own: {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported to the test in the file below
+        outcome = f"unexpected {type(exc).__name__}: {exc}"
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.monotonic() - started:.1f}\n{outcome}")
+    distributed.shutdown()  # as the harness does: a gloo group left open aborts at exit once the peer is gone
 
 
 @pytest.mark.parametrize("where", ["prepare", "window"])
@@ -126,7 +129,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_message(tmp_path, where
     expected = "bad shape" if where == "prepare" else "window 2 failed: RuntimeError: operator exploded"
     assert outcome1.startswith("own: ") and expected in outcome1
     assert outcome0.startswith("remote: stopping because another rank failed (rank 1: ") and expected in outcome0
-    assert float(seconds0) < 20 and float(seconds1) < 20  # told, not timed out
+    assert float(seconds0) < 60 and float(seconds1) < 60  # told, well before the 90 s timeout
 
 
 def test_aggregate_and_rotation_by_hand():

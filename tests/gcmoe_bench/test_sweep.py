@@ -1,0 +1,162 @@
+"""End to end on CPU: torchrun with two gloo ranks at tiny shapes, then resume of an interrupted run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gcmoe_bench.results import POINT_COLUMNS, RAW_COLUMNS
+
+TINY_PROFILE = """
+gpu = "tiny"
+description = "two tiny models for tests"
+device = "cpu"
+tokens_per_rank = [1, 3]
+capacity = 4
+timeout_s = 60
+
+[protocol]
+warmup_windows = 1
+measured_windows = 3
+replays_per_window = 2
+flush_bytes = 1048576
+
+[[models]]
+base = "glm-5.2"
+name = "glm-tiny"
+hidden = 256
+intermediate = 128
+experts = 8
+topk = 2
+
+[[suites]]
+name = "routed"
+baseline = "reference"
+operators = ["gc", "mega-port"]
+
+[[suites]]
+name = "shared"
+shared_experts = 1
+baseline = "reference"
+operators = ["gc-unfused"]
+"""
+WARMUP, MEASURED, RANKS_TORCHRUN = 1, 3, 2
+
+
+def run_cli(args: list[str], *, torchrun: int | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "gcmoe_bench"]
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
+                    "-m", "gcmoe_bench"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.run(launcher + args, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def check_points_against_raw(run_dir: Path, ranks: int) -> list[dict[str, str]]:
+    """Every ok point's numbers recomputed from raw.csv: per-rank medians of the measured windows, their max."""
+    points, raw = rows(run_dir / "points.csv"), rows(run_dir / "raw.csv")
+    assert list(points[0]) == list(POINT_COLUMNS) and list(raw[0]) == list(RAW_COLUMNS)
+    by_key: dict[tuple, dict[int, list[tuple[int, float]]]] = {}
+    for r in raw:
+        key = (r["model"], r["suite"], int(r["tokens_per_rank"]), r["operator"])
+        by_key.setdefault(key, {}).setdefault(int(r["rank"]), []).append((int(r["window"]), float(r["latency_us"])))
+    assert len(raw) == len({(r["model"], r["suite"], r["tokens_per_rank"], r["operator"], r["rank"], r["window"])
+                               for r in raw}), "a raw row is duplicated"
+    latency = {}
+    for p in points:
+        key = (p["model"], p["suite"], int(p["tokens_per_rank"]), p["operator"])
+        if p["status"] != "ok":
+            assert key not in by_key
+            continue
+        per_rank = by_key[key]
+        assert sorted(per_rank) == list(range(ranks))
+        medians = []
+        for rank in range(ranks):
+            windows = sorted(per_rank[rank])
+            assert [w for w, _ in windows] == list(range(WARMUP + MEASURED))
+            medians.append(statistics.median(v for w, v in windows if w >= WARMUP))
+        assert float(p["latency_us"]) == pytest.approx(max(medians), rel=1e-9)
+        assert float(p["spread_us"]) == pytest.approx(max(medians) - min(medians), rel=1e-6, abs=1e-9)
+        assert [float(m) for m in p["rank_medians_us"].split(";")] == pytest.approx(medians, abs=1e-3)
+        latency[key] = max(medians)
+    for p in points:
+        key = (p["model"], p["suite"], int(p["tokens_per_rank"]), p["operator"])
+        base = (*key[:3], p["baseline"])
+        if p["status"] == "ok":
+            assert float(p["speedup"]) == pytest.approx(latency[base] / latency[key], rel=1e-9)
+    return points
+
+
+def test_torchrun_sweep_on_two_gloo_ranks(tmp_path):
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(TINY_PROFILE)
+    out = tmp_path / "results"
+    done = run_cli(["sweep", "--gpu", str(profile), "--out", str(out)], torchrun=RANKS_TORCHRUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (out / "tiny").iterdir()
+    points = check_points_against_raw(run_dir, RANKS_TORCHRUN)
+    # routed: reference, gc, mega-port; shared: reference, gc-unfused; at T = 1 and 3
+    assert len(points) == 10
+    assert [p["operator"] for p in points[:3]] == ["reference", "gc", "mega-port"]
+    for p in points:
+        tokens = int(p["tokens_per_rank"])
+        assert int(p["total_tokens"]) == 2 * tokens and p["num_ranks"] == "2" and p["l2_mode"] == "flush"
+        assert int(p["assignments"]) == 2 * tokens * 2  # uniform routing fills every top-2 slot
+        assert 0 <= int(p["remote_assignments"]) <= int(p["assignments"])
+        unique = int(p["hbm_working_set_bytes"]) / (3 * 256 * 128 * 17 // 32)
+        assert unique == int(unique) and 1 <= unique <= min(8, 2 * tokens * 2)
+        if p["operator"] == "mega-port":
+            assert p["status"] == "skipped" and "needs a CUDA GPU" in p["reason"]
+        else:
+            assert p["status"] == "ok" and float(p["latency_us"]) > 0
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["command"].startswith("torchrun --nproc-per-node 2 -m gcmoe_bench sweep --gpu")
+    assert env["world_size"] == 2 and env["status"] == "complete" and env["profile"]["gpu"] == "tiny"
+    assert env["gate"].startswith("not applicable") and {"commit", "dirty"} <= set(env["git"])
+    assert env["packages"]["torch"] and len(env["ranks"]) == 2
+    assert "glm-tiny routed T=1 gc:" in done.stderr  # rank 0's progress lines
+
+
+def test_resume_measures_only_what_is_missing_and_never_overwrites(tmp_path):
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(TINY_PROFILE)
+    out = tmp_path / "results"
+    args = ["sweep", "--gpu", str(profile), "--out", str(out), "--suite", "routed"]
+    first = run_cli(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (out / "tiny").iterdir()
+    # interrupt: the T=3 points rows are lost, their raw rows stay behind
+    lines = (run_dir / "points.csv").read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.split(",")[3] != "3"]  # column 3: tokens_per_rank
+    assert len(kept) == len(lines) - 3
+    (run_dir / "points.csv").write_text("".join(kept))
+
+    bad = run_cli(["sweep", "--resume", str(run_dir), "--tokens", "1"])
+    assert bad.returncode == 2 and "--resume continues a run with the profile recorded" in bad.stderr
+
+    resumed = run_cli(["sweep", "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: dropped 8 raw rows" in resumed.stderr  # T=3 reference + gc, one rank x 4 windows each
+    after = (run_dir / "points.csv").read_text().splitlines(keepends=True)
+    assert after[: len(kept)] == kept  # finished points untouched
+    assert len(after) == len(lines)
+    check_points_against_raw(run_dir, 1)
+    env = json.loads((run_dir / "env.json").read_text())
+    assert len(env["resumed"]) == 1 and env["status"] == "complete"
+
+    again = run_cli(args)  # a fresh sweep never touches the first run
+    assert again.returncode == 0
+    assert len(list((out / "tiny").iterdir())) == 2 and (run_dir / "points.csv").read_text().splitlines(
+        keepends=True) == after
