@@ -225,6 +225,7 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true", help="compile every variant into the cubin cache and exit")
     ap.add_argument("--sass", action="store_true", help="disassemble each cubin (cuobjdump): QGMMA, LDL/STL counts")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after W1 (locates a failing kernel)")
+    ap.add_argument("--l2-hint", action="store_true", help="variants with the evict-first L2 policy (see docs)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -235,7 +236,7 @@ def main() -> int:
     from gc_moe.runtime import jit
 
     if args.build_only:
-        for v in gg.all_variants():
+        for v in gg.all_variants() + gg.all_variants(l2_evict_first=True):
             entry = jit.build_variant(v, "sm_90a")
             print(v.describe(), entry.entry_name, entry.resources)
         return 0
@@ -248,7 +249,7 @@ def main() -> int:
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
     kernels = {}
-    for v in gg.all_variants():
+    for v in gg.all_variants(**({"l2_evict_first": True} if args.l2_hint else {})):
         p = dict(v.params)
         kernels[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
     stream = torch.cuda.Stream()

@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-
 from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128, pack_ue8m0, quantize_fp8_k128
 from gc_moe.kernels.sm90 import grouped_gemm as gg
 from gc_moe.weights import sm90 as wsm90
@@ -46,7 +45,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
         assert len(mma) == 4 and all(len(a.split(",")) == 4 for a in mma), variant.describe()
-        assert "L2::cache_hint" in ptx and "createpolicy.fractional.L2::evict_first" in ptx
+        assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
         res = entry.resources
         assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
         assert res["registers"] <= 128  # 512 threads per CTA
@@ -72,8 +71,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed):
     w = wsm90.transform(l1, l2)
     # routing: tokens x topk distinct experts, expert 0 left without tokens
     idx = torch.rand(tokens, experts - 1, generator=gen, device=dev).topk(topk, dim=1).indices + 1
-    expert = idx.flatten()
-    order = torch.argsort(expert, stable=True)
+    expert = idx.flatten()  # grouped rows are defined by the counts alone: row contents are drawn per row
     counts = torch.bincount(expert, minlength=experts)
     offsets = torch.zeros(experts + 1, dtype=torch.int32, device=dev)
     offsets[1:] = counts.cumsum(0)
@@ -127,7 +125,7 @@ def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
 def test_grouped_gemm_model_shapes(hidden, inter, topk):
-    got_mid, ref_mid, got, ref = _run_case(hidden, inter, 6, topk, 9, 16, seed=hidden)
+    _, _, got, ref = _run_case(hidden, inter, 6, topk, 9, 16, seed=hidden)
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)

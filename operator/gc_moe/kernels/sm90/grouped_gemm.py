@@ -47,6 +47,9 @@ class GemmConfig:
     stages: int = 6
     swiglu_alpha: float = 1.0
     swiglu_clamp: float = 10.0
+    # evict-first L2 policy on the weight copies: off by default, the DSL-assembled LDGSTS with a cache
+    # policy read undefined uniform registers on the H200 (illegal instruction); see docs/sm90-grouped-gemm.md
+    l2_evict_first: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -125,11 +128,11 @@ def _make_kernel(cfg: GemmConfig):
         tile = Int64((e * m_tiles + bx * TILES_PER_CTA + wg) * k_blocks + kb)
         src = w_codes + tile * TILE_BYTES + Int64(t * 32)
         dst = sbase + wg * TILE_BYTES + t * 32
-        ptx.cp_async_16_hint(dst, src, policy)
-        ptx.cp_async_16_hint(dst + 16, src + Int64(16), policy)
+        ptx.cp_async_16_weights(dst, src, policy)
+        ptx.cp_async_16_weights(dst + 16, src + Int64(16), policy)
         if tid < TILES_PER_CTA * 16:
             stile = Int64((e * m_tiles + bx * TILES_PER_CTA + tid // 16) * k_blocks + kb)
-            ptx.cp_async_16_hint(
+            ptx.cp_async_16_weights(
                 sbase + cfg.scale_offset + tid * 16, w_scales + stile * TILE_SCALE_BYTES + Int64((tid % 16) * 16),
                 policy,
             )
@@ -201,7 +204,7 @@ def _make_kernel(cfg: GemmConfig):
         lane = tid % 32
         g = lane // 4
         q = lane % 4
-        policy = ptx.evict_first_policy()
+        policy = ptx.evict_first_policy() if cfg.l2_evict_first else None
         for s in cutlass.range_constexpr(STAGES - 1):
             if s < k_blocks:
                 issue_stage(smem, s, s, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy)
@@ -214,7 +217,7 @@ def _make_kernel(cfg: GemmConfig):
                 issue_stage(smem, nk % STAGES, nk, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy)
             ptx.cp_async_commit()
             compute_stage(smem, kb % STAGES, wg, t, warp, g, q, acc)
-        return tid, wg, warp, lane, g, q
+        return tid, wg, warp, g, q
 
     if W1:
         @cute.kernel
@@ -231,7 +234,7 @@ def _make_kernel(cfg: GemmConfig):
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
                 for i in cutlass.range_constexpr(BN // 2):
                     acc[i] = Float32(0.0)
-                tid, wg, warp, lane, g, q = main_loop(
+                tid, wg, warp, g, q = main_loop(
                     (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
                 factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
@@ -286,7 +289,7 @@ def _make_kernel(cfg: GemmConfig):
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
                 for i in cutlass.range_constexpr(BN // 2):
                     acc[i] = Float32(0.0)
-                tid, wg, warp, lane, g, q = main_loop(
+                _, wg, warp, g, q = main_loop(
                     (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
                 factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
@@ -306,7 +309,7 @@ def _make_kernel(cfg: GemmConfig):
 
 # ---------------------------------------------------------------------------------------------- build
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
-               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64, cute
 
@@ -314,7 +317,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
-    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp)
+    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first)
     kernel = _make_kernel(cfg)
 
     if cfg.role == "w1":
@@ -334,23 +337,26 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
-def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
+            l2_evict_first: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build)."""
     from gc_moe.runtime.jit import KernelVariant
 
     params = {"role": role, "block_n": block_n, "stages": stages}
+    if l2_evict_first:
+        params["l2_evict_first"] = True
     if role == "w1":
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params,
-        promises=("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global.L2::cache_hint"),
+        promises=("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global"),
         local_bytes_budget=0, extra_sources=("gc_moe.kernels.sm90.ptx",),
     )
 
 
-def all_variants():
+def all_variants(**knobs):
     """Every variant CI builds: both roles at every block_n, default SwiGLU (alpha 1, clamp 10)."""
-    return [variant(role, bn) for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
+    return [variant(role, bn, **knobs) for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
 
 
 # ---------------------------------------------------------------------------------------------- launch

@@ -18,7 +18,8 @@ def asm(ptx: str, outs: list, ins: list, *, loc=None, ip=None):
     """Run `ptx` with outputs $0.. of types `outs` followed by inputs; returns None, a value, or a list."""
     in_vals = [v.ir_value(loc=loc, ip=ip) for v in ins]
     constraints = ",".join(["=" + _CONSTRAINT[t] for t in outs] + [_CONSTRAINT[type(v)] for v in ins])
-    kw = dict(has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    kw = {"has_side_effects": True, "is_align_stack": False, "asm_dialect": llvm.AsmDialect.AD_ATT,
+          "loc": loc, "ip": ip}
     if not outs:
         llvm.inline_asm(None, in_vals, ptx, constraints, **kw)
         return None
@@ -35,8 +36,12 @@ def evict_first_policy() -> Int64:
     return asm("createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", [Int64], [])
 
 
-def cp_async_16_hint(dst: Int32, src: Int64, policy: Int64) -> None:
-    asm("cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", [], [dst, src, policy])
+def cp_async_16_weights(dst: Int32, src: Int64, policy) -> None:
+    """16-byte copy of streamed weights; with an L2 policy (createpolicy) when one is given."""
+    if policy is None:
+        asm("cp.async.cg.shared.global [$0], [$1], 16;", [], [dst, src])
+    else:
+        asm("cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, 16, $2;", [], [dst, src, policy])
 
 
 def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32) -> None:
