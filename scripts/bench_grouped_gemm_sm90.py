@@ -226,17 +226,20 @@ def main() -> int:
     ap.add_argument("--sass", action="store_true", help="disassemble each cubin (cuobjdump): QGMMA, LDL/STL counts")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after W1 (locates a failing kernel)")
     ap.add_argument("--l2-hint", action="store_true", help="variants with the evict-first L2 policy (see docs)")
+    ap.add_argument("--stages", type=int, default=6, help="cp.async pipeline depth of the variants to run")
+    ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=os.environ.get("OUT", ".") + "/bench_grouped_gemm_sm90.json")
+    ap.add_argument("--json", default=None, help="where the rows go (default: $OUT/bench_grouped_gemm_sm90_<tag>.json)")
     args = ap.parse_args()
 
     from gc_moe.kernels.sm90 import grouped_gemm as gg
     from gc_moe.runtime import jit
 
     if args.build_only:
-        for v in gg.all_variants() + gg.all_variants(l2_evict_first=True):
+        sets = [{}, {"l2_evict_first": True}] + [{"stages": st} for st in (4, 8)]
+        for v in [v for knobs in sets for v in gg.all_variants(**knobs)]:
             entry = jit.build_variant(v, "sm_90a")
             print(v.describe(), entry.entry_name, entry.resources)
         return 0
@@ -249,7 +252,8 @@ def main() -> int:
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
     kernels = {}
-    for v in gg.all_variants(**({"l2_evict_first": True} if args.l2_hint else {})):
+    knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {})}
+    for v in gg.all_variants(**knobs):
         p = dict(v.params)
         kernels[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
     stream = torch.cuda.Stream()
@@ -267,7 +271,7 @@ def main() -> int:
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device)
-            row = {"model": name, "tokens": tokens, "rows": pt.rows, "active": pt.active,
+            row = {"tag": args.tag or f"s{args.stages}", "model": name, "tokens": tokens, "rows": pt.rows, "active": pt.active,
                    "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes()}
             if pt.rows == 0:
                 row["note"] = "no local pairs"
@@ -301,7 +305,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         del weights, canon
         torch.cuda.empty_cache()
-    with open(args.json, "w") as f:
+    path = args.json or f"{os.environ.get('OUT', '.')}/bench_grouped_gemm_sm90_{args.tag or f's{args.stages}'}.json"
+    with open(path, "w") as f:
         json.dump({"read_bw_bytes_per_s": bw, "rows": rows_out}, f, indent=1)
     print(f"\nread bandwidth (amax, 4 GiB): {bw / 1e12:.2f} TB/s")
     print(f"{'model':22s} {'T':>4s} {'rows':>5s} {'act':>4s} {'bn':>3s} {'MB':>7s} {'floor':>7s} {'cold':>7s} "
