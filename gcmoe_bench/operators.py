@@ -2,8 +2,9 @@
 
 An adapter says whether it can run on a device (``available``) and turns one rank's workload into a zero-argument
 callable that performs one invocation (``prepare``).  The protocol treats every adapter the same: it captures the
-callable in a CUDA graph (when the adapter is ``capturable``) or calls it directly, and times it.  An adapter that is
-not available is recorded by the sweep as ``skipped`` with its reason, never silently dropped.
+callable in a CUDA graph (unless the invocation says it synchronizes with the host: then it is called directly and
+raw.csv records ``cuda-eager``), and times it.  An adapter that is not available is recorded by the sweep as
+``skipped`` with its reason, never silently dropped.
 
 | name         | role      | what it runs                                                                   |
 | ------------ | --------- | ------------------------------------------------------------------------------ |
@@ -32,9 +33,11 @@ ACTIVATION = "swiglu"
 class Invocation:
     """One prepared operator call: ``invocation()`` runs it and writes ``invocation.output`` (bf16 [T, H]) in place."""
 
-    def __init__(self, run: Callable[[], Any], output: torch.Tensor, keep_alive: tuple = ()):
+    def __init__(self, run: Callable[[], Any], output: torch.Tensor, keep_alive: tuple = (), *,
+                 capturable: bool = True):
         self._run = run
         self.output = output
+        self.capturable = capturable  # False: the call synchronizes with the host, so it runs eagerly
         self._keep_alive = keep_alive  # buffers the call reads: they must outlive any graph that captured it
 
     def __call__(self) -> None:
@@ -47,7 +50,6 @@ class OperatorAdapter(ABC):
     name: str = ""
     role: str = "operator"  # "operator", "baseline" or "reference": its natural place in a suite
     summary: str = ""
-    capturable: bool = True  # one invocation may be captured in a CUDA graph (no host synchronization inside)
 
     @abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:
@@ -90,7 +92,6 @@ class ReferenceAdapter(OperatorAdapter):
     name = "reference"
     role = "reference"
     summary = "float32 expert-parallel reference (gc_moe.reference.moe_reference_ep), dispatch by all-to-all"
-    capturable = False  # it exchanges counts on the host before its all-to-all
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         missing = _missing_module("gc_moe.reference")
@@ -110,7 +111,7 @@ class ReferenceAdapter(OperatorAdapter):
                 shared_weights=w.shared if workload.shared_experts else None,
             ))
 
-        return Invocation(run, output)
+        return Invocation(run, output, capturable=False)  # it exchanges counts on the host before its all-to-all
 
 
 class GcAdapter(OperatorAdapter):
@@ -132,10 +133,6 @@ class GcAdapter(OperatorAdapter):
         if lacking:
             return False, f"gc_moe.api lacks {', '.join(lacking)}"
         return True, ""
-
-    @property
-    def capturable(self) -> bool:  # type: ignore[override]
-        return True
 
     def prepare(self, workload: Workload, group: Any) -> Invocation:
         from gc_moe import api as gc_moe
@@ -169,7 +166,10 @@ class GcAdapter(OperatorAdapter):
             def run() -> None:
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
 
-        return Invocation(run, output, keep_alive=(buffer, w1, w2))
+        # the API's reference backend (CPU, or a GPU without a kernel backend) synchronizes with the host
+        backend = getattr(buffer, "backend", "reference")
+        capturable = backend != "reference" and not (workload.shared_experts and not fused_shared)
+        return Invocation(run, output, keep_alive=(buffer, w1, w2), capturable=capturable)
 
 
 class GcUnfusedAdapter(GcAdapter):

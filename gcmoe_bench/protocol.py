@@ -121,10 +121,10 @@ class Runner:
     timing: str  # "cuda-graph", "cuda-eager" or "wall-clock"
 
 
-def make_runner(invocations: Sequence[Invocation], device: torch.device, capturable: bool) -> Runner:
-    """Capture the copies (one invocation each, in sequence) in one CUDA graph when possible."""
+def make_runner(invocations: Sequence[Invocation], device: torch.device) -> Runner:
+    """Capture the copies (one invocation each, in sequence) in one CUDA graph when they allow it."""
     copies = len(invocations)
-    if device.type == "cuda" and capturable:
+    if device.type == "cuda" and all(getattr(i, "capturable", True) for i in invocations):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm up outside the capture, as CUDA graphs require
@@ -177,7 +177,6 @@ def measure(
     ctx: DistContext,
     spec: ProtocolSpec,
     *,
-    capturable: bool,
     flusher: CacheFlusher,
     timer: WindowTimer | None = None,
     on_window: Callable[[int, int], None] | None = None,
@@ -190,7 +189,7 @@ def measure(
     error = None
     runner = None
     try:
-        runner = make_runner(invocations, device, capturable)
+        runner = make_runner(invocations, device)
     except Exception as exc:  # e.g. a capture failure: every rank must hear about it  # noqa: BLE001 - every rank must hear about any failure
         error = f"preparing the timed call failed: {type(exc).__name__}: {exc}"
     ctx.check_in(error)

@@ -7,7 +7,6 @@ progress display; the other ranks are quiet.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
@@ -254,5 +253,4 @@ def _measure(ctx: DistContext, profile: Profile, workload: Workload, operator: s
         error = f"{operator}: prepare failed at {workload.model.name} T={workload.tokens_per_rank}: " \
                 f"{type(exc).__name__}: {exc}"
     ctx.check_in(error)
-    return protocol.measure(invocations, ctx, dataclasses.replace(spec), capturable=adapter.capturable,
-                            flusher=flusher, on_window=on_window)
+    return protocol.measure(invocations, ctx, spec, flusher=flusher, on_window=on_window)

@@ -122,15 +122,16 @@ def build_weights(model: ModelShape, num_ranks: int, rank: int, *, shared_expert
     Expert j's weights depend only on (seed, model, j), so any rank count slices the same layer."""
     from gc_moe import cases
 
+    # quantized on the target device: at production shapes that is far faster than on the host
     l1, l2 = cases.random_moe_weights(
         model.num_experts, model.hidden, model.intermediate, seed=stable_seed(seed, model.name, "experts"),
-        experts=cases.local_experts(model.num_experts, num_ranks, rank))
+        experts=cases.local_experts(model.num_experts, num_ranks, rank), device=device)
     shared = None
     if shared_experts:
         shared = cases.random_shared_expert_weights(model.hidden, model.intermediate,
                                                     seed=stable_seed(seed, model.name, "shared"),
-                                                    recipe=shared_recipe(model))
-    return Weights(l1=_to(l1, device), l2=_to(l2, device), shared=_to(shared, device))
+                                                    recipe=shared_recipe(model), device=device)
+    return Weights(l1=l1, l2=l2, shared=shared)
 
 
 def build_workload(model: ModelShape, tokens_per_rank: int, num_ranks: int, rank: int, *, shared_experts: int,

@@ -65,7 +65,7 @@ def measure_worker(rank: int, port: int, scripts: list[list[float]], out_dir: st
     timer = ScriptedTimer(scripts[rank])
     invocation = CountingInvocation()
     spec = ProtocolSpec(warmup_windows=WARMUP, measured_windows=MEASURED, replays_per_window=REPLAYS)
-    m = protocol.measure([invocation], ctx, spec, capturable=True, flusher=CacheFlusher(ctx.device, 1 << 16),
+    m = protocol.measure([invocation], ctx, spec, flusher=CacheFlusher(ctx.device, 1 << 16),
                          timer=timer)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"window_us": m.window_us, "medians": m.rank_medians_us, "latency": m.latency_us,
@@ -108,7 +108,7 @@ def failing_worker(rank: int, port: int, out_dir: str, where: str) -> None:
         else:
             fail_at = 2 * REPLAYS + 1 if rank == 1 else None  # rank 1 fails in its third window
             spec = ProtocolSpec(warmup_windows=1, measured_windows=4, replays_per_window=REPLAYS)
-            protocol.measure([CountingInvocation(fail_at)], ctx, spec, capturable=False,
+            protocol.measure([CountingInvocation(fail_at)], ctx, spec, 
                              flusher=CacheFlusher(ctx.device, 1 << 16))
     except RemoteRankError as exc:
         outcome = f"remote: {exc}"
