@@ -160,3 +160,23 @@ def test_resume_measures_only_what_is_missing_and_never_overwrites(tmp_path):
     assert again.returncode == 0
     assert len(list((out / "tiny").iterdir())) == 2 and (run_dir / "points.csv").read_text().splitlines(
         keepends=True) == after
+
+
+def test_accuracy_command_writes_accuracy_csv(tmp_path):
+    done = run_cli(["accuracy", "--gpu", "cpu", "--models", "deepseek-v4.1-flash-mini", "--cases",
+                    "boundary_t3,asym_idle_odd_ranks", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "cpu").iterdir()
+    got = rows(run_dir / "accuracy.csv")
+    # 2 cases x (routed, shared) x (gc, gc-unfused)
+    assert [(r["case"], r["shared_experts"], r["operator"]) for r in got] == [
+        (case, shared, op) for case in ("boundary_t3", "asym_idle_odd_ranks") for shared in ("0", "1")
+        for op in ("gc", "gc-unfused")]
+    for r in got:
+        assert r["status"] == "ok" and r["passed"] == "true"
+        assert float(r["cosine"]) >= (0.99 if r["shared_experts"] == "1" else 0.97)
+        assert float(r["processed_diff"]) <= 0.002
+        if r["operator"] == "gc":  # the public API on CPU is the reference backend: bit-identical
+            assert float(r["max_abs_err"]) == 0.0
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["all_passed"] is True and env["command"].startswith("python -m gcmoe_bench accuracy")
