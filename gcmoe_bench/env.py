@@ -79,6 +79,16 @@ def nvml_driver() -> dict[str, Any]:
         return {"driver": None, "cuda_driver": None}
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def local_device_info(device: torch.device) -> dict[str, Any]:
     """This rank's host and device (every rank reports; rank 0 gathers)."""
     info: dict[str, Any] = {"host": socket.gethostname(), "device": str(device)}
@@ -87,7 +97,7 @@ def local_device_info(device: torch.device) -> dict[str, Any]:
         info.update(name=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                     memory_mib=props.total_memory >> 20, l2_bytes=int(props.L2_cache_size))
     else:
-        info.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        info.update(name=_cpu_name(), threads=torch.get_num_threads())
     return info
 
 
@@ -109,7 +119,7 @@ def environment(*, ranks: list[dict[str, Any]], profile: dict[str, Any], command
         "host": socket.gethostname(),
         "profile": profile,
         "command": command,
-        "argv": sys.argv,
+        "argv": sys.argv[1:],  # the arguments; argv[0] is only where this file lives on the machine
         "gate": gate,
         **(extra or {}),
     }
