@@ -180,3 +180,17 @@ def test_accuracy_command_writes_accuracy_csv(tmp_path):
             assert float(r["max_abs_err"]) == 0.0
     env = json.loads((run_dir / "env.json").read_text())
     assert env["all_passed"] is True and env["command"].startswith("python -m gcmoe_bench accuracy")
+
+
+def test_rotate_mode_cycles_cloned_input_sets(tmp_path):
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(TINY_PROFILE)
+    done = run_cli(["sweep", "--gpu", str(profile), "--out", str(tmp_path), "--suite", "routed", "--tokens", "1",
+                    "--l2", "rotate", "--replays", "4"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "tiny").iterdir()
+    raw = rows(run_dir / "raw.csv")
+    # a tiny input set is far below twice any cache: every replay of a window gets its own copy
+    assert raw and all(r["l2_mode"] == "rotate" and r["copies"] == "4" for r in raw)
+    assert {r["operator"] for r in raw} == {"reference", "gc"}
+    assert all(p["l2_mode"] == "rotate" for p in rows(run_dir / "points.csv"))
