@@ -4,9 +4,9 @@ Every metric is computed in float64 over every element of the two tensors (any s
 A tensor holding NaN or Inf makes every metric NaN, so no threshold comparison can pass on it.
 
 Degenerate inputs are defined rather than left to 0/0: two all-zero tensors (or two empty ones) are identical
-(cosine 1, processed difference 0, errors 0); an all-zero tensor against a non-zero one has cosine 0, processed
-difference 1 and relative L2 1 (or inf when the reference is the zero one). A rank with no tokens therefore
-passes vacuously, and an operator that writes zeros where the reference has values fails.
+(cosine 1, processed difference 0, errors 0); an all-zero tensor against a non-zero one has cosine 0,
+processed difference 1 and relative L2 1 (or inf when the reference is the zero one). A rank with no tokens
+therefore passes vacuously, and an operator that writes zeros where the reference has values fails.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def cosine(y: torch.Tensor, y_ref: torch.Tensor) -> float:
 def processed_diff(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     """1 - 2<y, y_ref> / (|y|^2 + |y_ref|^2), which also penalises a norm mismatch; 0 for two zero tensors.
 
-    Evaluated as |y - y_ref|^2 / (|y|^2 + |y_ref|^2), the same value without the cancellation of 1 - (1 - eps).
+    Evaluated as |y - y_ref|^2 / (|y|^2 + |y_ref|^2): the same value, without the cancellation in 1 - (1 - e).
     """
     a, b = _pair_f64(y, y_ref)
     if not _all_finite(a, b):
@@ -113,7 +113,8 @@ class AccuracyResult:
         verdict = "pass" if self.passed else "FAIL (" + "; ".join(self.failures) + ")"
         return (
             f"{verdict}: cosine {self.cosine:.7f} (>= {self.cosine_threshold}), processed diff "
-            f"{self.processed_diff:.3e} (<= {self.processed_diff_threshold}), max abs {self.max_abs_err:.6g}, "
+            f"{self.processed_diff:.3e} (<= {self.processed_diff_threshold}), "
+            f"max abs {self.max_abs_err:.6g}, "
             f"rel L2 {self.rel_l2:.3e}"
         )
 
@@ -130,8 +131,8 @@ def check_accuracy(
 
     y_ref: the FP32 forward on the same quantized inputs and dequantized weights (the processed-difference
     reference). y_unquantized: the BF16 forward on the unquantized inputs and weights; the paper's cosine
-    thresholds (0.97 routed, 0.99 with the shared expert) are stated against it. Without it the cosine floor is
-    applied against y_ref, where it is a looser check. Any NaN or Inf in y or a reference fails.
+    thresholds (0.97 routed, 0.99 with the shared expert) are stated against it. Without it the cosine floor
+    is applied against y_ref, where it is a looser check. Any NaN or Inf in y or a reference fails.
     """
     refs = [y_ref] if y_unquantized is None else [y_ref, y_unquantized]
     for r in refs:
