@@ -34,9 +34,10 @@ class Invocation:
     """One prepared operator call: ``invocation()`` runs it and writes ``invocation.output`` (bf16 [T, H]) in place."""
 
     def __init__(self, run: Callable[[], Any], output: torch.Tensor, keep_alive: tuple = (), *,
-                 capturable: bool = True):
+                 capturable: bool = True, note: str = ""):
         self._run = run
         self.output = output
+        self.note = note  # what results should say about how it ran (e.g. which gc_moe backend)
         self.capturable = capturable  # False: the call synchronizes with the host, so it runs eagerly
         self._keep_alive = keep_alive  # buffers the call reads: they must outlive any graph that captured it
 
@@ -169,7 +170,8 @@ class GcAdapter(OperatorAdapter):
         # the API's reference backend (CPU, or a GPU without a kernel backend) synchronizes with the host
         backend = getattr(buffer, "backend", "reference")
         capturable = backend != "reference" and not (workload.shared_experts and not fused_shared)
-        return Invocation(run, output, keep_alive=(buffer, w1, w2), capturable=capturable)
+        return Invocation(run, output, keep_alive=(buffer, w1, w2), capturable=capturable,
+                          note=f"gc_moe backend: {backend}")
 
 
 class GcUnfusedAdapter(GcAdapter):

@@ -164,6 +164,7 @@ class Measurement:
     spread_us: float  # max - min of the rank medians
     timing: str
     copies: int
+    note: str = ""
 
 
 def aggregate(window_us: list[list[float]], warmup_windows: int) -> tuple[list[float], float, float]:
@@ -214,4 +215,5 @@ def measure(
     window_us = ctx.gather_floats(mine)
     medians, latency, spread = aggregate(window_us, spec.warmup_windows)
     return Measurement(window_us=window_us, warmup_windows=spec.warmup_windows, rank_medians_us=medians,
-                       latency_us=latency, spread_us=spread, timing=runner.timing, copies=len(invocations))
+                       latency_us=latency, spread_us=spread, timing=runner.timing, copies=len(invocations),
+                       note=getattr(invocations[0], "note", ""))

@@ -214,7 +214,7 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
                     baseline_latency[key] = measurement.latency_us
                 base = baseline_latency.get(key)
                 row = _point_row(
-                    profile, model, suite, workload, operator, status="ok", reason="",
+                    profile, model, suite, workload, operator, status="ok", reason=measurement.note,
                     latency_us=measurement.latency_us,
                     rank_medians_us=";".join(f"{m:.3f}" for m in measurement.rank_medians_us),
                     spread_us=measurement.spread_us,
@@ -224,7 +224,7 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
                     writer.append_point(row, _raw_rows(profile, model, suite, tokens, operator, measurement))
                     speed = f" x{base / measurement.latency_us:.3f}" if base and operator != suite.baseline else ""
                     progress.console.print(f"{label}: {measurement.latency_us:.1f} us "
-                                           f"(spread {measurement.spread_us:.1f}){speed}")
+                                           f"(spread {measurement.spread_us:.1f}, {measurement.timing}){speed}")
 
     ctx.check_in(None)
     if ctx.is_main:

@@ -121,6 +121,7 @@ def test_torchrun_sweep_on_two_gloo_ranks(tmp_path):
             assert p["status"] == "skipped" and "needs a CUDA GPU" in p["reason"]
         else:
             assert p["status"] == "ok" and float(p["latency_us"]) > 0
+            assert p["reason"] == ("" if p["operator"] == "reference" else "gc_moe backend: reference")
     env = json.loads((run_dir / "env.json").read_text())
     assert env["command"].startswith("torchrun --nproc-per-node 2 -m gcmoe_bench sweep --gpu")
     assert env["world_size"] == 2 and env["status"] == "complete" and env["profile"]["gpu"] == "tiny"
