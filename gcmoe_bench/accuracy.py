@@ -38,22 +38,23 @@ def unquantized_forward(hidden_states: torch.Tensor, topk_idx: torch.Tensor, top
     from gc_moe import cases
     from gc_moe.reference import swiglu
 
-    x = hidden_states.to(torch.bfloat16).float()
-    y = torch.zeros(x.shape[0], model.hidden)
-    used = sorted(set(topk_idx[topk_idx >= 0].tolist()))
-    if used:
-        w1, w2 = cases.random_moe_weights_float(model.num_experts, model.hidden, model.intermediate,
-                                                seed=expert_seed, experts=used)
-        for j, expert in enumerate(used):
-            rows, slots = (topk_idx == expert).nonzero(as_tuple=True)
-            act = swiglu(x[rows] @ w1[j].to(torch.bfloat16).float().T, alpha=model.activation_alpha,
-                         clamp=model.activation_clamp)
-            y.index_add_(0, rows, topk_weights[rows, slots, None] * (act @ w2[j].to(torch.bfloat16).float().T))
+    device = topk_idx.device
+
+    def bf16(w: torch.Tensor) -> torch.Tensor:
+        return w.to(device=device, dtype=torch.bfloat16).float()
+
+    x = bf16(hidden_states)
+    y = torch.zeros(x.shape[0], model.hidden, device=device)
+    for expert in sorted(set(topk_idx[topk_idx >= 0].tolist())):  # one expert's float weights at a time
+        w1, w2 = cases.random_expert_weights_float(expert, model.hidden, model.intermediate, seed=expert_seed)
+        rows, slots = (topk_idx == expert).nonzero(as_tuple=True)
+        act = swiglu(x[rows] @ bf16(w1).T, alpha=model.activation_alpha, clamp=model.activation_clamp)
+        y.index_add_(0, rows, topk_weights[rows, slots, None] * (act @ bf16(w2).T))
     if shared_seed is not None:
         s1, s2 = cases.random_shared_expert_weights_float(model.hidden, model.intermediate, seed=shared_seed)
-        act = swiglu(x @ s1.to(torch.bfloat16).float().T, alpha=model.activation_alpha, clamp=model.activation_clamp)
-        y += act @ s2.to(torch.bfloat16).float().T
-    return y.to(torch.bfloat16)
+        act = swiglu(x @ bf16(s1).T, alpha=model.activation_alpha, clamp=model.activation_clamp)
+        y += act @ bf16(s2).T
+    return y.to(torch.bfloat16).cpu()
 
 
 def _case_workload(model: ModelShape, inputs: Any, weights: Weights, num_ranks: int, rank: int,
@@ -134,7 +135,8 @@ def _run(ctx, profile: Profile, out_root: Path, operators: list[str], case_filte
                     inputs.topk_weights.to(ctx.device), l1, l2, num_experts=model.num_experts,
                     activation_alpha=model.activation_alpha, activation_clamp=model.activation_clamp,
                     shared_weights=shared if with_shared else None).cpu()
-                y_unq = unquantized_forward(inputs.hidden_states, inputs.topk_idx, inputs.topk_weights, model,
+                y_unq = unquantized_forward(inputs.hidden_states, inputs.topk_idx.to(ctx.device),
+                                            inputs.topk_weights.to(ctx.device), model,
                                             expert_seed=expert_seed, shared_seed=shared_seed if with_shared else None)
                 workload = _case_workload(model, inputs, weights, ctx.world_size, ctx.rank, ctx.device)
                 rows = []

@@ -166,7 +166,7 @@ def profile_from_dict(raw: dict[str, Any], *, layout: str | None = None, source:
 
 
 def validate(profile: Profile, where: str = "profile") -> None:
-    """Checks that span fields (tokens against capacity, ranks against experts, operator names)."""
+    """Checks across fields: tokens against capacity, ranks against experts, operator names."""
     from gcmoe_bench.operators import operator_names  # the registry is the one list of operator names
 
     known = operator_names()
