@@ -1,10 +1,13 @@
 import csv
 import math
+import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from gc_moe.cases import (
     ACCURACY_SUITE,
     CASES_BY_NAME,
@@ -24,7 +27,7 @@ from gc_moe.cases import (
 )
 from gc_moe.formats import dequantize_fp8_ue8m0, dequantize_moe_weights
 from gc_moe.metrics import THRESHOLDS, check_accuracy, cosine
-from gc_moe.reference import moe_reference
+from gc_moe.reference import moe_reference, moe_reference_ep
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -499,3 +502,57 @@ def test_every_case_passes_through_the_reference(num_ranks, small_weights):
         if not pooled_cosine >= THRESHOLDS.cosine_for(shared):
             failures.append(f"{category} shared={shared}: pooled cosine {pooled_cosine} to the unquantized")
     assert not failures, "\n".join(failures)
+
+
+EP_CASES = ("asym_idle_and_empty", "asym_capacity_to_idle_rank", "asym_single_token", "boundary_remote_only")
+EP_RANKS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ep_rank(rank: int, port: int, out_dir: str) -> None:
+    """One gloo rank: builds only its own share of each case and runs the expert-parallel reference."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP_RANKS)
+    try:
+        e, h, i = SMALL.num_experts, SMALL.hidden, SMALL.intermediate
+        l1, l2 = random_moe_weights(e, h, i, seed=SUITE_WEIGHT_SEED, experts=local_experts(e, EP_RANKS, rank))
+        for name in EP_CASES:
+            ci = build_case_inputs(CASES_BY_NAME[name], SMALL, EP_RANKS, rank, shared=False)
+            y = moe_reference_ep(None, ci.x, ci.x_sf, ci.topk_idx, ci.topk_weights, l1, l2, num_experts=e)
+            torch.save(y, f"{out_dir}/{name}.{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cases_run_expert_parallel_on_gloo(tmp_path, small_weights):
+    """Idle senders, empty receivers and an all-zero group through a real all-to-all: each rank's output
+    equals the single-process reference on the union of every rank's share."""
+    mp.spawn(_ep_rank, args=(_free_port(), str(tmp_path)), nprocs=EP_RANKS, join=True)
+    l1, l2 = small_weights["l1_l2"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks ran single-threaded: the same GEMM path gives the same bits
+    try:
+        for name in EP_CASES:
+            parts = [
+                build_case_inputs(CASES_BY_NAME[name], SMALL, EP_RANKS, r, shared=False)
+                for r in range(EP_RANKS)
+            ]
+            x, x_sf, idx, w = (
+                torch.cat([getattr(p, f) for p in parts]) for f in ("x", "x_sf", "topk_idx", "topk_weights")
+            )
+            y_all = moe_reference(x, x_sf, idx, w, l1, l2)
+            start = 0
+            for r, p in enumerate(parts):
+                y = torch.load(tmp_path / f"{name}.{r}.pt")
+                assert y.shape == (p.num_tokens, SMALL.hidden)
+                assert torch.equal(y, y_all[start : start + p.num_tokens]), f"{name} rank {r}"
+                start += p.num_tokens
+    finally:
+        torch.set_num_threads(threads)
+    counts = {n: CASES_BY_NAME[n].tokens_per_rank(EP_RANKS, SMALL.capacity) for n in EP_CASES}
+    assert counts["asym_idle_and_empty"] == (64, 0, 64, 0) and counts["asym_single_token"] == (0, 0, 0, 0)
