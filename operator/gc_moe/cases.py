@@ -187,73 +187,86 @@ def make_routing(
             f"{num_ranks}, {local} each) but topk is {k}; exclude fewer ranks or lower topk"
         )
 
-    if kind == "uniform":
-        idx = _pick_without_repeats(allowed, t, min(k, n), g)
-    elif kind == "balanced":
-        # Consecutive positions t*k + j (mod n) are distinct within a row since k <= n, and T*k consecutive
-        # positions hit every residue floor or ceil(T*k/n) times; a random expert order and a random start
-        # remove the structure, row and slot shuffles below remove the rest.
-        order = allowed[torch.randperm(n, generator=g)]
-        start = int(torch.randint(n, (1,), generator=g))
-        pos = (torch.arange(t).unsqueeze(1) * min(k, n) + torch.arange(min(k, n)) + start) % n
-        idx = order[pos][torch.randperm(t, generator=g)]
-    elif kind == "skewed":
-        hot = _skewed_hot_experts(p, allowed, num_experts, g)
-        probs = torch.full((n,), 0.0, dtype=torch.float64)
-        is_hot = torch.isin(allowed, hot)
-        if not 0.0 < p["hot_mass"] <= 1.0:
-            raise ValueError(f"skewed: hot_mass got {p['hot_mass']}; allowed: (0, 1]")
-        cold = n - hot.numel()
-        if cold == 0 or p["hot_mass"] == 1.0:
-            if hot.numel() < k:
-                raise ValueError(
-                    f"skewed: all mass on {hot.numel()} hot experts cannot fill topk {k} without repeats"
-                )
-            probs[is_hot] = 1.0 / hot.numel()
-        else:
-            probs[is_hot] = p["hot_mass"] / hot.numel()
-            probs[~is_hot] = (1.0 - p["hot_mass"]) / cold
-        idx = (
-            allowed[torch.multinomial(probs.expand(t, n), min(k, n), replacement=False, generator=g)]
-            if t
-            else (torch.empty(0, k, dtype=torch.int64))
-        )
-    elif kind == "concentrated":
-        hot_ranks = _resolve_ranks(p["hot_ranks"], num_ranks, "hot_ranks")
-        hot = allowed[torch.isin(allowed, _experts_of_ranks(hot_ranks, local))]
-        if hot.numel() == 0:
-            raise ValueError(f"concentrated: hot ranks {hot_ranks} have no allowed expert")
-        rest = allowed[~torch.isin(allowed, hot)]
-        m = min(k, hot.numel())
-        if rest.numel() < min(k, n) - m:
-            raise ValueError(
-                f"concentrated: {rest.numel()} experts outside the hot ranks cannot fill {k - m} slots"
-            )
-        idx = torch.cat(
-            [_pick_without_repeats(hot, t, m, g), _pick_without_repeats(rest, t, min(k, n) - m, g)], 1
-        )
-    else:  # fixed_expert
-        expert = p["expert"]
-        if not isinstance(expert, int) or not -num_experts <= expert < num_experts:
-            raise ValueError(
-                f"fixed_expert: expert {expert!r} out of range; allowed: -{num_experts}..{num_experts - 1}"
-            )
-        expert %= num_experts
-        if not bool((allowed == expert).any()):
-            raise ValueError(f"fixed_expert: expert {expert} lives on an excluded rank")
-        first = torch.full((t, 1), expert, dtype=torch.int64)
-        if p["exclusive"]:
-            idx = torch.cat([first, torch.full((t, k - 1), -1, dtype=torch.int64)], 1)
-        else:
-            idx = torch.cat(
-                [first, _pick_without_repeats(allowed[allowed != expert], t, min(k, n) - 1, g)], 1
-            )
-
+    route = _ROUTERS[kind]
+    idx = route(allowed, t, min(k, n), p, g, num_experts=num_experts, local=local, num_ranks=num_ranks)
     if idx.shape[1] < k:  # only_own_rank with fewer local experts than k
         idx = torch.cat([idx, torch.full((t, k - idx.shape[1]), -1, dtype=torch.int64)], 1)
     idx = _shuffle_rows_slots(idx, g)
     idx = _apply_valid_slots(idx, p["valid_slots"], p["invalid_placement"], g)
     return idx, routing_weights(idx, seed=derive_seed(seed, "routing"), temperature=p["weight_temperature"])
+
+
+# Each router returns [T, count] distinct experts per row drawn from `allowed` (count = min(k, n)).
+def _route_uniform(allowed, t, count, p, g, **_):
+    return _pick_without_repeats(allowed, t, count, g)
+
+
+def _route_balanced(allowed, t, count, p, g, **_):
+    # Consecutive positions t*count + j (mod n) are distinct within a row since count <= n, and T*count
+    # consecutive positions hit every residue floor or ceil(T*count/n) times; a random expert order and a
+    # random start remove the structure, the row shuffle here and the slot shuffle after remove the rest.
+    n = allowed.numel()
+    order = allowed[torch.randperm(n, generator=g)]
+    start = int(torch.randint(n, (1,), generator=g))
+    pos = (torch.arange(t).unsqueeze(1) * count + torch.arange(count) + start) % n
+    return order[pos][torch.randperm(t, generator=g)]
+
+
+def _route_skewed(allowed, t, count, p, g, *, num_experts, **_):
+    hot = _skewed_hot_experts(p, allowed, num_experts, g)
+    if not 0.0 < p["hot_mass"] <= 1.0:
+        raise ValueError(f"skewed: hot_mass got {p['hot_mass']}; allowed: (0, 1]")
+    n, is_hot = allowed.numel(), torch.isin(allowed, hot)
+    cold = n - hot.numel()
+    probs = torch.zeros(n, dtype=torch.float64)
+    if cold == 0 or p["hot_mass"] == 1.0:
+        if hot.numel() < count:
+            raise ValueError(f"skewed: all mass on {hot.numel()} hot experts cannot fill {count} slots")
+        probs[is_hot] = 1.0 / hot.numel()
+    else:
+        probs[is_hot] = p["hot_mass"] / hot.numel()
+        probs[~is_hot] = (1.0 - p["hot_mass"]) / cold
+    if t == 0:
+        return torch.empty(0, count, dtype=torch.int64)
+    return allowed[torch.multinomial(probs.expand(t, n), count, replacement=False, generator=g)]
+
+
+def _route_concentrated(allowed, t, count, p, g, *, local, num_ranks, **_):
+    hot_ranks = _resolve_ranks(p["hot_ranks"], num_ranks, "hot_ranks")
+    hot = allowed[torch.isin(allowed, _experts_of_ranks(hot_ranks, local))]
+    if hot.numel() == 0:
+        raise ValueError(f"concentrated: hot ranks {hot_ranks} have no allowed expert")
+    rest = allowed[~torch.isin(allowed, hot)]
+    m = min(count, hot.numel())
+    if rest.numel() < count - m:
+        raise ValueError(
+            f"concentrated: {rest.numel()} experts outside the hot ranks cannot fill {count - m} slots"
+        )
+    return torch.cat([_pick_without_repeats(hot, t, m, g), _pick_without_repeats(rest, t, count - m, g)], 1)
+
+
+def _route_fixed_expert(allowed, t, count, p, g, *, num_experts, **_):
+    expert = p["expert"]
+    if not isinstance(expert, int) or not -num_experts <= expert < num_experts:
+        raise ValueError(
+            f"fixed_expert: expert {expert!r} out of range; allowed: -{num_experts}..{num_experts - 1}"
+        )
+    expert %= num_experts
+    if not bool((allowed == expert).any()):
+        raise ValueError(f"fixed_expert: expert {expert} lives on an excluded rank")
+    first = torch.full((t, 1), expert, dtype=torch.int64)
+    if p["exclusive"]:
+        return torch.cat([first, torch.full((t, count - 1), -1, dtype=torch.int64)], 1)
+    return torch.cat([first, _pick_without_repeats(allowed[allowed != expert], t, count - 1, g)], 1)
+
+
+_ROUTERS = {
+    "uniform": _route_uniform,
+    "balanced": _route_balanced,
+    "skewed": _route_skewed,
+    "concentrated": _route_concentrated,
+    "fixed_expert": _route_fixed_expert,
+}
 
 
 def _skewed_hot_experts(p: dict, allowed: torch.Tensor, num_experts: int, g: torch.Generator) -> torch.Tensor:
