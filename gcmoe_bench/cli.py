@@ -124,9 +124,10 @@ def accuracy(
 ) -> None:
     """Run the accuracy suite (gc_moe.cases.ACCURACY_SUITE) through the operators; write accuracy.csv.
 
-    Each case's output is compared with the float32 reference on the same inputs with gc_moe.metrics
-    (cosine, processed difference, max abs error, relative L2) against the paper's thresholds.
-    Exits 1 when any case fails its threshold."""
+    Each case's output is compared, with gc_moe.metrics and the paper's thresholds, against the float32
+    expert-parallel reference on the same quantized inputs (processed difference, max abs error, relative L2)
+    and against a BF16 forward on the unquantized inputs and weights (cosine). Runs on any number of ranks:
+    torchrun --nproc-per-node 2 -m gcmoe_bench accuracy --gpu cpu. Exits 1 when any case fails."""
     from gcmoe_bench import accuracy as accuracy_module
     from gcmoe_bench import profiles
 
