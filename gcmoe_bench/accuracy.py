@@ -70,12 +70,15 @@ def _case_workload(model: ModelShape, inputs: Any, weights: Weights, num_ranks: 
 
 
 def run_accuracy(profile: Profile, *, out_root: Path, operators: list[str] | None = None,
-                 case_filter: list[str] | None = None, console: Console | None = None) -> bool:
-    """Run the suite on this rank (collective); rank 0 writes accuracy.csv. Returns True when every case passed."""
+                 case_filter: list[str] | None = None, console: Console | None = None,
+                 into: Path | None = None) -> bool:
+    """Run the suite on this rank (collective); rank 0 writes accuracy.csv, in a new run directory under
+    ``out_root`` or, with ``into``, beside the points of an existing sweep run (which must have no accuracy.csv).
+    Returns True when every case passed."""
     ctx = distributed.init_distributed(profile.device, profile.timeout_s)
     try:
         passed = _run(ctx, profile, out_root, list(operators or DEFAULT_OPERATORS), case_filter,
-                      console or Console(stderr=True))
+                      console or Console(stderr=True), into)
     except BaseException as exc:
         distributed.report_failure(ctx, exc)
         distributed.shutdown()
@@ -85,7 +88,7 @@ def run_accuracy(profile: Profile, *, out_root: Path, operators: list[str] | Non
 
 
 def _run(ctx, profile: Profile, out_root: Path, operators: list[str], case_filter: list[str] | None,
-         console: Console) -> bool:
+         console: Console, into: Path | None) -> bool:
     from gc_moe import cases, metrics
     from gc_moe.reference import moe_reference_ep
 
@@ -100,18 +103,25 @@ def _run(ctx, profile: Profile, out_root: Path, operators: list[str], case_filte
     error, run_dir = None, None
     if ctx.is_main:
         try:
-            run_dir = results.create_run_dir(out_root, profile.gpu)
-        except OSError as exc:
-            error = f"cannot create the run directory: {exc}"
+            if into is None:
+                run_dir = results.create_run_dir(out_root, profile.gpu)
+            else:
+                run_dir = results.open_for_resume(into).run_dir
+                if (run_dir / "accuracy.csv").exists():
+                    raise results.RunDirError(f"{run_dir} already has an accuracy.csv; results are never overwritten")
+        except (OSError, results.RunDirError) as exc:
+            error = f"cannot use the run directory: {exc}"
     ctx.check_in(error)
     run_dir = Path(ctx.broadcast_from_main(str(run_dir) if run_dir else None))
     writer = results.RunWriter(run_dir)
     device_info = ctx.gather_objects(local_device_info(ctx.device))
-    if ctx.is_main:
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if ctx.is_main and into is None:
         writer.write_env(environment(
             ranks=device_info, profile=profile.to_dict(), command=invocation_command(), gate="not run (accuracy)",
             extra={"world_size": ctx.world_size, "command_kind": "accuracy", "operators": operators,
-                   "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
+                   "started_utc": started}))
+    if ctx.is_main:
         console.print(f"accuracy: {len(suite)} cases x {len(profile.models)} model(s) x {operators} "
                       f"on {ctx.world_size} rank(s) -> {run_dir}")
 
@@ -170,8 +180,12 @@ def _run(ctx, profile: Profile, out_root: Path, operators: list[str], case_filte
     all_passed = ctx.broadcast_from_main(all_passed)
     if ctx.is_main:
         env = writer.read_env()
-        env.update(status="complete", all_passed=all_passed,
-                   finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        if into is None:
+            env.update(status="complete", all_passed=all_passed, finished_utc=finished)
+        else:  # a sweep's env.json: record the accuracy run beside it, change nothing else
+            env["accuracy"] = {"command": invocation_command(), "world_size": ctx.world_size, "operators": operators,
+                               "all_passed": all_passed, "started_utc": started, "finished_utc": finished}
         writer.write_env(env)
         console.print(f"accuracy {'passed' if all_passed else 'FAILED'}: {writer.accuracy_path}")
     return all_passed

@@ -121,6 +121,8 @@ def accuracy(
     cases: Annotated[list[str] | None, typer.Option(
         help="Only these cases of gc_moe.cases.ACCURACY_SUITE (names or categories).")] = None,
     out: Annotated[Path, typer.Option(help="Results root: writes OUT/<gpu>/<run-id>/accuracy.csv.")] = DEFAULT_RESULTS,
+    into: Annotated[Path | None, typer.Option(
+        help="Write accuracy.csv into this existing sweep run instead (its recorded profile is used).")] = None,
 ) -> None:
     """Run the accuracy suite (gc_moe.cases.ACCURACY_SUITE) through the operators; write accuracy.csv.
 
@@ -132,12 +134,22 @@ def accuracy(
     from gcmoe_bench import profiles
 
     try:
-        profile = profiles.apply_overrides(profiles.load_profile(gpu, layout=layout), models=_split(models))
+        if into is not None:
+            from gcmoe_bench.results import RunDirError, open_for_resume
+
+            try:
+                recorded = open_for_resume(into).read_env()["profile"]
+            except (RunDirError, KeyError) as exc:
+                raise profiles.ProfileError(f"--into {into}: {exc}") from None
+            profile = profiles.profile_from_resolved(recorded)
+        else:
+            profile = profiles.load_profile(gpu, layout=layout)
+        profile = profiles.apply_overrides(profile, models=_split(models))
     except profiles.ProfileError as exc:
         _fail(str(exc))
     try:
         passed = accuracy_module.run_accuracy(profile, out_root=out, operators=_split(operators),
-                                              case_filter=_split(cases), console=console)
+                                              case_filter=_split(cases), console=console, into=into)
     except Exception:  # noqa: BLE001 - the failing rank already printed its error
         raise typer.Exit(1)
     raise typer.Exit(0 if passed else 1)

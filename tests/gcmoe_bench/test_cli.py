@@ -14,7 +14,7 @@ from gcmoe_bench.cli import app
 COMMANDS = {
     "sweep": ["--gpu", "--layout", "--models", "--tokens", "--suite", "--out", "--skip-gate", "--l2", "--resume",
               "--windows", "--warmup", "--replays"],
-    "accuracy": ["--gpu", "--models", "--operators", "--cases", "--out"],
+    "accuracy": ["--gpu", "--models", "--operators", "--cases", "--out", "--into"],
     "report": ["RUN_DIR...", "--out", "--figures-out", "--format", "--no-figures"],
     "compare": ["RUN_DIR", "--baseline", "--tolerance", "--json", "--allow-missing", "--write-baseline"],
     "gate": ["--min-free-mib", "--samples", "--span", "--max-utilization"],

@@ -195,3 +195,24 @@ def test_rotate_mode_cycles_cloned_input_sets(tmp_path):
     assert raw and all(r["l2_mode"] == "rotate" and r["copies"] == "4" for r in raw)
     assert {r["operator"] for r in raw} == {"reference", "gc"}
     assert all(p["l2_mode"] == "rotate" for p in rows(run_dir / "points.csv"))
+
+
+def test_accuracy_into_an_existing_sweep_run(tmp_path):
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(TINY_PROFILE)
+    sweep = run_cli(["sweep", "--gpu", str(profile), "--out", str(tmp_path), "--suite", "routed", "--tokens", "1",
+                     "--windows", "1", "--warmup", "0", "--replays", "1"])
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    (run_dir,) = (tmp_path / "tiny").iterdir()
+    points_before = (run_dir / "points.csv").read_text()
+    first = run_cli(["accuracy", "--into", str(run_dir), "--cases", "boundary_t3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    got = rows(run_dir / "accuracy.csv")
+    assert [(r["model"], r["case"], r["operator"]) for r in got] == [("glm-tiny", "boundary_t3", op)
+                                                                     for _ in range(2) for op in ("gc", "gc-unfused")]
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["accuracy"]["all_passed"] is True and env["status"] == "complete"
+    assert (run_dir / "points.csv").read_text() == points_before
+    second = run_cli(["accuracy", "--into", str(run_dir), "--cases", "boundary_t3"])
+    assert second.returncode == 1 and "already has an accuracy.csv" in second.stderr
+    assert rows(run_dir / "accuracy.csv") == got
