@@ -7,6 +7,7 @@ progress display; the other ranks are quiet.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,6 +43,17 @@ def gate_step(ctx: DistContext, profile: Profile) -> dict[str, Any] | str:
             error = str(exc)
     ctx.check_in(error)
     return verdict or "passed on another node's local rank 0"
+
+
+# the GC-MoE runtime reads its dispatch-partition request from these (one per arch family)
+DISPATCH_ENV_VARS = ("GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS")
+
+
+def apply_dispatch_request(profile: Profile) -> None:
+    """Hand the profile's dispatch SM request to the GC-MoE runtime (a profile targets one GPU kind)."""
+    if profile.dispatch_sm_request is not None:
+        for name in DISPATCH_ENV_VARS:
+            os.environ[name] = str(profile.dispatch_sm_request)
 
 
 def _point_row(profile: Profile, model: ModelShape, suite: SuiteSpec, workload: Workload, operator: str,
@@ -131,6 +143,7 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
         model.experts_per_rank(ctx.world_size)  # a clear error before any work if the experts do not split
     gate_record = gate_step(ctx, profile)
     distributed.bind_device(ctx)
+    apply_dispatch_request(profile)
 
     # ---- the run directory: rank 0 creates (or reopens) it, everyone learns its path
     error = None

@@ -216,3 +216,16 @@ def test_accuracy_into_an_existing_sweep_run(tmp_path):
     second = run_cli(["accuracy", "--into", str(run_dir), "--cases", "boundary_t3"])
     assert second.returncode == 1 and "already has an accuracy.csv" in second.stderr
     assert rows(run_dir / "accuracy.csv") == got
+
+
+def test_dispatch_request_reaches_the_runtime(monkeypatch):
+    from gcmoe_bench.profiles import load_profile
+    from gcmoe_bench.sweep import DISPATCH_ENV_VARS, apply_dispatch_request
+
+    for name in DISPATCH_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    apply_dispatch_request(load_profile("cpu"))  # no request: the runtime keeps its defaults
+    assert not any(name in os.environ for name in DISPATCH_ENV_VARS)
+    for gpu, request in (("b300", "20"), ("h20", "4")):
+        apply_dispatch_request(load_profile(gpu))
+        assert [os.environ[name] for name in DISPATCH_ENV_VARS] == [request, request]
