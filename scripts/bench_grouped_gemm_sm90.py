@@ -227,6 +227,7 @@ def main() -> int:
     ap.add_argument("--sync-each", action="store_true", help="synchronize after W1 (locates a failing kernel)")
     ap.add_argument("--l2-hint", action="store_true", help="variants with the evict-first L2 policy (see docs)")
     ap.add_argument("--stages", type=int, default=6, help="cp.async pipeline depth of the variants to run")
+    ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
@@ -238,7 +239,7 @@ def main() -> int:
     from gc_moe.runtime import jit
 
     if args.build_only:
-        sets = [{}, {"l2_evict_first": True}] + [{"stages": st} for st in (4, 8)]
+        sets = [{}, {"l2_evict_first": True}, {"token_tiles_fastest": False}] + [{"stages": st} for st in (4, 8)]
         for v in [v for knobs in sets for v in gg.all_variants(**knobs)]:
             entry = jit.build_variant(v, "sm_90a")
             print(v.describe(), entry.entry_name, entry.resources)
@@ -252,7 +253,8 @@ def main() -> int:
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
     kernels = {}
-    knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {})}
+    knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {}),
+             **({"token_tiles_fastest": False} if args.experts_fastest else {})}
     for v in gg.all_variants(**knobs):
         p = dict(v.params)
         kernels[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")

@@ -16,7 +16,8 @@ def test_config_errors_name_what_is_allowed():
         gg.GemmConfig("w3")
     with pytest.raises(ValueError, match="multiple of 256"):
         gg.grid(gg.GemmConfig("w2", 8), 320, 4, 8)
-    assert gg.grid(gg.GemmConfig("w1", 16), 4608, 48, 33) == (18, 48, 3)
+    assert gg.grid(gg.GemmConfig("w1", 16), 4608, 48, 33) == (3, 18, 48)  # token tiles fastest
+    assert gg.grid(gg.GemmConfig("w1", 16, token_tiles_fastest=False), 4608, 48, 33) == (18, 48, 3)
 
 
 def test_shared_memory_plan_fits_the_sm():

@@ -50,6 +50,9 @@ class GemmConfig:
     # evict-first L2 policy on the weight copies: off by default, the DSL-assembled LDGSTS with a cache
     # policy read undefined uniform registers on the H200 (illegal instruction); see docs/sm90-grouped-gemm.md
     l2_evict_first: bool = False
+    # token tiles of one weight tile as the fastest grid dimension: CTAs that read the same weights run
+    # side by side, so a second token tile finds them in L2 instead of HBM
+    token_tiles_fastest: bool = True
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -105,7 +108,10 @@ def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple
     """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive."""
     if rows % ROWS_PER_CTA:
         raise ValueError(f"weight rows {rows} must be a multiple of {ROWS_PER_CTA}")
-    return rows // ROWS_PER_CTA, local_experts, max(1, -(-capacity // cfg.block_n))
+    token_tiles = max(1, -(-capacity // cfg.block_n))
+    if cfg.token_tiles_fastest:
+        return token_tiles, rows // ROWS_PER_CTA, local_experts
+    return rows // ROWS_PER_CTA, local_experts, token_tiles
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -225,6 +231,8 @@ def _make_kernel(cfg: GemmConfig):
                    expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
                    k_blocks: Int32, m_tiles: Int32):
             bx, e, bz = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.token_tiles_fastest):
+                bz, bx, e = cute.arch.block_idx()
             off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
             off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
             count = off1 - off0 - bz * BN
@@ -280,6 +288,8 @@ def _make_kernel(cfg: GemmConfig):
                    expert_offsets: Int64, dest_row: Int64, out: Int64,
                    k_blocks: Int32, m_tiles: Int32):
             bx, e, bz = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.token_tiles_fastest):
+                bz, bx, e = cute.arch.block_idx()
             off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
             off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
             count = off1 - off0 - bz * BN
@@ -309,7 +319,8 @@ def _make_kernel(cfg: GemmConfig):
 
 # ---------------------------------------------------------------------------------------------- build
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
-               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False):
+               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
+               token_tiles_fastest: bool = True):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64, cute
 
@@ -317,7 +328,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
-    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first)
+    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest)
     kernel = _make_kernel(cfg)
 
     if cfg.role == "w1":
@@ -338,13 +349,15 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 
 
 def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-            l2_evict_first: bool = False):
+            l2_evict_first: bool = False, token_tiles_fastest: bool = True):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build)."""
     from gc_moe.runtime.jit import KernelVariant
 
     params = {"role": role, "block_n": block_n, "stages": stages}
     if l2_evict_first:
         params["l2_evict_first"] = True
+    if not token_tiles_fastest:
+        params["token_tiles_fastest"] = False
     if role == "w1":
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
@@ -387,7 +400,9 @@ def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     _check_cuda("routing_weight", routing_weight, torch.float32, (rows,))
     _check_cuda("out", out, torch.float8_e4m3fn, (rows, inter))
     _check_cuda("out_scale", out_scale, torch.float32, (rows, inter // 128))
-    cfg = GemmConfig("w1", dict(kernel.entry.variant.params)["block_n"])
+    cfg = GemmConfig(**dict(kernel.entry.variant.params))
+    if cfg.role != "w1":
+        raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
     return launch(kernel, grid(cfg, mat.rows, mat.num_experts, capacity),
                   [ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale),
                    ptr(expert_offsets), ptr(routing_weight), ptr(out), ptr(out_scale),
@@ -411,7 +426,9 @@ def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     _check_cuda("out", out, torch.bfloat16)
     if out.shape[1] != hidden:
         raise ValueError(f"out must be [P, {hidden}], got {tuple(out.shape)}")
-    cfg = GemmConfig("w2", dict(kernel.entry.variant.params)["block_n"])
+    cfg = GemmConfig(**dict(kernel.entry.variant.params))
+    if cfg.role != "w2":
+        raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
     return launch(kernel, grid(cfg, mat.rows, mat.num_experts, capacity),
                   [ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale),
                    ptr(expert_offsets), ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)], stream)
