@@ -45,6 +45,7 @@ class ProtocolSpec:
     replays_per_window: int = 100
     l2: str = "flush"
     flush_bytes: int | None = None  # None: twice the device's last-level cache
+    interleave: bool = False  # measure a point's operators window by window in turn, not one after the other
 
 
 @dataclass(frozen=True)
@@ -355,6 +356,8 @@ def _protocol(table: dict[str, Any], where: str) -> ProtocolSpec:
         raise ProfileError(f"{where}: l2 = {spec.l2!r}; allowed: {', '.join(L2_MODES)}")
     if spec.flush_bytes is not None:
         _positive_int(spec.flush_bytes, "flush_bytes", where)
+    if not isinstance(spec.interleave, bool):
+        raise ProfileError(f"{where}: interleave = {spec.interleave!r}; allowed: true or false")
     return spec
 
 

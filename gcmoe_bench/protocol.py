@@ -182,38 +182,67 @@ def measure(
     timer: WindowTimer | None = None,
     on_window: Callable[[int, int], None] | None = None,
 ) -> Measurement:
-    """Run the protocol on this rank (a collective: every rank calls it for the same point and operator)."""
+    """Run the protocol for one operator on this rank (a collective: every rank calls it for the same point and
+    operator). ``invocations`` holds one invocation, or the rotation copies of ``--l2 rotate``."""
+    return measure_many({"operator": invocations}, ctx, spec, flusher=flusher, timer=timer,
+                        on_window=on_window)["operator"]
+
+
+def measure_many(
+    invocation_sets: dict[str, Sequence[Invocation]],
+    ctx: DistContext,
+    spec: ProtocolSpec,
+    *,
+    flusher: CacheFlusher,
+    timer: WindowTimer | None = None,
+    on_window: Callable[[int, int], None] | None = None,
+) -> dict[str, Measurement]:
+    """Run the protocol for several operators of one point with their windows interleaved: window w of every
+    operator, in order, before window w + 1 of any. Each window is exactly the single-operator window (flush,
+    synchronize, barrier, replays); interleaving only makes slow drifts of the machine (another process, clocks)
+    fall on every operator alike instead of on whichever operator ran while they lasted."""
     device = ctx.device
     replays = spec.replays_per_window
-    if replays % len(invocations):
-        raise ValueError(f"{len(invocations)} rotation copies do not divide {replays} replays per window")
+    for name, invocations in invocation_sets.items():
+        if replays % len(invocations):
+            raise ValueError(f"{name}: {len(invocations)} rotation copies do not divide {replays} replays per window")
     error = None
-    runner = None
+    runners: dict[str, Runner] = {}
     try:
-        runner = make_runner(invocations, device)
-    except Exception as exc:  # e.g. a capture failure: every rank must hear about it  # noqa: BLE001 - every rank must hear about any failure
+        for name, invocations in invocation_sets.items():
+            runners[name] = make_runner(invocations, device)
+    except Exception as exc:  # noqa: BLE001 - e.g. a capture failure: every rank must hear about it
         error = f"preparing the timed call failed: {type(exc).__name__}: {exc}"
     ctx.check_in(error)
     timer = timer or (CudaEventTimer() if device.type == "cuda" else WallClockTimer())
-    total = spec.warmup_windows + spec.measured_windows
-    mine: list[float] = []
-    for window in range(total):
-        flusher.flush()
-        synchronize(device)
-        ctx.check_in(error)  # the barrier: all ranks enter the window together (and stop together on failure)
-        try:
-            timer.start()
-            runner.run(replays)
-            seconds = timer.stop()
-        except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
-            error = f"window {window} failed: {type(exc).__name__}: {exc}"
-            ctx.check_in(error)
-        mine.append(seconds * 1e6 / replays)
-        if on_window:
-            on_window(window + 1, total)
-    ctx.check_in(None)  # matches a rank that failed in the last window, before the gather below
-    window_us = ctx.gather_floats(mine)
-    medians, latency, spread = aggregate(window_us, spec.warmup_windows)
-    return Measurement(window_us=window_us, warmup_windows=spec.warmup_windows, rank_medians_us=medians,
-                       latency_us=latency, spread_us=spread, timing=runner.timing, copies=len(invocations),
-                       note=getattr(invocations[0], "note", ""))
+    windows = spec.warmup_windows + spec.measured_windows
+    total = windows * len(runners)
+    mine: dict[str, list[float]] = {name: [] for name in runners}
+    done = 0
+    for window in range(windows):
+        for name, runner in runners.items():
+            flusher.flush()
+            synchronize(device)
+            ctx.check_in(error)  # the barrier: all ranks enter the window together (and stop together on failure)
+            try:
+                timer.start()
+                runner.run(replays)
+                seconds = timer.stop()
+            except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
+                error = f"window {window} failed: {type(exc).__name__}: {exc}"
+                ctx.check_in(error)
+            mine[name].append(seconds * 1e6 / replays)
+            done += 1
+            if on_window:
+                on_window(done, total)
+    ctx.check_in(None)  # matches a rank that failed in the last window, before the gathers below
+    measurements = {}
+    for name, runner in runners.items():
+        window_us = ctx.gather_floats(mine[name])
+        medians, latency, spread = aggregate(window_us, spec.warmup_windows)
+        invocations = invocation_sets[name]
+        measurements[name] = Measurement(
+            window_us=window_us, warmup_windows=spec.warmup_windows, rank_medians_us=medians, latency_us=latency,
+            spread_us=spread, timing=runner.timing, copies=len(invocations),
+            note=getattr(invocations[0], "note", ""))
+    return measurements

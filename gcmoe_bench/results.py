@@ -7,8 +7,8 @@
 | accuracy.csv  | one per accuracy case and operator, when ``accuracy`` ran                                |
 | env.json      | GPUs, driver, CUDA, torch and package versions, git commit + dirty flag, host, profile, command |
 
-A point's rows are appended only once the point is measured (raw rows first, then its points row), so an
-interrupted sweep leaves whole points behind; ``--resume`` drops raw rows of a point that has no points row and
+A point's rows are appended only once the whole point is measured (per operator: raw rows first, then its
+points row), so an interrupted sweep leaves whole points behind; ``--resume`` drops raw rows of a point that has no points row and
 measures only what points.csv lacks.
 """
 

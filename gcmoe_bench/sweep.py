@@ -209,35 +209,43 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
             workload = build_workload(model, tokens, ctx.world_size, ctx.rank, shared_experts=suite.shared_experts,
                                       weights=weights_cache[model.name], routing=profile.routing,
                                       seed=profile.seed, device=ctx.device)
+            point = f"{model.name} {suite.name} T={tokens}"
+            runnable, outcome = [], {}  # outcome: operator -> (points row, raw rows, console line)
             for operator in todo:
-                label = f"{model.name} {suite.name} T={tokens} {operator}"
-                progress.update(task, description=label)
                 ok, reason = _availability(ctx, operator)
-                if not ok:
-                    row = _point_row(profile, model, suite, workload, operator, status="skipped", reason=reason)
-                    if ctx.is_main:
-                        writer.append_point(row, [])
-                        progress.console.print(f"[yellow]skip[/] {label}: {reason}")
-                    progress.advance(task, windows)
+                if ok:
+                    runnable.append(operator)
                     continue
-                measurement = _measure(ctx, profile, workload, operator, flusher, cache_bytes,
-                                       on_window=lambda *_: progress.advance(task, 1))
-                key = (model.name, suite.name, tokens)
-                if operator == suite.baseline:
-                    baseline_latency[key] = measurement.latency_us
-                base = baseline_latency.get(key)
-                row = _point_row(
-                    profile, model, suite, workload, operator, status="ok", reason=measurement.note,
-                    latency_us=measurement.latency_us,
-                    rank_medians_us=";".join(f"{m:.3f}" for m in measurement.rank_medians_us),
-                    spread_us=measurement.spread_us,
-                    speedup=(base / measurement.latency_us) if base else None,
-                )
-                if ctx.is_main:
-                    writer.append_point(row, _raw_rows(profile, model, suite, tokens, operator, measurement))
-                    speed = f" x{base / measurement.latency_us:.3f}" if base and operator != suite.baseline else ""
-                    progress.console.print(f"{label}: {measurement.latency_us:.1f} us "
-                                           f"(spread {measurement.spread_us:.1f}, {measurement.timing}){speed}")
+                row = _point_row(profile, model, suite, workload, operator, status="skipped", reason=reason)
+                outcome[operator] = (row, [], f"[yellow]skip[/] {point} {operator}: {reason}")
+                progress.advance(task, windows)
+            # interleaved: all operators of the point measured together; else one after the other
+            groups = [runnable] if profile.protocol.interleave else [[op] for op in runnable]
+            for group in groups:
+                if not group:
+                    continue
+                progress.update(task, description=f"{point} {'+'.join(group)}")
+                measured = _measure(ctx, profile, workload, group, flusher, cache_bytes,
+                                    on_window=lambda *_: progress.advance(task, 1))
+                for operator in group:
+                    m = measured[operator]
+                    key = (model.name, suite.name, tokens)
+                    if operator == suite.baseline:
+                        baseline_latency[key] = m.latency_us
+                    base = baseline_latency.get(key)
+                    row = _point_row(
+                        profile, model, suite, workload, operator, status="ok", reason=m.note,
+                        latency_us=m.latency_us, rank_medians_us=";".join(f"{v:.3f}" for v in m.rank_medians_us),
+                        spread_us=m.spread_us, speedup=(base / m.latency_us) if base else None,
+                    )
+                    speed = f" x{base / m.latency_us:.3f}" if base and operator != suite.baseline else ""
+                    line = f"{point} {operator}: {m.latency_us:.1f} us (spread {m.spread_us:.1f}, {m.timing}){speed}"
+                    outcome[operator] = (row, _raw_rows(profile, model, suite, tokens, operator, m), line)
+            if ctx.is_main:  # the whole point at once, in the suite's order (baseline first)
+                for operator in todo:
+                    row, raw, line = outcome[operator]
+                    writer.append_point(row, raw)
+                    progress.console.print(line)
 
     ctx.check_in(None)
     if ctx.is_main:
@@ -249,21 +257,23 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
     return run_dir
 
 
-def _measure(ctx: DistContext, profile: Profile, workload: Workload, operator: str,
-             flusher: protocol.CacheFlusher, cache_bytes: int, on_window) -> protocol.Measurement:
-    adapter = get_operator(operator)
+def _measure(ctx: DistContext, profile: Profile, workload: Workload, operators: list[str],
+             flusher: protocol.CacheFlusher, cache_bytes: int, on_window) -> dict[str, protocol.Measurement]:
+    """Prepare the operators (rotation copies included) on one point's workload and measure them together."""
     spec = profile.protocol
     copies = 1
     if spec.l2 == "rotate":
         copies = protocol.rotation_copies(cache_bytes, workload.nbytes(), spec.replays_per_window)
         copies = min(ctx.gather_objects(copies))  # identical on every rank, so graphs and windows line up
     error = None
-    invocations = []
-    try:
-        workloads = [workload] + [workload.clone() for _ in range(copies - 1)]
-        invocations = [adapter.prepare(w, ctx.data) for w in workloads]
-    except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
-        error = f"{operator}: prepare failed at {workload.model.name} T={workload.tokens_per_rank}: " \
-                f"{type(exc).__name__}: {exc}"
+    invocation_sets: dict[str, list] = {}
+    workloads = [workload] + [workload.clone() for _ in range(copies - 1)]
+    for operator in operators:
+        try:
+            invocation_sets[operator] = [get_operator(operator).prepare(w, ctx.data) for w in workloads]
+        except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
+            error = f"{operator}: prepare failed at {workload.model.name} T={workload.tokens_per_rank}: " \
+                    f"{type(exc).__name__}: {exc}"
+            break
     ctx.check_in(error)
-    return protocol.measure(invocations, ctx, spec, flusher=flusher, on_window=on_window)
+    return protocol.measure_many(invocation_sets, ctx, spec, flusher=flusher, on_window=on_window)

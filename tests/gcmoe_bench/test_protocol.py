@@ -153,3 +153,41 @@ def test_flush_writes_the_whole_buffer_each_time():
     f.flush()
     assert f._buffer.numel() * 4 == 1 << 20
     assert bool((first != f._buffer).all())  # every element rewritten with a new value
+
+
+class OneRank:
+    """The two collectives measure_many needs, for one rank without a process group."""
+
+    device = __import__("torch").device("cpu")
+
+    def check_in(self, error=None):
+        if error:
+            raise RuntimeError(error)
+
+    def gather_floats(self, values):
+        return [list(values)]
+
+
+def test_interleaved_windows_alternate_operators_and_keep_their_own_times():
+    from gcmoe_bench.protocol import measure_many
+
+    order: list[str] = []
+
+    class Logged:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self):
+            order.append(self.name)
+
+    windows = 2 + 3
+    # scripted window times, consumed in call order: window w of A, then window w of B, ...
+    script = [random.uniform(1e-4, 1e-3) for _ in range(2 * windows)]
+    spec = ProtocolSpec(warmup_windows=2, measured_windows=3, replays_per_window=2)
+    got = measure_many({"A": [Logged("A")], "B": [Logged("B")]}, OneRank(), spec,
+                       flusher=CacheFlusher(OneRank.device, 1 << 12), timer=ScriptedTimer(script))
+    assert order == ["A", "A", "B", "B"] * windows  # window by window, each window its 2 replays
+    for k, name in enumerate("AB"):
+        mine = [s * 1e6 / 2 for s in script[k::2]]
+        assert got[name].window_us[0] == pytest.approx(mine)
+        assert got[name].latency_us == pytest.approx(statistics.median(mine[2:]))

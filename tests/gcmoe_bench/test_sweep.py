@@ -101,7 +101,7 @@ def check_points_against_raw(run_dir: Path, ranks: int) -> list[dict[str, str]]:
 
 def test_torchrun_sweep_on_two_gloo_ranks(tmp_path):
     profile = tmp_path / "tiny.toml"
-    profile.write_text(TINY_PROFILE)
+    profile.write_text(TINY_PROFILE.replace("[protocol]\n", "[protocol]\ninterleave = true\n"))
     out = tmp_path / "results"
     done = run_cli(["sweep", "--gpu", str(profile), "--out", str(out)], torchrun=RANKS_TORCHRUN)
     assert done.returncode == 0, done.stderr[-3000:]
