@@ -1,0 +1,467 @@
+"""Role1 of the SM90 GC-MoE layer: dispatch in the communication partition (Algorithm 1, steps 1-3).
+
+One CTA per communication SM (default 4 on SM90), 256 threads. Per replay:
+
+1. count: every CTA counts its share of the (token, slot) assignments per global expert in shared memory;
+2. publish locally: one packed `atom.global.add.u64` of (1 << 32) | count per expert on send_count (also for
+   count 0, so the high word counts contributors); the old low word is the CTA's first position in that
+   expert's list;
+3. routing entries: a second scan writes token * k + slot to the owner's src_index[this rank, local expert,
+   position] through the peer table (`peers`: peer base - local base per rank; world size 1 is rank 0 itself);
+4. grid sync over the dispatch grid only (arrival counter in `control`, reset by role3);
+5. block 0 stores each expert's packed count to its owner's recv_count[parity, this rank, local expert],
+   clears send_count, then the tag-1 barrier: `red.release.sys` on every peer's tag1_arrive[phase], an
+   acquire wait for P arrivals bounded by `timeout_ns` (then `trap`), reset of its own arrival word and
+   a flip of the persistent phase; a second grid sync;
+6. every CTA scans the received counts (experts in order, source ranks in order) into grouped-row offsets;
+   block 0 writes expert_offsets [e + 1], pads the last partial ring block's l1_full_count and releases
+   RING_READY; then each warp pulls grouped rows: the routing entry, the source token's FP8 row and scales
+   from the source rank, converted to the ring's E4M3 + FP32 K128 format, its routing weight, destination row
+   and source word; after the row lands (warp sync) lane 0 adds 1 to the ring block's l1_full_count with
+   `atom.add.release.gpu`. A block is full when it reads BM (generation + 1).
+
+Activation format. The public buffer keeps Listing 1's bytes on every arch: x E4M3 [C, H] with packed UE8M0
+per-32 scales x_sf int32 [C, H/128]. The ring holds what the SM90 grouped GEMM reads: E4M3 with one FP32 scale
+per K128 block. The pull converts: scale = 2^(max of the block's four exponents - 127), and each K32 group's
+bytes are rescaled by 2^(its exponent - the maximum) (E4M3 -> f16 -> f32, exact multiply, one RNE rounding back
+to E4M3). The result is exact unless a value falls below E4M3's subnormal step at the K128 scale (then the
+error is at most half that step, the resolution a K128 quantization has anyway). `convert_k32_to_k128` is the
+host twin.
+
+Kernel parameters (all scalars, in order): `PARAMS`. Host side (no DSL needed): `PARAMS`, `variant`,
+`dispatch_args`, `convert_k32_to_k128`.
+"""
+
+from __future__ import annotations
+
+THREADS = 256
+WARPS = THREADS // 32
+MAX_EXPERTS = 2048  # shared-memory count and prefix arrays
+SMEM_BYTES = 4 * MAX_EXPERTS + 4 * (MAX_EXPERTS + 1) + 4  # counts/cursors, grouped-row prefix, rounded
+DEFAULT_TIMEOUT_S = 3600.0
+
+PARAMS = (
+    ("x", "u64"), ("x_sf", "u64"), ("topk_idx", "u64"), ("topk_weights", "u64"),
+    ("send_count", "u64"), ("recv_count", "u64"), ("src_index", "u64"),
+    ("ring_act", "u64"), ("ring_scale", "u64"), ("routing_weight", "u64"), ("dest_row", "u64"),
+    ("ring_source", "u64"), ("expert_offsets", "u64"), ("l1_full_count", "u64"),
+    ("tag1_arrive", "u64"), ("control", "u64"), ("peers", "u64"),
+    ("num_tokens", "s32"), ("rank", "s32"), ("num_ranks", "s32"), ("num_experts", "s32"), ("topk", "s32"),
+    ("hidden", "s32"), ("capacity", "s32"), ("block_m", "s32"), ("ring_blocks", "s32"), ("timeout_ns", "s64"),
+)
+_POINTER_REGIONS = [name for name, kind in PARAMS if kind == "u64"]
+
+PROMISES = (
+    "atom.global.add.u64",  # packed per-expert publish
+    "atom.shared.add",  # per-CTA counting and cursors
+    "red.release.sys.global.add",  # tag-1 arrival on every peer
+    "ld.acquire.sys",  # tag-1 wait
+    "atom.release.gpu.global.add",  # grid-sync arrival and l1_full_count release
+    "ld.acquire.gpu",  # grid-sync wait
+    "fence.acq_rel.sys",
+    "nanosleep",
+    "trap",  # bounded waits end in a trap
+    "cvt.rn.f16x2.e4m3x2",  # K32 -> K128 conversion of the pulled bytes
+    "cvt.rn.satfinite.e4m3x2.f32",
+)
+
+
+def variant():
+    """The runtime KernelVariant (one binary for every shape: shapes are kernel parameters)."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    return KernelVariant.make("sm90.dispatch", __name__, "build_dispatch", {}, promises=PROMISES,
+                              local_bytes_budget=0, extra_sources=("gc_moe.kernels.sm90.ptx",
+                                                                   "gc_moe.kernels.sm90.layer_layout"))
+
+
+def dispatch_args(ws, shape, num_tokens: int, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Kernel arguments in `PARAMS` order from a workspace (an object with one tensor per region) and its
+    `layer_layout.LayerShape`."""
+    from gc_moe.runtime.launch import i32, i64, ptr
+
+    if not 0 <= num_tokens <= shape.capacity:
+        raise ValueError(f"num_tokens {num_tokens} outside 0..capacity={shape.capacity}")
+    if not 0 <= rank < shape.num_ranks:
+        raise ValueError(f"rank {rank} outside 0..{shape.num_ranks - 1}")
+    if shape.num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts {shape.num_experts}; allowed: at most {MAX_EXPERTS}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    args = [ptr(getattr(ws, name)) for name in _POINTER_REGIONS]
+    args += [i32(num_tokens), i32(rank), i32(shape.num_ranks), i32(shape.num_experts), i32(shape.topk),
+             i32(shape.hidden), i32(shape.capacity), i32(shape.block_m), i32(shape.ring_blocks),
+             i64(int(timeout_s * 1e9))]
+    return args
+
+
+def convert_k32_to_k128(x, x_sf):
+    """Host twin of the pull's conversion: (E4M3 [N, H], packed UE8M0 per-32 int32 [N, H/128]) ->
+    (E4M3 [N, H], FP32 [N, H/128]) with scale 2^(block max exponent - 127) per K128 block."""
+    import torch
+
+    n, h = x.shape
+    if x.dtype != torch.float8_e4m3fn or x_sf.dtype != torch.int32 or tuple(x_sf.shape) != (n, h // 128) or h % 128:
+        raise ValueError(f"need x float8_e4m3fn [N, H] (H % 128 == 0) and x_sf int32 [N, H/128]; got {x.dtype} "
+                         f"{tuple(x.shape)}, {x_sf.dtype} {tuple(x_sf.shape)}")
+    exps = x_sf.contiguous().view(torch.uint8).view(n, h // 128, 4).to(torch.int32)  # little-endian bytes
+    emax = exps.amax(dim=2)
+    shift = (exps - emax[..., None]).to(torch.float32).exp2()  # 2^(e_j - emax) <= 1, exact
+    values = x.float().view(n, h // 128, 4, 32) * shift[..., None]
+    return values.view(n, h).to(torch.float8_e4m3fn), (emax - 127).to(torch.float32).exp2()
+
+
+# ------------------------------------------------------------------------------------------------- device code
+try:
+    import cutlass
+    from cutlass import Float32, Int32, Int64, Uint32, cute
+except ImportError:  # runtime-only machines: the host side above is all they need
+    cute = None
+
+if cute is not None:
+    from gc_moe.kernels.sm90.layer_layout import (
+        BARRIER_PHASE,
+        DISPATCH_SYNC,
+        RECV_PARITY,
+        RING_OVERFLOWS,
+        RING_READY,
+    )
+    from gc_moe.kernels.sm90.ptx import asm
+
+    # ---- memory-model helpers (addresses are Int64 global / Int32 shared)
+    def ld_s32(addr: Int64) -> Int32:
+        return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [Int32], [addr])
+
+    def ld_s32_sys(addr: Int64) -> Int32:
+        """A word a peer wrote (ordered by an earlier system-scope acquire)."""
+        return asm("ld.relaxed.sys.global.b32 $0, [$1];", [Int32], [addr])
+
+    def ld_s64(addr: Int64) -> Int64:
+        return asm("ld.relaxed.gpu.global.b64 $0, [$1];", [Int64], [addr])
+
+    def ld_s64_sys(addr: Int64) -> Int64:
+        return asm("ld.relaxed.sys.global.b64 $0, [$1];", [Int64], [addr])
+
+    def ldg_u32(addr: Int64) -> Uint32:
+        return asm("ld.global.b32 $0, [$1];", [Uint32], [addr])
+
+    def ldg_f32(addr: Int64) -> Float32:
+        return asm("ld.global.f32 $0, [$1];", [Float32], [addr])
+
+    def st_s32(addr: Int64, v: Int32) -> None:
+        asm("st.relaxed.gpu.global.b32 [$0], $1;", [], [addr, v])
+
+    def st_s32_sys(addr: Int64, v: Int32) -> None:
+        asm("st.relaxed.sys.global.b32 [$0], $1;", [], [addr, v])
+
+    def st_s64(addr: Int64, v: Int64) -> None:
+        asm("st.relaxed.gpu.global.b64 [$0], $1;", [], [addr, v])
+
+    def st_s64_sys(addr: Int64, v: Int64) -> None:
+        asm("st.relaxed.sys.global.b64 [$0], $1;", [], [addr, v])
+
+    def stg_u32(addr: Int64, v: Uint32) -> None:
+        asm("st.global.b32 [$0], $1;", [], [addr, v])
+
+    def stg_f32(addr: Int64, v: Float32) -> None:
+        asm("st.global.f32 [$0], $1;", [], [addr, v])
+
+    def ld_acquire_gpu(addr: Int64) -> Int32:
+        return asm("ld.acquire.gpu.global.b32 $0, [$1];", [Int32], [addr])
+
+    def ld_acquire_sys(addr: Int64) -> Int32:
+        return asm("ld.acquire.sys.global.b32 $0, [$1];", [Int32], [addr])
+
+    def st_release_gpu(addr: Int64, v: Int32) -> None:
+        asm("st.release.gpu.global.b32 [$0], $1;", [], [addr, v])
+
+    def atom_add_release_gpu(addr: Int64, v: Int32) -> Int32:
+        return asm("atom.release.gpu.global.add.s32 $0, [$1], $2;", [Int32], [addr, v])
+
+    def atom_add_acq_rel_gpu(addr: Int64, v: Int32) -> Int32:
+        return asm("atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", [Int32], [addr, v])
+
+    def atom_add_s32(addr: Int64, v: Int32) -> None:
+        asm("red.relaxed.gpu.global.add.s32 [$0], $1;", [], [addr, v])
+
+    def atom_add_u64(addr: Int64, v: Int64) -> Int64:
+        return asm("atom.global.add.u64 $0, [$1], $2;", [Int64], [addr, v])
+
+    def red_release_sys(addr: Int64, v: Int32) -> None:
+        asm("red.release.sys.global.add.s32 [$0], $1;", [], [addr, v])
+
+    def fence_sys() -> None:
+        asm("fence.acq_rel.sys;", [], [])
+
+    def fence_gpu() -> None:
+        asm("fence.acq_rel.gpu;", [], [])
+
+    def lds(addr: Int32) -> Int32:
+        return asm("ld.shared.b32 $0, [$1];", [Int32], [addr])
+
+    def sts(addr: Int32, v: Int32) -> None:
+        asm("st.shared.b32 [$0], $1;", [], [addr, v])
+
+    def atom_shared_add(addr: Int32, v: Int32) -> Int32:
+        return asm("atom.shared.add.s32 $0, [$1], $2;", [Int32], [addr, v])
+
+    def bar_sync() -> None:
+        asm("bar.sync 0;", [], [])
+
+    def warp_sync() -> None:
+        asm("bar.warp.sync -1;", [], [])
+
+    def shfl_up(v: Int32, delta: int) -> Int32:
+        return asm(f"shfl.sync.up.b32 $0, $1, {delta}, 0, -1;", [Int32], [v])
+
+    def trap() -> None:
+        asm("trap;", [], [])
+
+    def backoff() -> None:
+        asm("nanosleep.u32 64;", [], [])
+
+    @cute.jit
+    def wait_at_least(addr: Int64, target: Int32, started: Int64, timeout_ns: Int64, system_scope: cutlass.Constexpr):
+        """Acquire-spin until the word at `addr` >= target; trap once `timeout_ns` passed since `started`."""
+        if cutlass.const_expr(system_scope):
+            seen = ld_acquire_sys(addr)
+        else:
+            seen = ld_acquire_gpu(addr)
+        while seen < target:
+            if cute.arch.globaltimer() - started > timeout_ns:
+                trap()
+            backoff()
+            if cutlass.const_expr(system_scope):
+                seen = ld_acquire_sys(addr)
+            else:
+                seen = ld_acquire_gpu(addr)
+
+    @cute.jit
+    def grid_sync(control: Int64, target: Int32, started: Int64, timeout_ns: Int64):
+        """Barrier over this kernel's grid: every CTA adds 1, waits for `target` arrivals (bounded)."""
+        bar_sync()
+        if cute.arch.thread_idx()[0] == 0:
+            fence_sys()  # this CTA's peer stores are ordered before the arrival, whoever passes on
+            atom_add_release_gpu(control + Int64(4 * DISPATCH_SYNC), Int32(1))
+            wait_at_least(control + Int64(4 * DISPATCH_SYNC), target, started, timeout_ns, False)
+        bar_sync()
+
+    def convert_word(v: Uint32, multiplier: Float32) -> Uint32:
+        """Four E4M3 bytes times a power of two (<= 1), rounded once back to E4M3 (RNE, saturating)."""
+        return asm(
+            "{\n.reg .b16 lo, hi, a, b, c, d;\n.reg .b32 h01, h23;\n.reg .f32 fa, fb, fc, fd;\n"
+            "mov.b32 {lo, hi}, $1;\n"
+            "cvt.rn.f16x2.e4m3x2 h01, lo;\ncvt.rn.f16x2.e4m3x2 h23, hi;\n"
+            "mov.b32 {a, b}, h01;\nmov.b32 {c, d}, h23;\n"
+            "cvt.f32.f16 fa, a;\ncvt.f32.f16 fb, b;\ncvt.f32.f16 fc, c;\ncvt.f32.f16 fd, d;\n"
+            "mul.f32 fa, fa, $2;\nmul.f32 fb, fb, $2;\nmul.f32 fc, fc, $2;\nmul.f32 fd, fd, $2;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, fb, fa;\ncvt.rn.satfinite.e4m3x2.f32 hi, fd, fc;\n"
+            "mov.b32 $0, {lo, hi};\n}",
+            [Uint32], [v, multiplier])
+
+    def imax(a: Int32, b: Int32) -> Int32:
+        return asm("max.s32 $0, $1, $2;", [Int32], [a, b])
+
+    def bits_to_f32(bits: Int32) -> Float32:
+        return asm("mov.b32 $0, $1;", [Float32], [bits])
+
+    @cute.kernel
+    def dispatch_kernel(x: Int64, x_sf: Int64, topk_idx: Int64, topk_weights: Int64, send_count: Int64,
+                        recv_count: Int64, src_index: Int64, ring_act: Int64, ring_scale: Int64,
+                        routing_weight: Int64, dest_row: Int64, ring_source: Int64, expert_offsets: Int64,
+                        l1_full_count: Int64, tag1_arrive: Int64, control: Int64, peers: Int64,
+                        num_tokens: Int32, rank: Int32, num_ranks: Int32, num_experts: Int32, topk: Int32,
+                        hidden: Int32, capacity: Int32, block_m: Int32, ring_blocks: Int32, timeout_ns: Int64):
+        tid = cute.arch.thread_idx()[0]
+        bid = cute.arch.block_idx()[0]
+        nblocks = cute.arch.grid_dim()[0]
+        started = cute.arch.globaltimer()
+        smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint())
+        counts = smem  # int32 [MAX_EXPERTS]: counts, then this CTA's cursor per expert
+        prefix = smem + 4 * MAX_EXPERTS  # int32 [E + 1]: first grouped row of (local expert, source rank)
+        local_experts = num_experts // num_ranks
+        entries = capacity * topk
+        assignments = num_tokens * topk
+        stride = nblocks * THREADS
+
+        # 1. count this CTA's assignments per global expert
+        g = tid
+        while g < num_experts:
+            sts(counts + 4 * g, Int32(0))
+            g = g + THREADS
+        bar_sync()
+        a = bid * THREADS + tid
+        while a < assignments:
+            ge = Int32(ld_s64(topk_idx + Int64(a) * 8))
+            if ge >= 0:
+                atom_shared_add(counts + 4 * ge, Int32(1))
+            a = a + stride
+        bar_sync()
+        # 2. packed publish on the local send counter; the old low word is this CTA's first position
+        g = tid
+        while g < num_experts:
+            c = lds(counts + 4 * g)
+            old = atom_add_u64(send_count + Int64(g) * 8, (Int64(1) << 32) | Int64(c))
+            sts(counts + 4 * g, Int32(old & Int64(0xFFFFFFFF)))
+            g = g + THREADS
+        bar_sync()
+        # 3. routing entries to their owners
+        a = bid * THREADS + tid
+        while a < assignments:
+            ge = Int32(ld_s64(topk_idx + Int64(a) * 8))
+            if ge >= 0:
+                pos = atom_shared_add(counts + 4 * ge, Int32(1))
+                owner = ge // local_experts
+                le = ge - owner * local_experts
+                peer = ld_s64(peers + Int64(owner) * 8)
+                slot = Int64((rank * local_experts + le) * entries + pos)
+                st_s32_sys(src_index + peer + slot * 4, a)
+            a = a + stride
+        # 4. grid sync over the dispatch grid
+        grid_sync(control, nblocks, started, timeout_ns)
+        parity = ld_s32(control + Int64(4 * RECV_PARITY))
+        # 5. block 0: counts to their owners, then the tag-1 barrier
+        if bid == 0:
+            g = tid
+            while g < num_experts:
+                packed = ld_s64(send_count + Int64(g) * 8)
+                owner = g // local_experts
+                le = g - owner * local_experts
+                peer = ld_s64(peers + Int64(owner) * 8)
+                st_s64_sys(recv_count + peer + Int64((parity * num_ranks + rank) * local_experts + le) * 8, packed)
+                st_s64(send_count + Int64(g) * 8, Int64(0))
+                g = g + THREADS
+            bar_sync()
+            if tid == 0:
+                phase = ld_s32(control + Int64(4 * BARRIER_PHASE))
+                fence_sys()
+                r = Int32(0)
+                while r < num_ranks:
+                    red_release_sys(tag1_arrive + ld_s64(peers + Int64(r) * 8) + Int64(phase) * 4, Int32(1))
+                    r = r + 1
+                wait_at_least(tag1_arrive + Int64(phase) * 4, num_ranks, started, timeout_ns, True)
+                st_s32(tag1_arrive + Int64(phase) * 4, Int32(0))  # this phase's next use is two barriers away
+                st_s32(control + Int64(4 * BARRIER_PHASE), phase ^ 1)
+        grid_sync(control, 2 * nblocks, started, timeout_ns)
+
+        # 6a. grouped-row prefix over (local expert, source rank): warp 0, one chunk per lane
+        segments = local_experts * num_ranks
+        if tid < 32:
+            chunk = (segments + 31) // 32
+            lo = tid * chunk
+            total = Int32(0)
+            i = lo
+            while i < lo + chunk and i < segments:
+                le = i // num_ranks
+                src = i - le * num_ranks
+                total = total + Int32(ld_s64_sys(recv_count + Int64((parity * num_ranks + src) * local_experts
+                                                                     + le) * 8) & Int64(0xFFFFFFFF))
+                i = i + 1
+            inclusive = total
+            for d in (1, 2, 4, 8, 16):
+                up = shfl_up(inclusive, d)
+                if tid >= d:
+                    inclusive = inclusive + up
+            run = inclusive - total
+            i = lo
+            while i < lo + chunk and i < segments:
+                le = i // num_ranks
+                src = i - le * num_ranks
+                sts(prefix + 4 * i, run)
+                run = run + Int32(ld_s64_sys(recv_count + Int64((parity * num_ranks + src) * local_experts
+                                                                + le) * 8) & Int64(0xFFFFFFFF))
+                i = i + 1
+            if tid == 31:
+                sts(prefix + 4 * segments, inclusive)
+        bar_sync()
+        received = lds(prefix + 4 * segments)
+        ring_rows = ring_blocks * block_m
+        rows = received
+        if rows > ring_rows:
+            rows = ring_rows  # never write past the ring; role3's output shows the loss, RING_OVERFLOWS counts it
+        if bid == 0:
+            le = tid
+            while le <= local_experts:
+                start = lds(prefix + 4 * le * num_ranks)
+                if start > rows:
+                    start = rows
+                st_s32(expert_offsets + Int64(le) * 4, start)
+                le = le + THREADS
+            bar_sync()
+            if tid == 0:
+                if received > ring_rows:
+                    atom_add_s32(control + Int64(4 * RING_OVERFLOWS), Int32(1))
+                tail = rows % block_m
+                if tail != 0:
+                    atom_add_release_gpu(l1_full_count + Int64((rows // block_m) % ring_blocks) * 4, block_m - tail)
+                fence_gpu()
+                st_release_gpu(control + Int64(4 * RING_READY), Int32(1))
+
+        # 6b. pull: one grouped row per warp at a time
+        warp = tid // 32
+        lane = tid % 32
+        k_blocks = hidden // 128
+        r = bid * WARPS + warp
+        while r < rows:
+            lo = Int32(0)
+            hi = segments
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if lds(prefix + 4 * mid) <= r:
+                    lo = mid
+                else:
+                    hi = mid
+            le = lo // num_ranks
+            src = lo - le * num_ranks
+            entry = ld_s32_sys(src_index + Int64((src * local_experts + le) * entries + r - lds(prefix + 4 * lo)) * 4)
+            token = entry // topk
+            slot = entry - token * topk
+            peer = ld_s64(peers + Int64(src) * 8)
+            x_row = x + peer + Int64(token) * Int64(hidden)
+            sf_row = x_sf + peer + Int64(token) * Int64(k_blocks * 4)
+            dst = ring_act + Int64(r) * Int64(hidden)
+            group = lane // 8
+            kb = Int32(0)
+            while kb < k_blocks:
+                word = ldg_u32(sf_row + Int64(kb) * 4)
+                e0 = Int32(word & Uint32(0xFF))
+                e1 = Int32((word >> 8) & Uint32(0xFF))
+                e2 = Int32((word >> 16) & Uint32(0xFF))
+                e3 = Int32(word >> 24)
+                emax = imax(imax(e0, e1), imax(e2, e3))
+                mine = Int32((word >> (8 * group)) & Uint32(0xFF))
+                shift = emax - mine
+                if shift > 126:
+                    shift = Int32(126)
+                multiplier = bits_to_f32((127 - shift) << 23)  # 2^-(emax - mine)
+                v = ldg_u32(x_row + Int64(kb * 128 + 4 * lane))
+                stg_u32(dst + Int64(kb * 128 + 4 * lane), convert_word(v, multiplier))
+                if lane == 0:
+                    stg_f32(ring_scale + (Int64(r) * Int64(k_blocks) + Int64(kb)) * 4, bits_to_f32(emax << 23))
+                kb = kb + 1
+            if lane == 0:
+                stg_f32(routing_weight + Int64(r) * 4, ldg_f32(topk_weights + peer + Int64(entry) * 4))
+                st_s32(dest_row + Int64(r) * 4, slot * capacity + token)
+                st_s32(ring_source + Int64(r) * 4, (src * capacity + token) * topk + slot)
+            warp_sync()  # the whole row precedes lane 0's release
+            if lane == 0:
+                atom_add_release_gpu(l1_full_count + Int64((r // block_m) % ring_blocks) * 4, Int32(1))
+            r = r + nblocks * WARPS
+
+    @cute.jit
+    def _launch_dispatch(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                         a8: Int64, a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64,
+                         a15: Int64, a16: Int64, num_tokens: Int32, rank: Int32, num_ranks: Int32,
+                         num_experts: Int32, topk: Int32, hidden: Int32, capacity: Int32, block_m: Int32,
+                         ring_blocks: Int32, timeout_ns: Int64):
+        dispatch_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, num_tokens, rank,
+                        num_ranks, num_experts, topk, hidden, capacity, block_m, ring_blocks, timeout_ns).launch(
+            grid=(1, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES)
+
+    def build_dispatch(arch: str = "sm_90a"):
+        from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+        if arch != "sm_90a":
+            raise ValueError(f"the SM90 dispatch is built for sm_90a only, not {arch!r}")
+        args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
+        return CompileRequest(_launch_dispatch, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=SMEM_BYTES))

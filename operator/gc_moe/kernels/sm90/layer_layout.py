@@ -1,0 +1,251 @@
+"""The symmetric workspace of one SM90 GC-MoE layer: its typed region table and the host twins of its arithmetic.
+
+One allocation per layer (`gc_moe.runtime.workspace`), the same offsets on every rank:
+
+| group | region | dtype, shape | written by | read by |
+| --- | --- | --- | --- | --- |
+| inputs | x, x_sf, topk_idx, topk_weights | fp8 [C, H], int32 [C, H/128], int64 [C, k], f32 [C, k] | caller | role1 (peers pull) |
+| routing | send_count | int64 [E] | role1 (local packed atomics) | role1 block 0 |
+| routing | recv_count | int64 [2, P, e] | role1 of every source (peer store) | role1 pull, role3 |
+| routing | src_index | int32 [P, e, C k] | role1 of every source (peer store) | role1 pull |
+| token ring | ring_act, ring_scale | fp8 [R, H], f32 [R, H/128] | role1 pull | role2 W1 |
+| token ring | routing_weight, dest_row, ring_source | f32 [R], int32 [R], int32 [R] | role1 pull | role2 |
+| token ring | expert_offsets | int32 [e + 1] | role1 block 0 | role2 |
+| L2 input | l2_act, l2_scale | fp8 [R, I], f32 [R, I/128] | role2 W1 | role2 W2 |
+| combine | combine | bf16 [k + 1, C, H] | role2 W2 of every owner (lane k: shared) | role3 |
+| signals | l1_full_count, l1_empty_count, l2_empty_count | int32 [B] | role1 / role2 | role2 / role1 |
+| signals | l2_full_mask | int64 [B] | role2 | role2 |
+| signals | tag1_arrive, combine_ready | int32 [2] each | peers (release, system scope) | role1 / role3 |
+| signals | control | int32 [CONTROL_WORDS] | roles 1 and 3 | roles 1 and 3 |
+| signals | peers | int64 [MAX_PEERS] | host once | roles 1 and 3 |
+
+C = capacity (tokens per rank), E experts, e = E/P local experts, B ring blocks of BM rows, R = B BM ring rows.
+Grouped row r of this replay (experts in order, within an expert the source ranks in order) lives in ring row
+r mod R; its logical pool block L = r // BM sits in ring block L mod B with generation L // B, and is full
+when l1_full_count of that ring block reaches BM (generation + 1). Today B covers the whole pool (the grouped
+GEMM reads rows by their flat index, so the generation is always 0 within a replay); role3 resets every ring
+signal for the next replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gc_moe.runtime.workspace import MAX_PEERS, Region, WorkspaceLayout
+
+K128 = 128
+# control words (int32) of the `control` region
+RECV_PARITY = 0  # parity of recv_count / combine_ready this replay uses; role3 flips it
+BARRIER_PHASE = 1  # tag-1 barrier phase; role1 flips it after passing
+DISPATCH_SYNC = 2  # role1's grid-sync arrivals this replay; role3 resets it
+RING_READY = 3  # 1 once role1 wrote expert_offsets (release); role3 resets it
+FINALIZE_DONE = 4  # role3 CTAs done; the last one flips the parity and resets it
+ARRIVAL_ERRORS = 5  # cumulative: receive counts whose contributor count was not the dispatch grid
+RECEIVED_ROWS = 6  # cumulative: grouped rows received (statistics)
+RING_OVERFLOWS = 7  # cumulative: replays whose grouped rows exceeded the ring (rows past it are dropped)
+REPLAYS = 8  # cumulative: replays finalized
+CONTROL_WORDS = 16
+PACKED_CONTRIBUTOR = 1 << 32  # high word of a packed count: one dispatch CTA's contribution
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The compile- and allocation-time shape of one layer on one rank."""
+
+    num_ranks: int
+    num_experts: int
+    topk: int
+    hidden: int
+    intermediate: int
+    capacity: int  # tokens per rank
+    block_m: int  # ring block rows (the grouped GEMM's block_n)
+    num_shared_experts: int = 0
+
+    def __post_init__(self):
+        problems = []
+        for name in ("num_ranks", "num_experts", "topk", "hidden", "intermediate", "capacity", "block_m"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                problems.append(f"{name}: got {v!r}; allowed: an int >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+        if self.num_ranks > MAX_PEERS:
+            problems.append(f"num_ranks: got {self.num_ranks}; allowed: at most {MAX_PEERS} (peer table)")
+        if self.num_experts % self.num_ranks:
+            problems.append(f"num_experts {self.num_experts} must be a multiple of num_ranks {self.num_ranks}")
+        if self.hidden % K128 or self.intermediate % K128:
+            problems.append(f"hidden {self.hidden} and intermediate {self.intermediate} must be multiples of 128")
+        if self.num_shared_experts not in (0, 1):
+            problems.append(f"num_shared_experts: got {self.num_shared_experts}; allowed: 0 or 1 (combine lane k)")
+        if self.topk + self.num_shared_experts > 32:
+            problems.append(f"topk + shared = {self.topk + self.num_shared_experts}; allowed: at most 32")
+        if self.capacity * self.topk >= 1 << 31 or self.max_rows >= 1 << 31:
+            problems.append("capacity * topk * num_ranks must fit an int32 row index")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def max_rows(self) -> int:
+        """Most grouped rows one rank can receive: C P min(k, e) (a token meets each expert at most once)."""
+        return self.capacity * self.num_ranks * min(self.topk, self.num_experts // self.num_ranks)
+
+    @property
+    def ring_blocks(self) -> int:
+        """Ring blocks covering the whole pool of one replay (no reuse within a replay yet)."""
+        return max(1, math.ceil(self.max_rows / self.block_m))
+
+    @property
+    def ring_rows(self) -> int:
+        return self.ring_blocks * self.block_m
+
+    @property
+    def entries_per_source(self) -> int:
+        """Routing entries one source rank may write for one local expert (its tokens' slots)."""
+        return self.capacity * self.topk
+
+    @property
+    def combine_lanes(self) -> int:
+        return self.topk + self.num_shared_experts
+
+
+def layer_regions(shape: LayerShape) -> list[Region]:
+    """The region table, in allocation order (see the module docstring)."""
+    s = shape
+    c, h, k, e, p, r, b = s.capacity, s.hidden, s.topk, s.local_experts, s.num_ranks, s.ring_rows, s.ring_blocks
+    return [
+        Region("x", "float8_e4m3fn", (c, h)),
+        Region("x_sf", "int32", (c, h // K128)),
+        Region("topk_idx", "int64", (c, k)),
+        Region("topk_weights", "float32", (c, k)),
+        Region("send_count", "int64", (s.num_experts,)),
+        Region("recv_count", "int64", (2, p, e)),
+        Region("src_index", "int32", (p, e, s.entries_per_source)),
+        Region("ring_act", "float8_e4m3fn", (r, h)),
+        Region("ring_scale", "float32", (r, h // K128)),
+        Region("routing_weight", "float32", (r,)),
+        Region("dest_row", "int32", (r,)),
+        Region("ring_source", "int32", (r,)),
+        Region("expert_offsets", "int32", (e + 1,)),
+        Region("l2_act", "float8_e4m3fn", (r, s.intermediate)),
+        Region("l2_scale", "float32", (r, s.intermediate // K128)),
+        Region("combine", "bfloat16", (s.combine_lanes, c, h)),
+        Region("l1_full_count", "int32", (b,)),
+        Region("l1_empty_count", "int32", (b,)),
+        Region("l2_empty_count", "int32", (b,)),
+        Region("l2_full_mask", "int64", (b,)),
+        Region("tag1_arrive", "int32", (2,)),
+        Region("combine_ready", "int32", (2,)),
+        Region("control", "int32", (CONTROL_WORDS,)),
+        Region("peers", "int64", (MAX_PEERS,)),
+    ]
+
+
+def layer_layout(shape: LayerShape) -> WorkspaceLayout:
+    return WorkspaceLayout(layer_regions(shape))
+
+
+def peer_offsets(peer_bases: list[int], local_base: int) -> list[int]:
+    """The `peers` region's content: peer base - local base per rank (a kernel adds it to a local address)."""
+    if not 1 <= len(peer_bases) <= MAX_PEERS:
+        raise ValueError(f"{len(peer_bases)} peers; allowed: 1..{MAX_PEERS}")
+    return [b - local_base for b in peer_bases] + [0] * (MAX_PEERS - len(peer_bases))
+
+
+# ------------------------------------------------------------------------------------------------ ring arithmetic
+def ring_slot(logical_block: int, ring_blocks: int) -> tuple[int, int]:
+    """(ring block, generation) of logical pool block `logical_block`."""
+    if logical_block < 0 or ring_blocks < 1:
+        raise ValueError(f"logical block {logical_block} / ring blocks {ring_blocks}: need >= 0 and >= 1")
+    return logical_block % ring_blocks, logical_block // ring_blocks
+
+
+def ring_row(grouped_row: int, shape: LayerShape) -> int:
+    """Ring row holding grouped row `grouped_row` of this replay."""
+    return grouped_row % shape.ring_rows
+
+
+def expected_l1_full_count(generation: int, block_m: int) -> int:
+    """The value of a ring block's l1_full_count once its `generation`-th filling is complete."""
+    if generation < 0:
+        raise ValueError(f"generation {generation} < 0")
+    return block_m * (generation + 1)
+
+
+def l1_full_counts_after_dispatch(rows: int, shape: LayerShape) -> list[int]:
+    """Every ring block's l1_full_count after role1 pulled `rows` grouped rows: one per landed row, plus the
+    padding of the last partial block (so a full block always reads BM (generation + 1))."""
+    if not 0 <= rows <= shape.ring_rows:
+        raise ValueError(f"rows {rows} outside 0..{shape.ring_rows}")
+    counts = [0] * shape.ring_blocks
+    for r in range(rows):
+        counts[(r // shape.block_m) % shape.ring_blocks] += 1
+    if rows % shape.block_m:
+        counts[(rows // shape.block_m) % shape.ring_blocks] += shape.block_m - rows % shape.block_m
+    return counts
+
+
+def blocks_of_tile(first_row: int, rows: int, block_m: int) -> range:
+    """Logical blocks a consumer tile of grouped rows [first_row, first_row + rows) must acquire."""
+    if rows < 1:
+        return range(0)
+    return range(first_row // block_m, (first_row + rows - 1) // block_m + 1)
+
+
+def packed_send_count(counts_per_cta: list[int]) -> int:
+    """send_count of one expert after every dispatch CTA added (1 << 32) | its count (also 0)."""
+    return sum(PACKED_CONTRIBUTOR | c for c in counts_per_cta)
+
+
+def unpack_count(packed: int) -> tuple[int, int]:
+    """(contributors, tokens) of a packed count."""
+    return packed >> 32, packed & 0xFFFFFFFF
+
+
+def expected_arrivals(dispatch_ctas: int) -> int:
+    """Contributors every (source rank, local expert) receive count must show: the source's dispatch grid."""
+    return dispatch_ctas
+
+
+def expected_arrivals_per_expert(dispatch_ctas: int, num_ranks: int) -> int:
+    """Contributors summed over the source ranks of one local expert: dispatch_sms P (Section 4.6)."""
+    return dispatch_ctas * num_ranks
+
+
+def grouped_layout(topk_idx_per_rank: list, shape: LayerShape, owner: int):
+    """Host twin of role1's grouped order on rank `owner`, from every rank's topk_idx (lists or tensors [T_r, k]).
+
+    Returns (expert_offsets [e + 1], segments) where segments[(local expert, source rank)] = (first grouped row,
+    sorted list of token * k + slot). Within a segment the kernel's order is not fixed (atomics); the set is.
+    """
+    e, k = shape.local_experts, shape.topk
+    lists = {}
+    for src, idx in enumerate(topk_idx_per_rank):
+        rows = idx.tolist() if hasattr(idx, "tolist") else idx
+        for t, row in enumerate(rows):
+            for j, g in enumerate(row):
+                if g >= 0 and g // e == owner:
+                    lists.setdefault((g % e, src), []).append(t * k + j)
+    offsets, segments, row = [], {}, 0
+    for le in range(e):
+        offsets.append(row)
+        for src in range(len(topk_idx_per_rank)):
+            entries = sorted(lists.get((le, src), []))
+            segments[(le, src)] = (row, entries)
+            row += len(entries)
+    offsets.append(row)
+    return offsets, segments
+
+
+def dest_row(token: int, slot: int, shape: LayerShape) -> int:
+    """Row of the source rank's combine buffer [k + 1, C, H] a grouped row's W2 partial goes to."""
+    return slot * shape.capacity + token
+
+
+def ring_source(src_rank: int, token: int, slot: int, shape: LayerShape) -> int:
+    """The ring_source word of a grouped row: src_rank C k + token k + slot."""
+    return (src_rank * shape.capacity + token) * shape.topk + slot
