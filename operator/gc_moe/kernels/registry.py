@@ -58,3 +58,13 @@ def sm90_grouped_gemm(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
         from gc_moe.kernels.sm90 import grouped_gemm  # imports without the DSL; kernels are built lazily
 
         yield from grouped_gemm.all_variants()
+
+
+@family
+def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
+    """Roles 1 and 3 of the SM90 layer (dispatch, finalize): one binary each, shapes are kernel parameters."""
+    if arch == "sm_90a":
+        from gc_moe.kernels.sm90 import dispatch, finalize  # import without the DSL; built lazily
+
+        yield dispatch.variant()
+        yield finalize.variant()
