@@ -231,6 +231,9 @@ def test_weights_are_validated(ready):
         api.transform_weights_for_gc_moe(w1, w2)
     with pytest.raises(ValueError, match=r"arch: got 'sm80'; allowed: None \(from the device\) or one of"):
         api.transform_weights_for_gc_moe(l1, l2, arch="sm80")
+    # a bare tensor is not a (data, scales) pair: its torch `.layout` must not be taken for a weight layout tag
+    with pytest.raises(TypeError, match=r"l1_weights: expected a \(int8 data, int32 scales\) pair, got Tensor"):
+        api.transform_weights_for_gc_moe(l1[0], l2)
 
 
 def test_shared_weights_required_when_the_buffer_has_them(moe_weights):

@@ -51,8 +51,9 @@ class LayoutTaggedWeights(tuple):
 
 
 def layout_of(weights) -> str:
-    """The layout tag of a weight tuple; an untagged tuple is taken to be canonical."""
-    return getattr(weights, "layout", CANONICAL)
+    """The layout tag of a weight tuple; an untagged tuple is taken to be canonical. Only a
+    LayoutTaggedWeights carries a tag (a torch.Tensor has a `.layout` too: torch.strided, not ours)."""
+    return weights.layout if isinstance(weights, LayoutTaggedWeights) else CANONICAL
 
 
 def arch_module(arch: str):
