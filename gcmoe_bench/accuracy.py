@@ -75,16 +75,10 @@ def run_accuracy(profile: Profile, *, out_root: Path, operators: list[str] | Non
     """Run the suite on this rank (collective); rank 0 writes accuracy.csv, in a new run directory under
     ``out_root`` or, with ``into``, beside the points of an existing sweep run (which must have no accuracy.csv).
     Returns True when every case passed."""
-    ctx = distributed.init_distributed(profile.device, profile.timeout_s)
-    try:
-        passed = _run(ctx, profile, out_root, list(operators or DEFAULT_OPERATORS), case_filter,
-                      console or Console(stderr=True), into)
-    except BaseException as exc:
-        distributed.report_failure(ctx, exc)
-        distributed.shutdown()
-        raise
-    distributed.shutdown()
-    return passed
+    return distributed.run_collective(
+        profile.device, profile.timeout_s,
+        lambda ctx: _run(ctx, profile, out_root, list(operators or DEFAULT_OPERATORS), case_filter,
+                         console or Console(stderr=True), into))
 
 
 def _run(ctx, profile: Profile, out_root: Path, operators: list[str], case_filter: list[str] | None,

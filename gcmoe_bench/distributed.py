@@ -5,8 +5,8 @@ measurements; CPU tensors only, so it never touches a GPU and works before any C
 the idle gate runs), and the *data* group handed to operators (NCCL on GPUs, the gloo group on CPU).
 
 Every wait is bounded: both groups carry the profile's timeout, so a rank that dies mid-collective makes the
-others fail with a timeout instead of hanging. Under torchrun a rank that exits non-zero also makes the agent
-stop the others. Ranks that are still alive learn *which* rank failed and why through ``check_in``.
+others fail with a timeout instead of hanging. Under torchrun a rank that exits non-zero also makes torchrun's
+elastic agent stop the others. Ranks that are still alive learn *which* rank failed and why through ``check_in``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import contextlib
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 class RemoteRankError(RuntimeError):
@@ -148,3 +151,17 @@ def report_failure(ctx: DistContext | None, exc: BaseException) -> None:
     who = f"rank {ctx.rank}/{ctx.world_size}" if ctx else "gcmoe-bench"
     kind = "" if isinstance(exc, RemoteRankError) else f"{type(exc).__name__}: "
     print(f"[{who}] error: {kind}{exc}", file=sys.stderr, flush=True)
+
+
+def run_collective(device_kind: str, timeout_s: float, body: Callable[[DistContext], T]) -> T:
+    """Join the job, run ``body(ctx)`` on this rank and tear the groups down. A failure is reported on this
+    rank's stderr and re-raised after the teardown, so every rank ends with its own clear line."""
+    ctx = init_distributed(device_kind, timeout_s)
+    try:
+        result = body(ctx)
+    except BaseException as exc:
+        report_failure(ctx, exc)
+        shutdown()
+        raise
+    shutdown()
+    return result

@@ -119,15 +119,9 @@ def _availability(ctx: DistContext, operator: str) -> tuple[bool, str]:
 def run_sweep(profile: Profile, *, out_root: Path, resume: Path | None = None,
               console: Console | None = None) -> Path:
     """Run (or resume) a sweep on this rank; returns the run directory. Collective over the torchrun job."""
-    ctx = distributed.init_distributed(profile.device, profile.timeout_s)
-    try:
-        run_dir = _run(ctx, profile, out_root=out_root, resume=resume, console=console)
-    except BaseException as exc:
-        distributed.report_failure(ctx, exc)
-        distributed.shutdown()
-        raise
-    distributed.shutdown()
-    return run_dir
+    return distributed.run_collective(
+        profile.device, profile.timeout_s,
+        lambda ctx: _run(ctx, profile, out_root=out_root, resume=resume, console=console))
 
 
 def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | None,
