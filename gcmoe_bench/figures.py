@@ -221,21 +221,13 @@ def paper_figure(spec: FigureSpec, points: pd.DataFrame) -> Figure:
         rows = rows.sort_values("tokens_per_rank")
         colour = colour_of(operator)
         measured_in = f"measured {source}" + (f", {suite} suite" if several_suites else "")
-        latency_axes.plot(
-            rows["tokens_per_rank"],
-            rows["latency_us"],
-            linestyle="--",
-            marker="x",
-            color=colour,
-            label=f"{operator_name(operator)} ({measured_in})",
-        )
+        # measured lines are dashed with x markers, beside the published solid ones
+        measured_style = {"linestyle": "--", "marker": "x", "color": colour}
+        latency_axes.plot(rows["tokens_per_rank"], rows["latency_us"], **measured_style,
+                          label=f"{operator_name(operator)} ({measured_in})")
         if not rows["operator"].eq(rows["baseline"]).all():
             speedup_axes.plot(
-                rows["tokens_per_rank"],
-                rows["speedup"],
-                linestyle="--",
-                marker="x",
-                color=colour,
+                rows["tokens_per_rank"], rows["speedup"], **measured_style,
                 label=f"{operator_name(operator)} vs {operator_name(rows['baseline'].iloc[0])} ({measured_in})",
             )
         tokens += rows["tokens_per_rank"].astype(int).tolist()
