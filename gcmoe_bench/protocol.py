@@ -205,7 +205,8 @@ def measure_many(
     replays = spec.replays_per_window
     for name, invocations in invocation_sets.items():
         if replays % len(invocations):
-            raise ValueError(f"{name}: {len(invocations)} rotation copies do not divide {replays} replays per window")
+            raise ValueError(f"{name}: {len(invocations)} rotation copies do not divide {replays} replays per window; "
+                             f"allowed: a replay count that is a multiple of {len(invocations)}")
     error = None
     runners: dict[str, Runner] = {}
     try:

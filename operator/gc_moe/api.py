@@ -213,7 +213,10 @@ def _canonical_shapes(l1_weights, l2_weights) -> tuple[int, int, int]:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"{name}: expected a (int8 data, int32 scales) pair, got {type(pair).__name__}")
         if not all(isinstance(p, torch.Tensor) for p in pair):
-            raise TypeError(f"{name}: data and scales must be tensors")
+            raise TypeError(
+                f"{name}: got ({', '.join(type(p).__name__ for p in pair)}); allowed: two torch.Tensor "
+                f"(int8 data, int32 scales)"
+            )
     data1, _ = l1_weights
     if data1.dim() != 3:
         raise ValueError(f"l1_weights data: shape {list(data1.shape)}; allowed: [E, 2I, H/2] (int8, 3-D)")

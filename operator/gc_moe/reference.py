@@ -101,7 +101,9 @@ def _check_expert_weights(l1_weights: WeightPair, l2_weights: WeightPair, hidden
 
 def _check_shared(shared: SharedExpertWeights | None, hidden: int) -> None:
     if shared is not None and shared.hidden != hidden:
-        raise ValueError(f"shared-expert weights have hidden size {shared.hidden}, activations have {hidden}")
+        raise ValueError(
+            f"shared-expert weights have hidden size {shared.hidden}; allowed: the activations' hidden size {hidden}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- the math

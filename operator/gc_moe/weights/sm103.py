@@ -136,7 +136,9 @@ def _check_pair(name: str, pair) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"{name}: expected a (data, scales) pair, got {type(pair).__name__}")
     data, sf = pair
     if not isinstance(data, torch.Tensor) or not isinstance(sf, torch.Tensor):
-        raise TypeError(f"{name}: data and scales must be tensors")
+        raise TypeError(
+            f"{name}: got ({type(data).__name__}, {type(sf).__name__}); allowed: two torch.Tensor (data, scales)"
+        )
     if data.dim() != 3 or sf.dim() != 3:
         raise ValueError(
             f"{name}: data and scales must be 3-D [experts, rows, ...], got {tuple(data.shape)} and {tuple(sf.shape)}"
