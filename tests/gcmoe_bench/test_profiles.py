@@ -33,7 +33,7 @@ def test_table4_models_match_the_paper():
 def test_shipped_profiles_load():
     assert {"b300", "h20", "h200", "cpu"} <= set(available_profiles())
     b300 = load_profile("b300")
-    assert b300.num_ranks == 8 and b300.tokens_per_rank == PAPER_TOKENS and b300.dispatch_sm_request == 20
+    assert b300.num_ranks == 8 and b300.tokens_per_rank == PAPER_TOKENS and b300.dispatch_sm_request == 16
     assert [m.name for m in b300.models] == ["glm-5.2", "deepseek-v4.1-flash"]
     assert [(s.name, s.baseline, s.operators) for s in b300.suites] == [
         ("routed", "deepgemm", ("gc",)), ("shared", "deepgemm", ("gc",))]

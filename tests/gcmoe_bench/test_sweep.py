@@ -226,6 +226,6 @@ def test_dispatch_request_reaches_the_runtime(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     apply_dispatch_request(load_profile("cpu"))  # no request: the runtime keeps its defaults
     assert not any(name in os.environ for name in DISPATCH_ENV_VARS)
-    for gpu, request in (("b300", "20"), ("h20", "4")):
+    for gpu, request in (("b300", "16"), ("h20", "4")):
         apply_dispatch_request(load_profile(gpu))
         assert [os.environ[name] for name in DISPATCH_ENV_VARS] == [request, request]
