@@ -265,12 +265,16 @@ def test_quantize_moe_weights_shapes_and_per_expert_bytes():
         torch.int32,
     )
     for expert in range(e):  # stacking is per expert: each slice equals quantizing that expert alone
-        assert torch.equal(l1[expert], f.quantize_fp4_ue8m0(w1[expert])[0])
-        assert torch.equal(l2_sf[expert], f.quantize_fp4_ue8m0(w2[expert])[1])
+        for got, want in zip((l1[expert], l1_sf[expert]), f.quantize_fp4_ue8m0(w1[expert]), strict=True):
+            assert torch.equal(got, want)
+        for got, want in zip((l2[expert], l2_sf[expert]), f.quantize_fp4_ue8m0(w2[expert]), strict=True):
+            assert torch.equal(got, want)
     d1, d2 = f.dequantize_moe_weights((l1, l1_sf), (l2, l2_sf))
-    assert torch.equal(d1, f.dequantize_fp4_ue8m0(l1, l1_sf)) and d2.shape == (e, h, i)
+    assert torch.equal(d1, f.dequantize_fp4_ue8m0(l1, l1_sf))
+    assert torch.equal(d2, f.dequantize_fp4_ue8m0(l2, l2_sf))
     # MXFP4 keeps every value within half a grid step (at most 1 unit of scale) and the scale is <= amax/3
     assert float((d1 - w1).abs().max()) <= float(w1.abs().max()) / 3
+    assert float((d2 - w2).abs().max()) <= float(w2.abs().max()) / 3
 
 
 @pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 128, 128)])

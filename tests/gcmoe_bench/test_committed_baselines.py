@@ -5,6 +5,7 @@ whose first compared point was slowed beyond the tolerance."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,14 @@ def test_committed_run_passes_its_baseline(baseline, tmp_path):
     json_out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["compare", str(run_dir), "--baseline", str(baseline), "--json", str(json_out)])
     assert result.exit_code == 0, result.output
-    assert json_out.stat().st_size > 0
+    # one dashboard entry per baseline row, each value the run's own speedup (the baseline was made from it)
+    entries = {e["name"]: e["value"] for e in json.loads(json_out.read_text())}
+    table = pd.read_csv(baseline)
+    assert len(entries) == len(table)
+    for row in table.itertuples():
+        where = f"{row.gpu}/{row.model}/{row.suite}: {row.operator} vs {row.baseline}"
+        name = f"{where}, {int(row.tokens_per_rank)} tokens/rank" if row.kind == "point" else f"{where}, mean speedup"
+        assert entries[name] == pytest.approx(row.speedup, abs=1e-6), name
 
 
 @pytest.mark.parametrize("baseline", BASELINES, ids=lambda p: p.stem)
@@ -54,4 +62,7 @@ def test_doctored_run_fails_its_baseline(baseline, tmp_path):
     points.to_csv(doctored / "points.csv", index=False)
     result = CliRunner().invoke(app, ["compare", str(doctored), "--baseline", str(baseline)])
     assert result.exit_code == 1, result.output
-    assert "slower" in result.output
+    doctored_point = points.loc[row]
+    slower = [line for line in result.output.splitlines() if line.rstrip(" │").endswith("slower")]
+    assert any(doctored_point.model in line and f" {doctored_point.tokens_per_rank} " in line for line in slower), (
+        result.output)
