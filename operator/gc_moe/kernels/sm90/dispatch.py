@@ -29,7 +29,7 @@ error is at most half that step, the resolution a K128 quantization has anyway).
 host twin.
 
 Kernel parameters (all scalars, in order): `PARAMS`. Host side (no DSL needed): `PARAMS`, `variant`,
-`dispatch_args`, `convert_k32_to_k128`.
+`dispatch_args`, `convert_k32_to_k128`, `reference_dispatch` (the host twin of the ring role1 fills).
 """
 
 from __future__ import annotations
@@ -109,6 +109,49 @@ def convert_k32_to_k128(x, x_sf):
     shift = (exps - emax[..., None]).to(torch.float32).exp2()  # 2^(e_j - emax) <= 1, exact
     values = x.float().view(n, h // 128, 4, 32) * shift[..., None]
     return values.view(n, h).to(torch.float8_e4m3fn), (emax - 127).to(torch.float32).exp2()
+
+
+def reference_dispatch(shape, owner: int, xs, x_sfs, topk_idxs, topk_weights):
+    """Host twin of what role1 leaves on rank `owner`: the grouped rows in the canonical order (experts, then
+    source ranks, then token * k + slot ascending; the kernel's order within one (expert, source) segment is
+    not fixed). Inputs are per source rank (lists of tensors). Returns a dict with expert_offsets int32 [e + 1],
+    ring_act E4M3 [N, H], ring_scale f32 [N, H/128], routing_weight f32 [N], dest_row int32 [N],
+    ring_source int32 [N], l1_full_count int32 [ring blocks]."""
+    import torch
+
+    from gc_moe.kernels.sm90 import layer_layout as ll
+
+    offsets, segments = ll.grouped_layout(topk_idxs, shape, owner)
+    k = shape.topk
+    src_rank, token, slot = [], [], []
+    for le in range(shape.local_experts):
+        for src in range(shape.num_ranks):
+            for entry in segments[(le, src)][1]:
+                src_rank.append(src)
+                token.append(entry // k)
+                slot.append(entry % k)
+    n, h = len(token), shape.hidden
+    if n > shape.ring_rows:
+        raise ValueError(f"{n} grouped rows exceed the ring's {shape.ring_rows}")
+    act = torch.empty(n, h, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(n, h // 128, dtype=torch.float32)
+    weight = torch.empty(n, dtype=torch.float32)
+    for src in range(shape.num_ranks):
+        rows = [i for i in range(n) if src_rank[i] == src]
+        if not rows:
+            continue
+        toks = torch.tensor([token[i] for i in rows])
+        a, s = convert_k32_to_k128(xs[src][toks].cpu(), x_sfs[src][toks].cpu())
+        act[rows], scale[rows] = a, s
+        weight[rows] = topk_weights[src].cpu()[toks, torch.tensor([slot[i] for i in rows])]
+    return {
+        "expert_offsets": torch.tensor(offsets, dtype=torch.int32),
+        "ring_act": act, "ring_scale": scale, "routing_weight": weight,
+        "dest_row": torch.tensor([ll.dest_row(t, j, shape) for t, j in zip(token, slot)], dtype=torch.int32),
+        "ring_source": torch.tensor([ll.ring_source(r, t, j, shape) for r, t, j in zip(src_rank, token, slot)],
+                                    dtype=torch.int32),
+        "l1_full_count": torch.tensor(ll.l1_full_counts_after_dispatch(n, shape), dtype=torch.int32),
+    }
 
 
 # ------------------------------------------------------------------------------------------------- device code
@@ -377,14 +420,12 @@ if cute is not None:
         received = lds(prefix + 4 * segments)
         ring_rows = ring_blocks * block_m
         rows = received
-        if rows > ring_rows:
-            rows = ring_rows  # never write past the ring; role3's output shows the loss, RING_OVERFLOWS counts it
+        rows = min(rows, ring_rows)  # never write past the ring; role3's output shows the loss, RING_OVERFLOWS counts it
         if bid == 0:
             le = tid
             while le <= local_experts:
                 start = lds(prefix + 4 * le * num_ranks)
-                if start > rows:
-                    start = rows
+                start = min(start, rows)
                 st_s32(expert_offsets + Int64(le) * 4, start)
                 le = le + THREADS
             bar_sync()

@@ -249,3 +249,43 @@ def dest_row(token: int, slot: int, shape: LayerShape) -> int:
 def ring_source(src_rank: int, token: int, slot: int, shape: LayerShape) -> int:
     """The ring_source word of a grouped row: src_rank C k + token k + slot."""
     return (src_rank * shape.capacity + token) * shape.topk + slot
+
+
+# ------------------------------------------------------------------------------------------------ host setup
+STATE_REGIONS = ("send_count", "recv_count", "l1_full_count", "l1_empty_count", "l2_empty_count", "l2_full_mask",
+                 "tag1_arrive", "combine_ready", "control")
+
+
+class LocalWorkspace:
+    """The layer's regions as views of one plain tensor (single process, tests); a
+    `gc_moe.runtime.workspace.SymmetricWorkspace` of the same layout serves P ranks."""
+
+    def __init__(self, layout: WorkspaceLayout, device="cpu"):
+        import torch
+
+        self.layout = layout
+        self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.base = self.buffer.data_ptr()
+        self.peer_bases = [self.base]
+        self.rank, self.world_size = 0, 1
+        self.views = {}
+        for r in layout.regions:
+            start = layout.offsets[r.name]
+            self.views[r.name] = self.buffer[start:start + r.nbytes].view(getattr(torch, r.dtype)).view(r.shape)
+
+    def __getattr__(self, name: str):
+        views = self.__dict__.get("views", {})
+        if name in views:
+            return views[name]
+        raise AttributeError(name)
+
+
+def initialize_state(ws) -> None:
+    """Zero every signal and counter (once, before the first replay; replays keep them consistent themselves)
+    and write the peer table from the workspace's peer bases."""
+    import torch
+
+    for name in STATE_REGIONS:
+        getattr(ws, name).zero_()
+    offsets = peer_offsets([int(b) for b in ws.peer_bases], int(ws.base))
+    ws.peers.copy_(torch.tensor(offsets, dtype=torch.int64))

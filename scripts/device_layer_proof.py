@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Roles 1 and 3 of the SM90 GC-MoE layer on one GPU (P = 1), around a torch stand-in for role2.
+
+Per token count: role1 (dispatch, a kernel node in the communication green context) fills the token ring;
+the stand-in (torch on the capture stream: the grouped GEMM's numerics in float32, W1 + SwiGLU + routing
+weight + E4M3 K128 requant + W2, BF16 partials scattered to combine rows) reads exactly the ring the
+grouped GEMM reads; role3 (finalize, a kernel node in the compute green context) combines into y. Checks:
+
+1. eager run, stopped after role1: the ring against `dispatch.reference_dispatch` (expert offsets exact;
+   every grouped row, matched by its source word: E4M3 bytes, FP32 scales, routing weight, destination row;
+   l1_full_count per ring block);
+2. the whole layer eagerly: y against the host twin (same stand-in on the twin's ring, `combine_reference`),
+   every element within one BF16 rounding of its partials, and against `gc_moe.reference` (float32 Eq. (1): cosine and
+   processed difference at the paper's thresholds);
+3. the layer captured once (child graphs of the kernel nodes attached to a torch CUDA graph with the
+   stand-in between them), replayed --replays times with no host work: every replay's y equal to the eager
+   y bit for bit (counted on the device), control words (arrival errors, ring overflows, replays, rows);
+4. a short table.
+
+Role1 and the stand-in do not overlap here (the stand-in follows role1 in the capture); the overlap needs
+role2 as a ring consumer (docs/sm90-layer.md). Needs the dispatch and finalize cubins in the cache:
+
+    python -c "from gc_moe.runtime.jit import build_profile; build_profile('sm_90a', {})"   # CPU, then carry
+    PYTHONPATH=operator python scripts/device_layer_proof.py --replays 1000 --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+import torch
+from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128, quantize_fp8_k128
+from gc_moe.kernels.sm90 import dispatch, finalize
+from gc_moe.kernels.sm90 import layer_layout as ll
+
+ALPHA, CLAMP = 1.0, 10.0
+
+
+# ------------------------------------------------------------------------------------------------ role2 stand-in
+def grouped_ffn_standin(ring_act, ring_scale, expert_offsets, routing_weight, w1f, w2f, alpha=ALPHA, clamp=CLAMP):
+    """The grouped GEMM's result per ring row, in float32 torch, without host synchronization (capturable).
+
+    ring_act E4M3 [R, H], ring_scale f32 [R, H/128], expert_offsets int32 [e + 1] (rows of expert j:
+    [off[j], off[j + 1])), routing_weight f32 [R]; w1f [e, 2I, H] (rows [gate; up]), w2f [e, H, I] float32.
+    Returns (partials bf16 [R, H], valid bool [R]); rows past off[e] are not valid.
+    """
+    rows, inter = ring_act.shape[0], w1f.shape[1] // 2
+    r = torch.arange(rows, device=ring_act.device, dtype=torch.int32)
+    expert = torch.searchsorted(expert_offsets[1:].contiguous(), r, right=True)
+    valid = r < expert_offsets[-1]
+    x = dequantize_fp8_k128(ring_act, ring_scale)
+    out = torch.zeros(rows, w2f.shape[1], dtype=torch.float32, device=ring_act.device)
+    for le in range(w1f.shape[0]):
+        gu = x @ w1f[le].T
+        gate, up = gu[:, :inter].clamp(max=clamp), gu[:, inter:].clamp(-clamp, clamp)
+        a = gate * torch.sigmoid(alpha * gate) * up * routing_weight[:, None]
+        a = dequantize_fp8_k128(*quantize_fp8_k128(a))  # the W1 epilogue's E4M3 K128 requant
+        out = torch.where((expert == le)[:, None], a @ w2f[le].T, out)
+    return out.to(torch.bfloat16), valid
+
+
+def scatter_partials(partials, valid, dest_row, combine_scratch):
+    """Rows' partials into combine_scratch [lanes * C + 1, H] at dest_row; invalid rows go to the last row."""
+    trash = combine_scratch.shape[0] - 1
+    dest = torch.where(valid, dest_row.long(), torch.full_like(dest_row, trash, dtype=torch.long))
+    combine_scratch.index_copy_(0, dest, partials)
+
+
+def dequantized_weights(l1, l2, device):
+    w1 = torch.stack([dequantize_fp4_ue8m0(l1[0][j], l1[1][j]) for j in range(l1[0].shape[0])]).to(device)
+    w2 = torch.stack([dequantize_fp4_ue8m0(l2[0][j], l2[1][j]) for j in range(l2[0].shape[0])]).to(device)
+    return w1, w2
+
+
+# ------------------------------------------------------------------------------------------------ the proof
+class Layer:
+    def __init__(self, shape: ll.LayerShape, args):
+        import torch.distributed as dist
+        from gc_moe.runtime import jit
+        from gc_moe.runtime.partition import get_partitions
+        from gc_moe.runtime.workspace import SymmetricWorkspace
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+        self.shape, self.args = shape, args
+        self.parts = get_partitions()
+        self.dispatch_ctas = self.parts.describe()["comm_sms"]
+        self.finalize_ctas = min(self.parts.describe()["compute_sms"], 64)
+        self.ws = SymmetricWorkspace(ll.layer_layout(shape))
+        ll.initialize_state(self.ws)
+        self.k_dispatch = jit.load_kernel(dispatch.variant(), "sm_90a")
+        self.k_finalize = jit.load_kernel(finalize.variant(), "sm_90a")
+        self.scratch = torch.zeros(shape.combine_lanes * shape.capacity + 1, shape.hidden, dtype=torch.bfloat16,
+                                   device="cuda")
+        torch.cuda.synchronize()
+
+    def standin(self, w1f, w2f):
+        ws = self.ws
+        partials, valid = grouped_ffn_standin(ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight,
+                                              w1f, w2f)
+        scatter_partials(partials, valid, ws.dest_row, self.scratch)
+        ws.combine.view(-1, self.shape.hidden).copy_(self.scratch[:-1])
+
+    def graphs(self, y, num_tokens):
+        from gc_moe.runtime.graph import ChildGraph
+
+        timeout = self.args.timeout_s
+        g1 = ChildGraph()
+        g1.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
+                      dispatch.dispatch_args(self.ws, self.shape, num_tokens, 0, timeout), self.parts.comm_context)
+        g3 = ChildGraph()
+        g3.add_kernel("finalize", self.k_finalize, self.finalize_ctas,
+                      finalize.finalize_args(self.ws, self.shape, y, num_tokens, self.dispatch_ctas, timeout),
+                      self.parts.compute_context)
+        return g1, g3
+
+
+def check_ring(layer, twin, rows):
+    """Counts of mismatching elements between the ring role1 filled and the host twin."""
+    ws, shape = layer.ws, layer.shape
+    got_src = ws.ring_source[:rows].cpu()
+    order = torch.argsort(got_src)  # the twin's rows are sorted by source word within an (expert, rank) segment
+    want_order = torch.argsort(twin["ring_source"])
+    bad = {
+        "expert_offsets": int((ws.expert_offsets.cpu() != twin["expert_offsets"]).sum()),
+        "ring_source": int((got_src[order] != twin["ring_source"][want_order]).sum()),
+        "ring_act": int((ws.ring_act[:rows].cpu().view(torch.uint8)[order]
+                         != twin["ring_act"].view(torch.uint8)[want_order]).sum()),
+        "ring_scale": int((ws.ring_scale[:rows].cpu()[order] != twin["ring_scale"][want_order]).sum()),
+        "routing_weight": int((ws.routing_weight[:rows].cpu()[order] != twin["routing_weight"][want_order]).sum()),
+        "dest_row": int((ws.dest_row[:rows].cpu()[order] != twin["dest_row"][want_order]).sum()),
+        "l1_full_count": int((ws.l1_full_count.cpu() != twin["l1_full_count"]).sum()),
+    }
+    # rows stay inside their expert's segment
+    offsets = twin["expert_offsets"].tolist()
+    for j in range(shape.local_experts):
+        a, b = offsets[j], offsets[j + 1]
+        got = sorted(ws.ring_source[a:b].cpu().tolist())
+        bad["segments"] = bad.get("segments", 0) + int(got != sorted(twin["ring_source"][a:b].tolist()))
+    return bad
+
+
+def run_point(layer, num_tokens, w, replays):
+    from gc_moe import metrics
+    from gc_moe.cases import make_routing, random_activations
+    from gc_moe.reference import moe_reference
+
+    shape, ws, dev = layer.shape, layer.ws, torch.device("cuda")
+    x, x_sf = random_activations(num_tokens, shape.hidden, seed=100 + num_tokens)
+    idx, wts = make_routing("uniform", num_tokens, shape.num_experts, shape.topk, seed=200 + num_tokens)
+    ws.x[:num_tokens].copy_(x)
+    ws.x_sf[:num_tokens].copy_(x_sf)
+    ws.topk_idx[:num_tokens].copy_(idx)
+    ws.topk_weights[:num_tokens].copy_(wts)
+    y = torch.full((num_tokens, shape.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    g1, g3 = layer.graphs(y, num_tokens)
+    stream = torch.cuda.current_stream()
+
+    # 1. role1 alone, then the ring against the twin
+    g1.launch(stream.cuda_stream)
+    torch.cuda.synchronize()
+    twin = dispatch.reference_dispatch(shape, 0, [x], [x_sf], [idx], [wts])
+    rows = int(twin["expert_offsets"][-1])
+    ring_bad = check_ring(layer, twin, rows)
+    # 2. the rest of the layer eagerly
+    layer.standin(*w["dev"])
+    g3.launch(stream.cuda_stream)
+    torch.cuda.synchronize()
+    y_eager = y.clone()
+    pad = shape.ring_rows - rows
+    twin_dev = {k: v.to(dev) for k, v in twin.items()}
+    partials, valid = grouped_ffn_standin(
+        torch.cat([twin_dev["ring_act"], torch.zeros(pad, shape.hidden, dtype=torch.float8_e4m3fn, device=dev)]),
+        torch.cat([twin_dev["ring_scale"], torch.ones(pad, shape.hidden // 128, device=dev)]),
+        twin_dev["expert_offsets"], torch.cat([twin_dev["routing_weight"], torch.zeros(pad, device=dev)]),
+        *w["dev"])
+    scratch = torch.zeros_like(layer.scratch)
+    scatter_partials(partials, valid, torch.cat([twin_dev["dest_row"], torch.zeros(pad, dtype=torch.int32,
+                                                                                   device=dev)]), scratch)
+    combine_twin = scratch[:-1].view(shape.combine_lanes, shape.capacity, shape.hidden)
+    y_twin = finalize.combine_reference(combine_twin, idx.to(dev), num_tokens, shared=False)
+    # one BF16 rounding of each partial (the stand-in's matmuls may tile the twin's rows differently)
+    ulp = finalize.combine_reference(combine_twin.abs(), idx.to(dev), num_tokens, shared=False).float() * 2.0 ** -7
+    twin_bad = int(((y_eager.float() - y_twin.float()).abs() > ulp).sum()) + int((~torch.isfinite(y_eager)).sum())
+    ref = moe_reference(x, x_sf, idx, wts, *w["canonical"], activation_alpha=ALPHA, activation_clamp=CLAMP)
+    cos = metrics.cosine(y_eager.cpu().float(), ref.float())
+    diff = metrics.processed_diff(y_eager.cpu().float(), ref.float())
+
+    # 3. one capture, many replays, every replay compared on the device
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        cap = torch.cuda.current_stream()
+        g1.attach_to_capture(cap)
+        layer.standin(*w["dev"])
+        g3.attach_to_capture(cap)
+    torch.cuda.synchronize()
+    mismatched = torch.zeros((), dtype=torch.int64, device=dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+        mismatched += (y.view(torch.int16) != y_eager.view(torch.int16)).any().to(torch.int64)
+    end.record()
+    torch.cuda.synchronize()
+    c = ws.control.cpu().tolist()
+    return {
+        "tokens": num_tokens, "rows": rows, "ring_mismatches": ring_bad, "twin_mismatches": twin_bad,
+        "cosine": cos, "processed_diff": diff, "replays": replays, "mismatched_replays": int(mismatched),
+        "us_per_replay_with_check": 1e3 * start.elapsed_time(end) / max(replays, 1),
+        "arrival_errors": c[ll.ARRIVAL_ERRORS], "ring_overflows": c[ll.RING_OVERFLOWS],
+        "replays_finalized": c[ll.REPLAYS], "received_rows": c[ll.RECEIVED_ROWS],
+        "expected_received_rows": rows * (replays + 1),
+    }
+
+
+def main() -> int:
+    from gc_moe.cases import random_moe_weights
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replays", type=int, default=1000)
+    p.add_argument("--tokens", default="1,8,64,256")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--block-m", type=int, default=8)
+    p.add_argument("--timeout-s", type=float, default=10.0, help="bounded waits (the operator's default: 3600)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shape = ll.LayerShape(1, args.experts, args.topk, args.hidden, args.intermediate, max(tokens), args.block_m)
+    l1, l2 = random_moe_weights(args.experts, args.hidden, args.intermediate, seed=5)
+    w = {"canonical": (l1, l2), "dev": dequantized_weights(l1, l2, "cuda")}
+    layer = Layer(shape, args)
+    results, started = [], time.time()
+    for t in tokens:
+        try:
+            results.append(run_point(layer, t, w, args.replays))
+        except Exception as err:  # noqa: BLE001  (one point's failure is reported, the others still run)
+            results.append({"tokens": t, "error": f"{type(err).__name__}: {err}"})
+        print(json.dumps(results[-1]), flush=True)
+    ok = True
+    print(f"\n{'T':>5} {'rows':>6} {'ring':>6} {'twin':>6} {'cosine':>9} {'pdiff':>9} {'replays':>8} "
+          f"{'bad':>5} {'us/rep':>8} {'arrive':>6}")
+    for r in results:
+        if "error" in r:
+            ok = False
+            print(f"{r['tokens']:>5} ERROR {r['error']}")
+            continue
+        ring = sum(r["ring_mismatches"].values())
+        good = (ring == 0 and r["twin_mismatches"] == 0 and r["mismatched_replays"] == 0 and r["cosine"] >= 0.97
+                and r["processed_diff"] <= 0.002 and r["arrival_errors"] == 0 and r["ring_overflows"] == 0
+                and r["replays_finalized"] == r["replays"] + 1
+                and r["received_rows"] == r["expected_received_rows"])
+        ok &= good
+        print(f"{r['tokens']:>5} {r['rows']:>6} {ring:>6} {r['twin_mismatches']:>6} {r['cosine']:>9.6f} "
+              f"{r['processed_diff']:>9.2e} {r['replays']:>8} {r['mismatched_replays']:>5} "
+              f"{r['us_per_replay_with_check']:>8.1f} {r['arrival_errors']:>6}  {'PASS' if good else 'FAIL'}")
+    print(f"partition: {layer.parts.describe()}, dispatch CTAs {layer.dispatch_ctas}, finalize CTAs "
+          f"{layer.finalize_ctas}, {time.time() - started:.1f} s")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "device_layer_proof.json").write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""SM90 layer roles 1 and 3: the region table, ring arithmetic and format conversion against hand values
+(CPU), and the offline sm_90a builds of both kernels with what their PTX promises."""
+
+import re
+
+import pytest
+import torch
+from gc_moe.formats import dequantize_fp8_k128, dequantize_fp8_ue8m0, pack_ue8m0, quantize_fp8_ue8m0
+from gc_moe.kernels.sm90 import dispatch, finalize
+from gc_moe.kernels.sm90 import layer_layout as ll
+from gc_moe.runtime.workspace import REGION_ALIGN
+
+SMALL = ll.LayerShape(num_ranks=2, num_experts=8, topk=3, hidden=256, intermediate=128, capacity=5, block_m=8)
+
+
+# ------------------------------------------------------------------------------------------------ region table
+def test_region_table_shapes_for_a_hand_computed_layer():
+    s = SMALL  # e = 4, max rows = 5 * 2 * min(3, 4) = 30, ring blocks = ceil(30 / 8) = 4, ring rows 32
+    assert (s.local_experts, s.max_rows, s.ring_blocks, s.ring_rows, s.entries_per_source) == (4, 30, 4, 32, 15)
+    table = {r["name"]: r for r in ll.layer_layout(s).table()}
+    expected = {
+        "x": ([5, 256], 1280), "x_sf": ([5, 2], 40), "topk_idx": ([5, 3], 120), "topk_weights": ([5, 3], 60),
+        "send_count": ([8], 64), "recv_count": ([2, 2, 4], 128), "src_index": ([2, 4, 15], 480),
+        "ring_act": ([32, 256], 8192), "ring_scale": ([32, 2], 256), "routing_weight": ([32], 128),
+        "dest_row": ([32], 128), "ring_source": ([32], 128), "expert_offsets": ([5], 20),
+        "l2_act": ([32, 128], 4096), "l2_scale": ([32, 1], 128), "combine": ([3, 5, 256], 7680),
+        "l1_full_count": ([4], 16), "l1_empty_count": ([4], 16), "l2_empty_count": ([4], 16),
+        "l2_full_mask": ([4], 32), "tag1_arrive": ([2], 8), "combine_ready": ([2], 8), "control": ([16], 64),
+        "peers": ([72], 576),
+    }
+    assert {n: (r["shape"], r["bytes"]) for n, r in table.items()} == expected
+    offsets = [r["offset"] for r in table.values()]
+    assert all(o % REGION_ALIGN == 0 for o in offsets) and offsets == sorted(offsets)
+    # 20 regions fit one 1 KiB slot each; x takes 2 KiB, ring_act 8, combine 8, l2_act 4
+    assert ll.layer_layout(s).total_bytes == 1024 * (20 + 2 + 8 + 8 + 4)
+
+
+def test_shared_expert_adds_combine_lane_k():
+    s = ll.LayerShape(1, 4, 2, 128, 128, 3, 8, num_shared_experts=1)
+    assert s.combine_lanes == 3 and ll.layer_layout(s).region("combine").shape == (3, 3, 128)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"num_experts": 9}, "multiple of num_ranks"),
+    ({"hidden": 200}, "multiples of 128"),
+    ({"num_shared_experts": 2}, "num_shared_experts"),
+    ({"topk": 32, "num_shared_experts": 1}, "at most 32"),
+    ({"num_ranks": 73, "num_experts": 73}, "peer table"),
+    ({"capacity": 0}, "capacity"),
+])
+def test_layer_shape_errors_say_what_is_allowed(kw, message):
+    args = {"num_ranks": 2, "num_experts": 8, "topk": 3, "hidden": 256, "intermediate": 128, "capacity": 5,
+            "block_m": 8}
+    args.update(kw)
+    with pytest.raises(ValueError, match=message):
+        ll.LayerShape(**args)
+
+
+# ------------------------------------------------------------------------------------------------ ring arithmetic
+def test_ring_slot_and_full_count_per_generation():
+    assert [ll.ring_slot(b, 4) for b in (0, 3, 4, 9)] == [(0, 0), (3, 0), (0, 1), (1, 2)]
+    assert [ll.expected_l1_full_count(g, 16) for g in range(3)] == [16, 32, 48]
+    assert ll.ring_row(37, SMALL) == 5
+    with pytest.raises(ValueError):
+        ll.ring_slot(-1, 4)
+
+
+def test_l1_full_counts_pad_the_last_partial_block():
+    # 19 rows in blocks of 8: 8, 8, 3 landed + 5 padding, block 3 untouched
+    assert ll.l1_full_counts_after_dispatch(19, SMALL) == [8, 8, 8, 0]
+    assert ll.l1_full_counts_after_dispatch(16, SMALL) == [8, 8, 0, 0]
+    assert ll.l1_full_counts_after_dispatch(0, SMALL) == [0, 0, 0, 0]
+    with pytest.raises(ValueError):
+        ll.l1_full_counts_after_dispatch(33, SMALL)
+
+
+def test_tiles_acquire_every_block_they_touch():
+    assert list(ll.blocks_of_tile(5, 8, 8)) == [0, 1]  # rows 5..12
+    assert list(ll.blocks_of_tile(8, 8, 8)) == [1]
+    assert list(ll.blocks_of_tile(15, 1, 8)) == [1]
+    assert list(ll.blocks_of_tile(3, 0, 8)) == []
+
+
+def test_packed_publish_and_arrival_counts():
+    packed = ll.packed_send_count([3, 0, 5, 1])  # four dispatch CTAs, one with no token for this expert
+    assert packed == (4 << 32) + 9 == 17179869193
+    assert ll.unpack_count(packed) == (4, 9)
+    assert ll.expected_arrivals(4) == 4 and ll.expected_arrivals_per_expert(4, 8) == 32
+
+
+def test_grouped_layout_orders_experts_then_source_ranks():
+    # two ranks, 4 experts (2 local each), k = 2; owner 1 holds experts 2 and 3
+    rank0 = [[2, 0], [3, 2]]
+    rank1 = [[1, 3], [2, -1], [3, 2]]
+    offsets, seg = ll.grouped_layout([rank0, rank1], ll.LayerShape(2, 4, 2, 128, 128, 3, 8), owner=1)
+    # expert 2: rank0 (t0 s0, t1 s1) rows 0-1, rank1 (t1 s0, t2 s1) rows 2-3; expert 3: rank0 t1 s0 row 4,
+    # rank1 (t0 s1, t2 s0) rows 5-6
+    assert offsets == [0, 4, 7]
+    assert seg[(0, 0)] == (0, [0, 3]) and seg[(0, 1)] == (2, [2, 5])
+    assert seg[(1, 0)] == (4, [2]) and seg[(1, 1)] == (5, [1, 4])
+
+
+def test_destination_and_source_words():
+    assert ll.dest_row(token=4, slot=2, shape=SMALL) == 14  # slot * C + token
+    assert ll.ring_source(1, 4, 2, SMALL) == (1 * 5 + 4) * 3 + 2 == 29
+
+
+# ------------------------------------------------------------------------------------------------ formats
+def test_k32_to_k128_conversion_on_a_hand_row():
+    # one row, H = 128: K32 exponents 127, 128, 119, 105 (the formats.md example); max 128 -> scale 2
+    x = torch.zeros(1, 128)
+    x[0, 0], x[0, 1], x[0, 2] = 448.0, -1.0, 0.5
+    x[0, 32], x[0, 33] = 896.0, 3.0
+    x[0, 64], x[0, 65] = 1.0, -0.1
+    q, sf = quantize_fp8_ue8m0(x)
+    assert sf.item() == 0x6977807F
+    q128, s128 = dispatch.convert_k32_to_k128(q, sf)
+    assert s128.tolist() == [[2.0]]
+    got = q128.float()[0]
+    # group 0 halves (224, -0.5, 0.25), group 1 keeps 448, 1.5; group 2 (scale 2^-8) is divided by 2^9:
+    # 256/512 = 0.5 and -26/512 = -0.05078125 (= -1.625 * 2^-5, still an exact E4M3 value)
+    assert got[:3].tolist() == [224.0, -0.5, 0.25]
+    assert got[32:34].tolist() == [448.0, 1.5]
+    assert got[64:66].tolist() == [0.5, -0.05078125]
+    assert torch.count_nonzero(got[96:]) == 0
+
+
+def test_k32_to_k128_is_exact_without_underflow_and_bounded_with_it():
+    gen = torch.Generator().manual_seed(7)
+    n, h = 64, 512
+    q = (torch.rand(n, h, generator=gen) * 400 + 48).to(torch.float8_e4m3fn)  # |q| >= 48: normal after <= 2^-3
+    q = torch.where(torch.rand(n, h, generator=gen) < 0.5, -q.float(), q.float()).to(torch.float8_e4m3fn)
+    near = torch.randint(120, 124, (n, h // 32), generator=gen, dtype=torch.uint8)  # spans <= 3 steps
+    sf = pack_ue8m0(near)
+    q128, s128 = dispatch.convert_k32_to_k128(q, sf)
+    assert torch.equal(dequantize_fp8_k128(q128, s128), dequantize_fp8_ue8m0(q, sf))
+    wide = torch.randint(100, 140, (n, h // 32), generator=gen, dtype=torch.uint8)  # up to 39 steps: underflow
+    sf = pack_ue8m0(wide)
+    q128, s128 = dispatch.convert_k32_to_k128(q, sf)
+    err = (dequantize_fp8_k128(q128, s128) - dequantize_fp8_ue8m0(q, sf)).abs()
+    step = s128.repeat_interleave(128, dim=1) * 2.0 ** -9  # E4M3 subnormal step at the K128 scale
+    assert (err <= step / 2).all() and err.max() > 0
+
+
+def test_combine_reference_sums_valid_slots_in_order_then_shared():
+    gen = torch.Generator().manual_seed(3)
+    combine = torch.randn(3, 4, 16, generator=gen).to(torch.bfloat16)  # k = 2 plus the shared lane
+    idx = torch.tensor([[0, 1], [-1, 2], [3, -1], [-1, -1]])
+    got = finalize.combine_reference(combine, idx, 4, shared=True).float()
+    c = combine.float()
+    want = torch.stack([c[0, 0] + c[1, 0] + c[2, 0], c[1, 1] + c[2, 1], c[0, 2] + c[2, 2], c[2, 3]])
+    assert torch.equal(got, want.to(torch.bfloat16).float())
+
+
+# ------------------------------------------------------------------------------------------------ launch arguments
+def _args_layout(args):
+    return [a.size for a in args]
+
+
+def test_argument_lists_follow_the_parameter_tables():
+    ws = ll.LocalWorkspace(ll.layer_layout(SMALL))
+    ll.initialize_state(ws)
+    assert ws.peers[0].item() == 0 and ws.control.abs().sum() == 0
+    d = dispatch.dispatch_args(ws, SMALL, num_tokens=5, rank=1)
+    assert _args_layout(d) == [8 if kind in ("u64", "s64") else 4 for _, kind in dispatch.PARAMS]
+    assert d[0].data == ws.x.data_ptr().to_bytes(8, "little")
+    assert d[-1].data == int(3600e9).to_bytes(8, "little")  # default timeout: 3600 s
+    y = torch.zeros(5, 256, dtype=torch.bfloat16)
+    f = finalize.finalize_args(ws, SMALL, y, num_tokens=5, dispatch_ctas=4)
+    assert _args_layout(f) == [8 if kind in ("u64", "s64") else 4 for _, kind in finalize.PARAMS]
+    assert f[2].data == y.data_ptr().to_bytes(8, "little")
+    with pytest.raises(ValueError, match="capacity"):
+        dispatch.dispatch_args(ws, SMALL, num_tokens=6, rank=0)
+    with pytest.raises(ValueError, match="rank 2"):
+        dispatch.dispatch_args(ws, SMALL, num_tokens=1, rank=2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        finalize.finalize_args(ws, SMALL, y.float(), num_tokens=5, dispatch_ctas=4)
+
+
+# ------------------------------------------------------------------------------------------------ offline build
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from gc_moe.runtime import jit
+
+    cache = tmp_path_factory.mktemp("cubins")
+    return {name: jit.build_variant(mod.variant(), "sm_90a", cache_dir=cache)
+            for name, mod in (("dispatch", dispatch), ("finalize", finalize))}
+
+
+def _body(ptx):
+    return ptx[ptx.index(".entry"):]
+
+
+def test_both_roles_are_registered_for_sm90a():
+    from gc_moe.kernels.registry import variants_for_profile
+
+    names = {v.name for v in variants_for_profile("sm_90a", {})}
+    assert {"sm90.dispatch", "sm90.finalize"} <= names
+    assert not {"sm90.dispatch", "sm90.finalize"} & {v.name for v in variants_for_profile("sm_103a", {})}
+
+
+def test_builds_keep_their_promises_with_no_local_memory(built):
+    from gc_moe.runtime import jit
+
+    for name, entry in built.items():
+        assert jit.check_promises(entry) == [], name
+        ptx = _body(entry.ptx_path.read_text())
+        assert entry.resources["frame_bytes"] == 0 and not re.search(r"\b(ld|st)\.local\b", ptx), name
+        kinds = dispatch.PARAMS if name == "dispatch" else finalize.PARAMS
+        assert [size for _, size in entry.resources["params"]] == [8 if k in ("u64", "s64") else 4 for _, k in kinds]
+
+
+def test_dispatch_ptx_has_the_protocol(built):
+    ptx = _body(built["dispatch"].ptx_path.read_text())
+    # packed publish: a 64-bit atomic add of a value or-ed with 1 << 32
+    assert re.search(r"atom\.global\.add\.u64", ptx)
+    assert "4294967296" in ptx or "0x100000000" in ptx.lower()
+    # tag-1: release arrivals at system scope on the peers, an acquire wait at system scope
+    assert re.search(r"red\.release\.sys\.global\.add\.s32", ptx)
+    assert re.search(r"ld\.acquire\.sys\.global\.b32", ptx)
+    # ring blocks and grid syncs: release atomics at GPU scope, acquire waits
+    assert len(re.findall(r"atom\.release\.gpu\.global\.add\.s32", ptx)) >= 3
+    assert re.search(r"ld\.acquire\.gpu\.global\.b32", ptx)
+    _assert_bounded_waits(ptx)
+
+
+def test_finalize_ptx_has_the_protocol(built):
+    ptx = _body(built["finalize"].ptx_path.read_text())
+    assert re.search(r"fence\.acq_rel\.sys", ptx) and re.search(r"red\.release\.sys\.global\.add\.s32", ptx)
+    assert re.search(r"ld\.acquire\.sys\.global\.b32", ptx)
+    assert re.search(r"atom\.acq_rel\.gpu\.global\.add\.s32", ptx)
+    assert re.search(r"st\.release\.gpu\.global\.b32", ptx)  # the parity flip
+    assert re.search(r"ld\.global\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
+    _assert_bounded_waits(ptx)
+
+
+def _assert_bounded_waits(ptx):
+    """Every trap sits in a block reached from a %globaltimer comparison: the waits are bounded."""
+    assert "%globaltimer" in ptx and "nanosleep" in ptx
+    traps = [m.start() for m in re.finditer(r"\btrap;", ptx)]
+    assert traps
+    for pos in traps:
+        before = ptx[:pos]
+        assert before.rfind("%globaltimer") != -1 and before.rfind("setp.") > before.rfind("%globaltimer")
+
+
+# ------------------------------------------------------------------------------------------------ data flow
+def _device_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "device_layer_proof.py"
+    spec = importlib.util.spec_from_file_location("device_layer_proof", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ring_layout_through_a_standin_role2_and_the_combine_matches_the_reference():
+    """P = 2 on the host: the twin of role1 on each owner, the device script's role2 stand-in on that ring,
+    partials scattered to their source ranks by ring_source / dest_row, the combine twin per source rank:
+    Eq. (1) of gc_moe.reference at the paper's thresholds."""
+    from gc_moe import metrics
+    from gc_moe.cases import make_routing, random_activations, random_moe_weights
+    from gc_moe.reference import moe_reference
+
+    script = _device_script()
+    shape = ll.LayerShape(2, 8, 3, 256, 128, 6, 8)
+    tokens = [6, 4]
+    l1, l2 = random_moe_weights(8, 256, 128, seed=11)
+    w1f, w2f = script.dequantized_weights(l1, l2, "cpu")
+    xs, sfs, idxs, wts = [], [], [], []
+    for r, t in enumerate(tokens):
+        x, sf = random_activations(t, 256, seed=20 + r)
+        idx, wt = make_routing("uniform", t, 8, 3, num_ranks=2, seed=30 + r, source_rank=r)
+        xs.append(x), sfs.append(sf), idxs.append(idx), wts.append(wt)
+    combines = [torch.zeros(shape.combine_lanes * shape.capacity + 1, 256, dtype=torch.bfloat16) for _ in range(2)]
+    rows_seen = 0
+    for owner in range(2):
+        twin = dispatch.reference_dispatch(shape, owner, xs, sfs, idxs, wts)
+        n = int(twin["expert_offsets"][-1])
+        rows_seen += n
+        pad = shape.ring_rows - n
+        partials, valid = script.grouped_ffn_standin(
+            torch.cat([twin["ring_act"], torch.zeros(pad, 256, dtype=torch.float8_e4m3fn)]),
+            torch.cat([twin["ring_scale"], torch.ones(pad, 2)]), twin["expert_offsets"],
+            torch.cat([twin["routing_weight"], torch.zeros(pad)]), w1f[4 * owner:4 * owner + 4],
+            w2f[4 * owner:4 * owner + 4])
+        assert valid.sum() == n and not valid[n:].any()
+        src = twin["ring_source"] // (shape.capacity * shape.topk)
+        for r in range(2):
+            mine = (src == r).nonzero().flatten()
+            script.scatter_partials(partials[mine], torch.ones(len(mine), dtype=torch.bool),
+                                    twin["dest_row"][mine], combines[r])
+    assert rows_seen == sum(int((i >= 0).sum()) for i in idxs)  # every assignment landed on exactly one owner
+    for r in range(2):
+        lanes = combines[r][:-1].view(shape.combine_lanes, shape.capacity, 256)
+        y = finalize.combine_reference(lanes, idxs[r], tokens[r], shared=False).float()
+        ref = moe_reference(xs[r], sfs[r], idxs[r], wts[r], l1, l2, activation_alpha=1.0, activation_clamp=10.0)
+        assert torch.isfinite(y).all()
+        assert metrics.cosine(y, ref.float()) >= 0.999
+        assert metrics.processed_diff(y, ref.float()) <= metrics.THRESHOLDS.processed_diff
