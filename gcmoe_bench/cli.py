@@ -205,8 +205,10 @@ def gate(
     span: Annotated[float, typer.Option(help="Seconds the samples span (at least 10).")] = 10.0,
     max_utilization: Annotated[int, typer.Option(help="Highest utilization allowed in any sample, %.")] = 0,
 ) -> None:
-    """Check that every local GPU is idle (0% utilization, no compute processes, enough free memory) over
-    NVML samples; exit 1 naming each GPU that is not. Creates no CUDA context."""
+    """Check that every local GPU is idle; exit 1 naming each GPU that is not.
+
+    Idle: 0% utilization, no compute processes and enough free memory in every NVML sample. Creates no CUDA
+    context."""
     from gcmoe_bench.gate import GateError, run_gate
 
     try:
@@ -224,8 +226,9 @@ def gate(
 def env(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Print the environment: versions, driver, git state, and gc_moe.runtime's description (partition,
-    workqueue mode, kernel cache)."""
+    """Print the environment: versions, driver, git state, partition, workqueue mode, kernel cache.
+
+    The partition, workqueue mode and kernel cache come from gc_moe.runtime's description of this machine."""
     from gcmoe_bench.env import git_state, nvml_driver, package_versions
 
     info = {"packages": package_versions(), "git": git_state(), **nvml_driver()}
