@@ -3,7 +3,7 @@
 
 Needs torch and cuda-bindings only; the ring-proof cubins must be in the cache (build them first with
 `gcmoe-bench build --arch sm_90a --profile h200`, or `python -c "from gc_moe.runtime.jit import
-build_profile; build_profile('sm_90a', {})"`, and carry the cache directory).
+build_profile; build_profile('sm_90a', {})"`, and copy the cache directory to the GPU machine).
 
 Steps: (1) the green-context pair; (2) a child graph, producer in the communication partition and
 consumer in the compute partition as roots, checker after both, replayed --replays times: no hang,
@@ -12,7 +12,7 @@ capture; (4) the consumer with no producer: its bounded wait reports within its 
 same with trap-on-timeout in a child process: the launch fails instead of hanging; (6) launcher
 checks (param layout, TMA encode); (7) the symmetric workspace at world size 1. A table comes last.
 
-    PYTHONPATH=operator python scripts/device_runtime_proof.py --replays 10000 --out "$OUT"
+    PYTHONPATH=operator python scripts/device_runtime_proof.py --replays 10000 --out runs/runtime_proof
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replays", type=int, default=10000)
     ap.add_argument("--timeout-ms", type=float, default=20.0, help="consumer's bounded wait with no producer")
-    ap.add_argument("--out", default=os.environ.get("OUT", "runs/runtime_proof"))
+    ap.add_argument("--out", default="runs/runtime_proof")
     ap.add_argument("--trap-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     timeout_ns = int(args.timeout_ms * 1e6)
