@@ -8,8 +8,7 @@ cd "$(dirname "$0")/.."
 NPROC="${NPROC:-2}"
 
 if ! python3 -c "import torch" 2>/dev/null; then
-  # the CPU build comes from PyTorch's CPU index: the PyPI wheel for Linux is the multi-GB CUDA build
-  python3 -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  python3 -m pip install -q torch==2.13.0     # the CPU build; a bare "torch" pulls a multi-GB CUDA build
 fi
 python3 -m pip install -q -e '.[dev]'
 
