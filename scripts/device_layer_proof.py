@@ -35,32 +35,43 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 import torch
-from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128, quantize_fp8_k128
+from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128
 from gc_moe.kernels.sm90 import dispatch, finalize
 from gc_moe.kernels.sm90 import layer_layout as ll
 
 ALPHA, CLAMP = 1.0, 10.0
+FP8_RECIPROCAL = float(torch.tensor(1.0) / torch.tensor(448.0))  # as formats: x * fl32(1/448)
 
 
 # ------------------------------------------------------------------------------------------------ role2 stand-in
+def requantize_k128(a):
+    """E4M3 with FP32 K128 scales and back, as the W1 epilogue (`formats.quantize_fp8_k128`'s rule, without its
+    host-side finiteness check, so it can be captured)."""
+    blocks = a.unflatten(-1, (-1, 128))
+    scale = blocks.abs().amax(-1).clamp_min(1e-4) * FP8_RECIPROCAL
+    q = (blocks * (1.0 / scale)[..., None]).to(torch.float8_e4m3fn)
+    return (q.float() * scale[..., None]).flatten(-2)
+
+
 def grouped_ffn_standin(ring_act, ring_scale, expert_offsets, routing_weight, w1f, w2f, alpha=ALPHA, clamp=CLAMP):
     """The grouped GEMM's result per ring row, in float32 torch, without host synchronization (capturable).
 
     ring_act E4M3 [R, H], ring_scale f32 [R, H/128], expert_offsets int32 [e + 1] (rows of expert j:
     [off[j], off[j + 1])), routing_weight f32 [R]; w1f [e, 2I, H] (rows [gate; up]), w2f [e, H, I] float32.
-    Returns (partials bf16 [R, H], valid bool [R]); rows past off[e] are not valid.
+    Returns (partials bf16 [R, H], valid bool [R]); rows past off[e] are not valid (their ring bytes are
+    whatever an earlier replay left, possibly NaN, and are zeroed before use).
     """
     rows, inter = ring_act.shape[0], w1f.shape[1] // 2
     r = torch.arange(rows, device=ring_act.device, dtype=torch.int32)
     expert = torch.searchsorted(expert_offsets[1:].contiguous(), r, right=True)
     valid = r < expert_offsets[-1]
-    x = dequantize_fp8_k128(ring_act, ring_scale)
+    x = torch.where(valid[:, None], dequantize_fp8_k128(ring_act, ring_scale), 0.0)
+    weight = torch.where(valid, routing_weight, 0.0)
     out = torch.zeros(rows, w2f.shape[1], dtype=torch.float32, device=ring_act.device)
     for le in range(w1f.shape[0]):
         gu = x @ w1f[le].T
         gate, up = gu[:, :inter].clamp(max=clamp), gu[:, inter:].clamp(-clamp, clamp)
-        a = gate * torch.sigmoid(alpha * gate) * up * routing_weight[:, None]
-        a = dequantize_fp8_k128(*quantize_fp8_k128(a))  # the W1 epilogue's E4M3 K128 requant
+        a = requantize_k128(gate * torch.sigmoid(alpha * gate) * up * weight[:, None])
         out = torch.where((expert == le)[:, None], a @ w2f[le].T, out)
     return out.to(torch.bfloat16), valid
 
@@ -161,6 +172,8 @@ def run_point(layer, num_tokens, w, replays):
     y = torch.full((num_tokens, shape.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     g1, g3 = layer.graphs(y, num_tokens)
     stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    before = ws.control.cpu().tolist()  # cumulative words: this point reports its own increments
 
     # 1. role1 alone, then the ring against the twin
     g1.launch(stream.cuda_stream)
@@ -210,7 +223,7 @@ def run_point(layer, num_tokens, w, replays):
         mismatched += (y.view(torch.int16) != y_eager.view(torch.int16)).any().to(torch.int64)
     end.record()
     torch.cuda.synchronize()
-    c = ws.control.cpu().tolist()
+    c = [now - then for now, then in zip(ws.control.cpu().tolist(), before)]
     return {
         "tokens": num_tokens, "rows": rows, "ring_mismatches": ring_bad, "twin_mismatches": twin_bad,
         "cosine": cos, "processed_diff": diff, "replays": replays, "mismatched_replays": int(mismatched),

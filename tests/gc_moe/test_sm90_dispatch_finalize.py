@@ -301,3 +301,21 @@ def test_ring_layout_through_a_standin_role2_and_the_combine_matches_the_referen
         assert torch.isfinite(y).all()
         assert metrics.cosine(y, ref.float()) >= 0.999
         assert metrics.processed_diff(y, ref.float()) <= metrics.THRESHOLDS.processed_diff
+
+
+def test_standin_requant_is_the_formats_rule_and_ignores_stale_ring_rows():
+    from gc_moe.formats import quantize_fp8_k128
+
+    script = _device_script()
+    a = torch.randn(7, 256, generator=torch.Generator().manual_seed(4)) * 3
+    assert torch.equal(script.requantize_k128(a), dequantize_fp8_k128(*quantize_fp8_k128(a)))
+    # rows past expert_offsets[-1] hold whatever a replay left: NaN bytes and scales must not reach the output
+    act = torch.full((16, 256), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    act[:3] = torch.randn(3, 256).to(torch.float8_e4m3fn)
+    scale = torch.full((16, 2), float("nan"))
+    scale[:3] = 0.5
+    offsets = torch.tensor([0, 2, 3], dtype=torch.int32)
+    partials, valid = script.grouped_ffn_standin(act, scale, offsets, torch.full((16,), float("nan")).index_fill(
+        0, torch.arange(3), 0.7), torch.randn(2, 256, 256), torch.randn(2, 256, 128))
+    assert valid.tolist() == [True] * 3 + [False] * 13
+    assert torch.isfinite(partials.float()).all() and partials[:3].float().abs().sum() > 0
