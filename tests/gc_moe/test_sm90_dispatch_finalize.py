@@ -222,6 +222,9 @@ def test_dispatch_ptx_has_the_protocol(built):
     # ring blocks and grid syncs: release atomics at GPU scope, acquire waits
     assert len(re.findall(r"atom\.release\.gpu\.global\.add\.s32", ptx)) >= 3
     assert re.search(r"ld\.acquire\.gpu\.global\.b32", ptx)
+    # the pull moves 16 bytes per lane and converts them (K32 UE8M0 -> K128 FP32 rescale)
+    assert re.search(r"ld\.global\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) >= 8
     _assert_bounded_waits(ptx)
 
 

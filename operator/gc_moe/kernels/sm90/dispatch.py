@@ -203,8 +203,6 @@ if cute is not None:
     def st_s64_sys(addr: Int64, v: Int64) -> None:
         asm("st.relaxed.sys.global.b64 [$0], $1;", [], [addr, v])
 
-    def stg_u32(addr: Int64, v: Uint32) -> None:
-        asm("st.global.b32 [$0], $1;", [], [addr, v])
 
     def stg_f32(addr: Int64, v: Float32) -> None:
         asm("st.global.f32 [$0], $1;", [], [addr, v])
@@ -289,18 +287,20 @@ if cute is not None:
             wait_at_least(control + Int64(4 * DISPATCH_SYNC), target, started, timeout_ns, False)
         bar_sync()
 
-    def convert_word(v: Uint32, multiplier: Float32) -> Uint32:
-        """Four E4M3 bytes times a power of two (<= 1), rounded once back to E4M3 (RNE, saturating)."""
-        return asm(
-            "{\n.reg .b16 lo, hi, a, b, c, d;\n.reg .b32 h01, h23;\n.reg .f32 fa, fb, fc, fd;\n"
-            "mov.b32 {lo, hi}, $1;\n"
-            "cvt.rn.f16x2.e4m3x2 h01, lo;\ncvt.rn.f16x2.e4m3x2 h23, hi;\n"
-            "mov.b32 {a, b}, h01;\nmov.b32 {c, d}, h23;\n"
-            "cvt.f32.f16 fa, a;\ncvt.f32.f16 fb, b;\ncvt.f32.f16 fc, c;\ncvt.f32.f16 fd, d;\n"
-            "mul.f32 fa, fa, $2;\nmul.f32 fb, fb, $2;\nmul.f32 fc, fc, $2;\nmul.f32 fd, fd, $2;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, fb, fa;\ncvt.rn.satfinite.e4m3x2.f32 hi, fd, fc;\n"
-            "mov.b32 $0, {lo, hi};\n}",
-            [Uint32], [v, multiplier])
+    def convert_16_bytes(addr_in: Int64, addr_out: Int64, multiplier: Float32) -> None:
+        """Load 16 E4M3 bytes, multiply each by a power of two (<= 1), round once back to E4M3 (RNE,
+        saturating: `cvt.rn.satfinite`) and store them; E4M3 -> f16 -> f32 are exact."""
+        body = ["{", ".reg .b32 w<4>;", ".reg .b16 lo, hi, a, b, c, d;", ".reg .b32 h01, h23;",
+                ".reg .f32 fa, fb, fc, fd;", "ld.global.v4.b32 {w0, w1, w2, w3}, [$0];"]
+        for q in range(4):
+            body += [f"mov.b32 {{lo, hi}}, w{q};", "cvt.rn.f16x2.e4m3x2 h01, lo;", "cvt.rn.f16x2.e4m3x2 h23, hi;",
+                     "mov.b32 {a, b}, h01;", "mov.b32 {c, d}, h23;",
+                     "cvt.f32.f16 fa, a;", "cvt.f32.f16 fb, b;", "cvt.f32.f16 fc, c;", "cvt.f32.f16 fd, d;",
+                     "mul.f32 fa, fa, $2;", "mul.f32 fb, fb, $2;", "mul.f32 fc, fc, $2;", "mul.f32 fd, fd, $2;",
+                     "cvt.rn.satfinite.e4m3x2.f32 lo, fb, fa;", "cvt.rn.satfinite.e4m3x2.f32 hi, fd, fc;",
+                     f"mov.b32 w{q}, {{lo, hi}};"]
+        body += ["st.global.v4.b32 [$1], {w0, w1, w2, w3};", "}"]
+        asm("\n".join(body), [], [addr_in, addr_out, multiplier])
 
     def imax(a: Int32, b: Int32) -> Int32:
         return asm("max.s32 $0, $1, $2;", [Int32], [a, b])
@@ -461,8 +461,10 @@ if cute is not None:
             x_row = x + peer + Int64(token) * Int64(hidden)
             sf_row = x_sf + peer + Int64(token) * Int64(k_blocks * 4)
             dst = ring_act + Int64(r) * Int64(hidden)
-            group = lane // 8
-            kb = Int32(0)
+            # 16 bytes per lane: a warp step covers 4 K128 blocks (8 lanes each, 2 lanes per K32 group)
+            sub = lane % 8
+            group = sub // 2
+            kb = lane // 8
             while kb < k_blocks:
                 word = ldg_u32(sf_row + Int64(kb) * 4)
                 e0 = Int32(word & Uint32(0xFF))
@@ -470,16 +472,15 @@ if cute is not None:
                 e2 = Int32((word >> 16) & Uint32(0xFF))
                 e3 = Int32(word >> 24)
                 emax = imax(imax(e0, e1), imax(e2, e3))
-                mine = Int32((word >> (8 * group)) & Uint32(0xFF))
-                shift = emax - mine
+                shift = emax - Int32((word >> (8 * group)) & Uint32(0xFF))
                 if shift > 126:
                     shift = Int32(126)
-                multiplier = bits_to_f32((127 - shift) << 23)  # 2^-(emax - mine)
-                v = ldg_u32(x_row + Int64(kb * 128 + 4 * lane))
-                stg_u32(dst + Int64(kb * 128 + 4 * lane), convert_word(v, multiplier))
-                if lane == 0:
+                multiplier = bits_to_f32((127 - shift) << 23)  # 2^-(emax - this group's exponent)
+                offset = Int64(kb * 128 + 16 * sub)
+                convert_16_bytes(x_row + offset, dst + offset, multiplier)
+                if sub == 0:
                     stg_f32(ring_scale + (Int64(r) * Int64(k_blocks) + Int64(kb)) * 4, bits_to_f32(emax << 23))
-                kb = kb + 1
+                kb = kb + 4
             if lane == 0:
                 stg_f32(routing_weight + Int64(r) * 4, ldg_f32(topk_weights + peer + Int64(entry) * 4))
                 st_s32(dest_row + Int64(r) * 4, slot * capacity + token)
