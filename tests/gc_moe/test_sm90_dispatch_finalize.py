@@ -322,3 +322,34 @@ def test_standin_requant_is_the_formats_rule_and_ignores_stale_ring_rows():
         0, torch.arange(3), 0.7), torch.randn(2, 256, 256), torch.randn(2, 256, 128))
     assert valid.tolist() == [True] * 3 + [False] * 13
     assert torch.isfinite(partials.float()).all() and partials[:3].float().abs().sum() > 0
+
+
+def test_device_script_ring_check_accepts_any_order_within_a_segment_and_catches_one_wrong_byte():
+    from types import SimpleNamespace
+
+    from gc_moe.cases import make_routing, random_activations
+
+    script = _device_script()
+    shape = ll.LayerShape(1, 4, 2, 256, 128, 6, 8)
+    x, sf = random_activations(6, 256, seed=1)
+    idx, wt = make_routing("uniform", 6, 4, 2, seed=2)
+    twin = dispatch.reference_dispatch(shape, 0, [x], [sf], [idx], [wt])
+    n = int(twin["expert_offsets"][-1])
+    assert n == 12 and twin["l1_full_count"].tolist() == [8, 8]  # 12 rows: one full block, one padded
+    ws = ll.LocalWorkspace(ll.layer_layout(shape))
+    # the kernel's order within an (expert, source) segment is free: reverse every segment
+    perm = []
+    for j in range(4):
+        a, b = twin["expert_offsets"][j].item(), twin["expert_offsets"][j + 1].item()
+        perm += list(range(b - 1, a - 1, -1))
+    perm = torch.tensor(perm)
+    for name in ("ring_act", "ring_scale", "routing_weight", "dest_row", "ring_source"):
+        getattr(ws, name)[:n] = twin[name][perm]
+    ws.expert_offsets.copy_(twin["expert_offsets"])
+    ws.l1_full_count.copy_(twin["l1_full_count"])
+    layer = SimpleNamespace(ws=ws, shape=shape)
+    assert all(v == 0 for v in script.check_ring(layer, twin, n).values())
+    ws.ring_act.view(torch.uint8)[3, 17] ^= 1
+    ws.dest_row[5] += 1
+    bad = script.check_ring(layer, twin, n)
+    assert bad["ring_act"] == 1 and bad["dest_row"] == 1 and sum(bad.values()) == 2
