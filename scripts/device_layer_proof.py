@@ -14,11 +14,14 @@ grouped GEMM reads; role3 (finalize, a kernel node in the compute green context)
    processed difference at the paper's thresholds);
 3. the layer captured once (child graphs of the kernel nodes attached to a torch CUDA graph with the
    stand-in between them), replayed --replays times with no host work: every replay's y equal to the eager
-   y bit for bit (counted on the device), control words (arrival errors, ring overflows, replays, rows);
-4. a short table.
+   y bit for bit (counted on the device);
+4. the ring handshake across partitions: role1 (communication context) and the ring-consumer probe (compute
+   context, `dispatch.acquire_ring_rows`, what role2 adds) as concurrent roots, role3 after both, replayed
+   --replays times: every tile saw its rows (`dispatch.expected_probe_rows`), no bounded wait trapped;
+5. control words over both loops (arrival errors, ring overflows, replays, received rows), a short table.
 
-Role1 and the stand-in do not overlap here (the stand-in follows role1 in the capture); the overlap needs
-role2 as a ring consumer (docs/sm90-layer.md). Needs the dispatch and finalize cubins in the cache:
+Role1 and the stand-in do not overlap in step 3 (the stand-in follows role1 in the capture); step 4 is the
+overlap role2 gets once it acquires ring blocks (docs/sm90-layer.md). Needs the dispatch and finalize cubins in the cache:
 
     python -c "from gc_moe.runtime.jit import build_profile; build_profile('sm_90a', {})"   # CPU, then carry
     PYTHONPATH=operator python scripts/device_layer_proof.py --replays 1000 --out "$OUT"
@@ -107,6 +110,7 @@ class Layer:
         ll.initialize_state(self.ws)
         self.k_dispatch = jit.load_kernel(dispatch.variant(), "sm_90a")
         self.k_finalize = jit.load_kernel(finalize.variant(), "sm_90a")
+        self.k_probe = jit.load_kernel(dispatch.consumer_probe_variant(), "sm_90a")
         self.scratch = torch.zeros(shape.combine_lanes * shape.capacity + 1, shape.hidden, dtype=torch.bfloat16,
                                    device="cuda")
         torch.cuda.synchronize()
@@ -130,6 +134,42 @@ class Layer:
                       finalize.finalize_args(self.ws, self.shape, y, num_tokens, self.dispatch_ctas, timeout),
                       self.parts.compute_context)
         return g1, g3
+
+
+def run_consumer_probe(layer, num_tokens, replays, offsets):
+    """Role1 and the ring-consumer probe (what role2 adds) as concurrent roots in their two partitions, role3
+    after both: the probe acquires each tile's ring blocks while role1 fills them. Returns mismatching `seen`
+    words after the last replay (zeroed inside the captured graph before each replay)."""
+    from gc_moe.runtime.graph import ChildGraph
+    from gc_moe.runtime.launch import i32, i64, ptr
+
+    shape, ws = layer.shape, layer.ws
+    y = torch.empty(num_tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
+    seen = torch.zeros(shape.ring_rows, dtype=torch.int32, device="cuda")
+    timeout = int(layer.args.timeout_s * 1e9)
+    tiles = -(-shape.capacity * shape.num_ranks // shape.block_m)
+    g = ChildGraph()
+    d = g.add_kernel("dispatch", layer.k_dispatch, layer.dispatch_ctas,
+                     dispatch.dispatch_args(ws, shape, num_tokens, 0, layer.args.timeout_s), layer.parts.comm_context)
+    ring_ready = ws.control.data_ptr() + 4 * ll.RING_READY
+    c = g.add_kernel("probe", layer.k_probe, (tiles, shape.local_experts, 1),
+                     [ptr(ring_ready), ptr(ws.l1_full_count), ptr(ws.expert_offsets), ptr(seen),
+                      i32(shape.block_m), i32(shape.ring_blocks), i32(shape.block_m), i64(timeout)],
+                     layer.parts.compute_context)
+    g.add_kernel("finalize", layer.k_finalize, layer.finalize_ctas,
+                 finalize.finalize_args(ws, shape, y, num_tokens, layer.dispatch_ctas, layer.args.timeout_s),
+                 layer.parts.compute_context, depends_on=[d, c])
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        seen.zero_()
+        g.attach_to_capture(torch.cuda.current_stream())
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    want = torch.tensor(dispatch.expected_probe_rows(offsets, shape.block_m, shape.ring_rows), dtype=torch.int32)
+    return int((seen.cpu() != want).sum())
 
 
 def check_ring(layer, twin, rows):
@@ -223,6 +263,7 @@ def run_point(layer, num_tokens, w, replays):
         mismatched += (y.view(torch.int16) != y_eager.view(torch.int16)).any().to(torch.int64)
     end.record()
     torch.cuda.synchronize()
+    probe_bad = run_consumer_probe(layer, num_tokens, replays, twin["expert_offsets"].tolist())
     c = [now - then for now, then in zip(ws.control.cpu().tolist(), before)]
     return {
         "tokens": num_tokens, "rows": rows, "ring_mismatches": ring_bad, "twin_mismatches": twin_bad,
@@ -230,7 +271,7 @@ def run_point(layer, num_tokens, w, replays):
         "us_per_replay_with_check": 1e3 * start.elapsed_time(end) / max(replays, 1),
         "arrival_errors": c[ll.ARRIVAL_ERRORS], "ring_overflows": c[ll.RING_OVERFLOWS],
         "replays_finalized": c[ll.REPLAYS], "received_rows": c[ll.RECEIVED_ROWS],
-        "expected_received_rows": rows * (replays + 1),
+        "expected_received_rows": rows * (2 * replays + 1), "probe_mismatches": probe_bad,
     }
 
 
@@ -262,7 +303,7 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     ok = True
     print(f"\n{'T':>5} {'rows':>6} {'ring':>6} {'twin':>6} {'cosine':>9} {'pdiff':>9} {'replays':>8} "
-          f"{'bad':>5} {'us/rep':>8} {'arrive':>6}")
+          f"{'bad':>5} {'us/rep':>8} {'arrive':>6} {'probe':>5}")
     for r in results:
         if "error" in r:
             ok = False
@@ -271,12 +312,13 @@ def main() -> int:
         ring = sum(r["ring_mismatches"].values())
         good = (ring == 0 and r["twin_mismatches"] == 0 and r["mismatched_replays"] == 0 and r["cosine"] >= 0.97
                 and r["processed_diff"] <= 0.002 and r["arrival_errors"] == 0 and r["ring_overflows"] == 0
-                and r["replays_finalized"] == r["replays"] + 1
+                and r["replays_finalized"] == 2 * r["replays"] + 1 and r["probe_mismatches"] == 0
                 and r["received_rows"] == r["expected_received_rows"])
         ok &= good
         print(f"{r['tokens']:>5} {r['rows']:>6} {ring:>6} {r['twin_mismatches']:>6} {r['cosine']:>9.6f} "
               f"{r['processed_diff']:>9.2e} {r['replays']:>8} {r['mismatched_replays']:>5} "
-              f"{r['us_per_replay_with_check']:>8.1f} {r['arrival_errors']:>6}  {'PASS' if good else 'FAIL'}")
+              f"{r['us_per_replay_with_check']:>8.1f} {r['arrival_errors']:>6} {r['probe_mismatches']:>5}  "
+              f"{'PASS' if good else 'FAIL'}")
     print(f"partition: {layer.parts.describe()}, dispatch CTAs {layer.dispatch_ctas}, finalize CTAs "
           f"{layer.finalize_ctas}, {time.time() - started:.1f} s")
     if args.out:

@@ -184,8 +184,10 @@ def built(tmp_path_factory):
     from gc_moe.runtime import jit
 
     cache = tmp_path_factory.mktemp("cubins")
-    return {name: jit.build_variant(mod.variant(), "sm_90a", cache_dir=cache)
-            for name, mod in (("dispatch", dispatch), ("finalize", finalize))}
+    entries = {name: jit.build_variant(mod.variant(), "sm_90a", cache_dir=cache)
+               for name, mod in (("dispatch", dispatch), ("finalize", finalize))}
+    entries["probe"] = jit.build_variant(dispatch.consumer_probe_variant(), "sm_90a", cache_dir=cache)
+    return entries
 
 
 def _body(ptx):
@@ -196,7 +198,7 @@ def test_both_roles_are_registered_for_sm90a():
     from gc_moe.kernels.registry import variants_for_profile
 
     names = {v.name for v in variants_for_profile("sm_90a", {})}
-    assert {"sm90.dispatch", "sm90.finalize"} <= names
+    assert {"sm90.dispatch", "sm90.finalize", "sm90.ring_consumer_probe"} <= names
     assert not {"sm90.dispatch", "sm90.finalize"} & {v.name for v in variants_for_profile("sm_103a", {})}
 
 
@@ -207,8 +209,10 @@ def test_builds_keep_their_promises_with_no_local_memory(built):
         assert jit.check_promises(entry) == [], name
         ptx = _body(entry.ptx_path.read_text())
         assert entry.resources["frame_bytes"] == 0 and not re.search(r"\b(ld|st)\.local\b", ptx), name
-        kinds = dispatch.PARAMS if name == "dispatch" else finalize.PARAMS
-        assert [size for _, size in entry.resources["params"]] == [8 if k in ("u64", "s64") else 4 for _, k in kinds]
+        if name != "probe":
+            kinds = dispatch.PARAMS if name == "dispatch" else finalize.PARAMS
+            sizes = [8 if k in ("u64", "s64") else 4 for _, k in kinds]
+            assert [size for _, size in entry.resources["params"]] == sizes
 
 
 def test_dispatch_ptx_has_the_protocol(built):
@@ -236,6 +240,19 @@ def test_finalize_ptx_has_the_protocol(built):
     assert re.search(r"st\.release\.gpu\.global\.b32", ptx)  # the parity flip
     assert re.search(r"ld\.global\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
     _assert_bounded_waits(ptx)
+
+
+def test_ring_consumer_probe_acquires_before_it_records(built):
+    ptx = _body(built["probe"].ptx_path.read_text())
+    acquire = ptx.find("ld.acquire.gpu.global.b32")
+    record = ptx.rfind("st.relaxed.gpu.global.b32")
+    assert 0 <= acquire < record
+    _assert_bounded_waits(ptx)
+
+
+def test_expected_probe_rows_by_hand():
+    # experts of 5, 0 and 7 rows in tiles of 4: tiles start at rows 0, 4 | 5, 9
+    assert dispatch.expected_probe_rows([0, 5, 5, 12], 4, 16) == [4, 0, 0, 0, 1, 4, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0]
 
 
 def _assert_bounded_waits(ptx):

@@ -68,3 +68,4 @@ def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
 
         yield dispatch.variant()
         yield finalize.variant()
+        yield dispatch.consumer_probe_variant()

@@ -75,6 +75,27 @@ def variant():
                                                                    "gc_moe.kernels.sm90.layer_layout"))
 
 
+def consumer_probe_variant():
+    """A proof kernel of the ring's consumer side (`acquire_ring_rows`, what role2 adds): one CTA per (token
+    tile, local expert) waits for its rows and records them; the device proof runs it concurrently with role1."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    return KernelVariant.make("sm90.ring_consumer_probe", __name__, "build_ring_consumer_probe", {},
+                              promises=("ld.acquire.gpu", "nanosleep", "trap"), local_bytes_budget=0,
+                              extra_sources=("gc_moe.kernels.sm90.ptx", "gc_moe.kernels.sm90.layer_layout"))
+
+
+def expected_probe_rows(expert_offsets: list[int], tile_rows: int, ring_rows: int) -> list[int]:
+    """What the consumer probe leaves in `seen` [ring_rows]: at each tile's first grouped row, its row count."""
+    seen = [0] * ring_rows
+    for j in range(len(expert_offsets) - 1):
+        first, end = expert_offsets[j], expert_offsets[j + 1]
+        while first < end:
+            seen[first] = min(tile_rows, end - first)
+            first += tile_rows
+    return seen
+
+
 def dispatch_args(ws, shape, num_tokens: int, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
     """Kernel arguments in `PARAMS` order from a workspace (an object with one tensor per region) and its
     `layer_layout.LayerShape`."""
@@ -489,6 +510,52 @@ if cute is not None:
             if lane == 0:
                 atom_add_release_gpu(l1_full_count + Int64((r // block_m) % ring_blocks) * 4, Int32(1))
             r = r + nblocks * WARPS
+
+    @cute.jit
+    def acquire_ring_rows(ring_ready: Int64, l1_full_count: Int64, first: Int32, rows: Int32, block_m: Int32,
+                          ring_blocks: Int32, started: Int64, timeout_ns: Int64):
+        """The consumer side of the ring, for role2 (thread 0 calls it, then the CTA syncs): wait for RING_READY,
+        then for every logical block holding grouped rows [first, first + rows) until its ring block's
+        l1_full_count reaches BM (generation + 1). Bounded by `timeout_ns` since `started`, then traps."""
+        wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
+        if rows > 0:
+            block = first // block_m
+            while block <= (first + rows - 1) // block_m:
+                generation = block // ring_blocks
+                wait_at_least(l1_full_count + Int64(block - generation * ring_blocks) * 4,
+                              block_m * (generation + 1), started, timeout_ns, False)
+                block = block + 1
+
+    @cute.kernel
+    def ring_consumer_probe_kernel(ring_ready: Int64, l1_full_count: Int64, expert_offsets: Int64, seen: Int64,
+                                   block_m: Int32, ring_blocks: Int32, tile_rows: Int32, timeout_ns: Int64):
+        """How role2 uses `acquire_ring_rows`: one CTA per (token tile, local expert); it writes the rows it may
+        read (a test double of the grouped GEMM's W1 tile loop)."""
+        tile, expert, _ = cute.arch.block_idx()
+        started = cute.arch.globaltimer()
+        if cute.arch.thread_idx()[0] == 0:
+            wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
+            off0 = ld_s32(expert_offsets + Int64(expert) * 4)
+            count = ld_s32(expert_offsets + Int64(expert) * 4 + 4) - off0 - tile * tile_rows
+            if count > 0:
+                if count > tile_rows:  # noqa: PLR1730 (a DSL value: Python min() cannot trace it)
+                    count = tile_rows
+                acquire_ring_rows(ring_ready, l1_full_count, off0 + tile * tile_rows, count, block_m, ring_blocks,
+                                  started, timeout_ns)
+                st_s32(seen + Int64(off0 + tile * tile_rows) * 4, count)
+        bar_sync()
+
+    @cute.jit
+    def _launch_ring_consumer_probe(a0: Int64, a1: Int64, a2: Int64, a3: Int64, block_m: Int32, ring_blocks: Int32,
+                                    tile_rows: Int32, timeout_ns: Int64):
+        ring_consumer_probe_kernel(a0, a1, a2, a3, block_m, ring_blocks, tile_rows, timeout_ns).launch(
+            grid=(1, 1, 1), block=(128, 1, 1))
+
+    def build_ring_consumer_probe(arch: str = "sm_90a"):
+        from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+        args = (Int64(0), Int64(0), Int64(0), Int64(0), Int32(8), Int32(1), Int32(8), Int64(1))
+        return CompileRequest(_launch_ring_consumer_probe, args, LaunchShape(block=(128, 1, 1)))
 
     @cute.jit
     def _launch_dispatch(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
