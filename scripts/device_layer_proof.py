@@ -14,7 +14,7 @@ grouped GEMM reads; role3 (finalize, a kernel node in the compute green context)
    processed difference at the paper's thresholds);
 3. the layer captured once (child graphs of the kernel nodes attached to a torch CUDA graph with the
    stand-in between them), replayed --replays times with no host work: every replay's y equal to the eager
-   y bit for bit (counted on the device);
+   y bit for bit (counted on the device; the largest processed difference is reported too);
 4. the ring handshake across partitions: role1 (communication context) and the ring-consumer probe (compute
    context, `dispatch.acquire_ring_rows`, what role2 adds) as concurrent roots, role3 after both, replayed
    --replays times: every tile saw its rows (`dispatch.expected_probe_rows`), no bounded wait trapped;
@@ -256,11 +256,16 @@ def run_point(layer, num_tokens, w, replays):
         g3.attach_to_capture(cap)
     torch.cuda.synchronize()
     mismatched = torch.zeros((), dtype=torch.int64, device=dev)
+    worst = torch.zeros((), dtype=torch.float64, device=dev)  # largest processed difference graph vs eager
+    e64 = y_eager.double()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()
         mismatched += (y.view(torch.int16) != y_eager.view(torch.int16)).any().to(torch.int64)
+        g64 = y.double()
+        energy = ((g64 * g64).sum() + (e64 * e64).sum()).clamp_min(1e-300)
+        worst = torch.maximum(worst, 1 - 2 * (g64 * e64).sum() / energy)
     end.record()
     torch.cuda.synchronize()
     probe_bad = run_consumer_probe(layer, num_tokens, replays, twin["expert_offsets"].tolist())
@@ -268,6 +273,7 @@ def run_point(layer, num_tokens, w, replays):
     return {
         "tokens": num_tokens, "rows": rows, "ring_mismatches": ring_bad, "twin_mismatches": twin_bad,
         "cosine": cos, "processed_diff": diff, "replays": replays, "mismatched_replays": int(mismatched),
+        "max_repeat_diff": float(worst),
         "us_per_replay_with_check": 1e3 * start.elapsed_time(end) / max(replays, 1),
         "arrival_errors": c[ll.ARRIVAL_ERRORS], "ring_overflows": c[ll.RING_OVERFLOWS],
         "replays_finalized": c[ll.REPLAYS], "received_rows": c[ll.RECEIVED_ROWS],
