@@ -309,7 +309,7 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     ok = True
     print(f"\n{'T':>5} {'rows':>6} {'ring':>6} {'twin':>6} {'cosine':>9} {'pdiff':>9} {'replays':>8} "
-          f"{'bad':>5} {'us/rep':>8} {'arrive':>6} {'probe':>5}")
+          f"{'bad':>5} {'rdiff':>8} {'us/rep':>8} {'arrive':>6} {'probe':>5}")
     for r in results:
         if "error" in r:
             ok = False
@@ -322,7 +322,7 @@ def main() -> int:
                 and r["received_rows"] == r["expected_received_rows"])
         ok &= good
         print(f"{r['tokens']:>5} {r['rows']:>6} {ring:>6} {r['twin_mismatches']:>6} {r['cosine']:>9.6f} "
-              f"{r['processed_diff']:>9.2e} {r['replays']:>8} {r['mismatched_replays']:>5} "
+              f"{r['processed_diff']:>9.2e} {r['replays']:>8} {r['mismatched_replays']:>5} {r['max_repeat_diff']:>8.1e} "
               f"{r['us_per_replay_with_check']:>8.1f} {r['arrival_errors']:>6} {r['probe_mismatches']:>5}  "
               f"{'PASS' if good else 'FAIL'}")
     print(f"partition: {layer.parts.describe()}, dispatch CTAs {layer.dispatch_ctas}, finalize CTAs "
