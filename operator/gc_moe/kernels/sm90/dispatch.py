@@ -357,7 +357,7 @@ if cute is not None:
         a = bid * THREADS + tid
         while a < assignments:
             ge = Int32(ld_s64(topk_idx + Int64(a) * 8))
-            if ge >= 0:
+            if ge >= 0 and ge < num_experts:  # ids outside 0..E-1 (e.g. -1) route nowhere
                 atom_shared_add(counts + 4 * ge, Int32(1))
             a = a + stride
         bar_sync()
@@ -373,7 +373,7 @@ if cute is not None:
         a = bid * THREADS + tid
         while a < assignments:
             ge = Int32(ld_s64(topk_idx + Int64(a) * 8))
-            if ge >= 0:
+            if ge >= 0 and ge < num_experts:  # ids outside 0..E-1 (e.g. -1) route nowhere
                 pos = atom_shared_add(counts + 4 * ge, Int32(1))
                 owner = ge // local_experts
                 le = ge - owner * local_experts
