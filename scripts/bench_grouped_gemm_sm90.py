@@ -186,9 +186,10 @@ def time_graph(fn, stream, replays: int, windows: int) -> float:
     res = []
     for w in range(windows + 2):
         s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record(stream)
-        g.replay()
-        e.record(stream)
+        with torch.cuda.stream(stream):  # replay() runs on the current stream: the one the events time
+            s.record(stream)
+            g.replay()
+            e.record(stream)
         e.synchronize()
         if w >= 2:
             res.append(s.elapsed_time(e) * 1e3 / replays)
