@@ -15,7 +15,7 @@ One CTA per communication SM (default 4 on SM90), 256 threads. Per replay:
    a flip of the persistent phase; a second grid sync;
 6. every CTA scans the received counts (experts in order, source ranks in order) into grouped-row offsets;
    block 0 writes expert_offsets [e + 1], pads the last partial ring block's l1_full_count and releases
-   RING_READY; then each warp pulls grouped rows: the routing entry, the source token's FP8 row and scales
+   RING_READY; then each warp pulls grouped rows (16 bytes per lane per step): the routing entry, the source token's FP8 row and scales
    from the source rank, converted to the ring's E4M3 + FP32 K128 format, its routing weight, destination row
    and source word; after the row lands (warp sync) lane 0 adds 1 to the ring block's l1_full_count with
    `atom.add.release.gpu`. A block is full when it reads BM (generation + 1).
