@@ -88,9 +88,14 @@ def sweep(
                 raise profiles.ProfileError(
                     "--resume continues a run with the profile recorded in its env.json; leave out --gpu, --layout, "
                     "--models, --tokens, --suite, --l2, --windows, --warmup and --replays")
-            from gcmoe_bench.results import open_for_resume
+            from gcmoe_bench.results import RunDirError, open_for_resume
 
-            recorded = open_for_resume(resume).read_env()["profile"]
+            try:
+                recorded = open_for_resume(resume).read_env()["profile"]
+            except RunDirError as exc:
+                _fail(f"--resume {exc}")
+            except KeyError:
+                _fail(f"--resume {resume}: its env.json records no profile (not a sweep run this tool wrote)")
             profile = profiles.profile_from_resolved(recorded)
             if skip_gate:
                 profile = profiles.apply_overrides(profile, skip_gate=True)
@@ -139,8 +144,11 @@ def accuracy(
 
             try:
                 recorded = open_for_resume(into).read_env()["profile"]
-            except (RunDirError, KeyError) as exc:
-                raise profiles.ProfileError(f"--into {into}: {exc}") from None
+            except RunDirError as exc:
+                raise profiles.ProfileError(f"--into {exc}") from None
+            except KeyError:
+                raise profiles.ProfileError(f"--into {into}: its env.json records no profile (not a sweep run "
+                                            f"this tool wrote)") from None
             profile = profiles.profile_from_resolved(recorded)
         else:
             profile = profiles.load_profile(gpu, layout=layout)
@@ -169,8 +177,11 @@ def report(
     """Write the paper's Tables 5-10 and Figures 3-8, measured runs beside the published numbers."""
     from gcmoe_bench.report import run_report
 
-    files = run_report(list(run_dirs or []), out, figures_out=figures_out,
-                       figure_formats=tuple(_split(formats) or ("png", "pdf")), with_figures=not no_figures)
+    try:
+        files = run_report(list(run_dirs or []), out, figures_out=figures_out,
+                           figure_formats=tuple(_split(formats) or ("png", "pdf")), with_figures=not no_figures)
+    except (FileNotFoundError, ValueError) as exc:  # a missing or malformed run: say which, no traceback
+        _fail(str(exc))
     console.print(f"report written: {files.index}")
 
 
@@ -190,12 +201,16 @@ def compare(
     """Compare a run's per-point speedups and suite means with a baseline; exit 1 on a regression."""
     from gcmoe_bench import regress
 
-    if write_baseline:
-        path = regress.write_baseline(run_dir, baseline)
-        console.print(f"baseline written: {path}")
-        raise typer.Exit(0)
-    raise typer.Exit(regress.run_compare(run_dir, baseline, tolerance=tolerance, json_out=json_out,
-                                         allow_missing=allow_missing))
+    try:
+        if write_baseline:
+            path = regress.write_baseline(run_dir, baseline)
+            console.print(f"baseline written: {path}")
+            raise typer.Exit(0)
+        verdict = regress.run_compare(run_dir, baseline, tolerance=tolerance, json_out=json_out,
+                                      allow_missing=allow_missing)
+    except (FileNotFoundError, ValueError) as exc:  # bad inputs exit 2, a regression exits 1
+        _fail(str(exc))
+    raise typer.Exit(verdict)
 
 
 @app.command()
@@ -267,7 +282,10 @@ def build(
     except ImportError as exc:
         _fail(f"gc_moe.runtime.jit.build_profile is not available ({exc}); the offline build needs the GC-MoE "
               f"runtime and nvidia-cutlass-dsl (pip install -e '.[kernels]')")
-    rows = build_profile(arch, resolved.to_dict(), log=console.print) or []
+    try:
+        rows = build_profile(arch, resolved.to_dict(), log=console.print) or []
+    except ValueError as exc:  # e.g. an unknown arch: the message lists the allowed ones
+        _fail(str(exc))
     if rows:
         from rich.table import Table
 

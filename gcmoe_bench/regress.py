@@ -92,7 +92,7 @@ def write_baseline(run_dir: Path, path: Path) -> Path:
 def read_baseline(path: Path) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"baseline file not found: {path} (write one with write_baseline / --write)")
+        raise FileNotFoundError(f"baseline file not found: {path} (write one with `gcmoe-bench compare RUN_DIR --baseline FILE --write-baseline`)")
     table = pd.read_csv(path)
     missing = [c for c in MATCH_KEY + ["speedup"] if c not in table.columns]
     if missing:

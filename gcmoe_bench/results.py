@@ -148,6 +148,6 @@ class RunWriter:
 def open_for_resume(run_dir: Path) -> RunWriter:
     writer = RunWriter(run_dir)
     if not writer.run_dir.is_dir():
-        raise RunDirError(f"--resume {run_dir}: no such directory")
+        raise RunDirError(f"{run_dir}: no such directory; allowed: a run directory results/<gpu>/<run-id>/")
     writer.read_env()  # raises with a clear message when it is not a run directory
     return writer

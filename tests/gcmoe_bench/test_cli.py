@@ -56,6 +56,22 @@ def test_sweep_errors_are_clear():
     assert result.exit_code == 2 and "l2 = 'warm'; allowed: flush, rotate" in result.output
 
 
+def test_bad_paths_and_arch_exit_2_with_one_line(tmp_path):
+    missing = tmp_path / "no-such-run"
+    baseline = tmp_path / "no-such-baseline.csv"
+    for args, message in (
+        (["report", str(missing), "--out", str(tmp_path / "report")], f"points.csv of run {missing} not found"),
+        (["compare", str(missing), "--baseline", str(baseline)], f"baseline file not found: {baseline}"),
+        (["build", "--arch", "sm_80", "--profile", "h200"], "unknown arch 'sm_80': allowed sm_90a"),
+        (["sweep", "--resume", str(missing)], f"--resume {missing}: no such directory"),
+        (["sweep", "--resume", str(tmp_path)], f"--resume {tmp_path} has no env.json"),
+        (["accuracy", "--into", str(missing)], f"--into {missing}: no such directory"),
+    ):
+        result = invoke(args)
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output, result.output
+
+
 class IdleOrBusyNvml:
     def __init__(self, busy_gpu: int | None):
         self.busy_gpu = busy_gpu
