@@ -14,9 +14,9 @@ subtracts the memset-only graph's time, so every replay reads its weights from H
 bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
 large `amax` measured in the same run.
 
-Run on the device with the cubins built here and carried:
+Run on the GPU machine with the cubins built on the build machine and copied over:
   python scripts/bench_grouped_gemm_sm90.py --build-only            # here: fills .cubin-cache
-  python scripts/bench_grouped_gemm_sm90.py --check --time          # device (carry .cubin-cache)
+  python scripts/bench_grouped_gemm_sm90.py --check --time          # GPU machine (with .cubin-cache copied over)
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="where the rows go (default: $OUT/bench_grouped_gemm_sm90_<tag>.json)")
+    ap.add_argument("--json", default=None, help="where the rows go (default: ./bench_grouped_gemm_sm90_<tag>.json)")
     args = ap.parse_args()
 
     from gc_moe.kernels.sm90 import grouped_gemm as gg
@@ -308,7 +308,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         del weights, canon
         torch.cuda.empty_cache()
-    path = args.json or f"{os.environ.get('OUT', '.')}/bench_grouped_gemm_sm90_{args.tag or f's{args.stages}'}.json"
+    path = args.json or f"bench_grouped_gemm_sm90_{args.tag or f's{args.stages}'}.json"
     with open(path, "w") as f:
         json.dump({"read_bw_bytes_per_s": bw, "rows": rows_out}, f, indent=1)
     print(f"\nread bandwidth (amax, 4 GiB): {bw / 1e12:.2f} TB/s")

@@ -23,8 +23,8 @@ grouped GEMM reads; role3 (finalize, a kernel node in the compute green context)
 Role1 and the stand-in do not overlap in step 3 (the stand-in follows role1 in the capture); step 4 is the
 overlap role2 gets once it acquires ring blocks (docs/sm90-layer.md). Needs the dispatch and finalize cubins in the cache:
 
-    python -c "from gc_moe.runtime.jit import build_profile; build_profile('sm_90a', {})"   # CPU, then carry
-    PYTHONPATH=operator python scripts/device_layer_proof.py --replays 1000 --out "$OUT"
+    python -c "from gc_moe.runtime.jit import build_profile; build_profile('sm_90a', {})"   # build machine, then copy .cubin-cache over
+    PYTHONPATH=operator python scripts/device_layer_proof.py --replays 1000 --out device-out
 """
 
 from __future__ import annotations
