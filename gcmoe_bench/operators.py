@@ -12,7 +12,8 @@ raw.csv records ``cuda-eager``), and times it.  An adapter that is not available
 | gc           | operator  | gc_moe.fp8_fp4_gc_moe (public API), shared expert fused when the suite has one |
 | gc-unfused   | operator  | gc_moe.fp8_fp4_gc_moe routed, plus the shared expert run separately            |
 | mega-port    | baseline  | the SM90 port of Mega MoE (H20/H200), unfused shared expert beside it          |
-| deepgemm     | baseline  | DeepGEMM's fp8_fp4_mega_moe (SM100 family), its fused shared-expert mode       |
+| deepgemm     | baseline  | DeepGEMM's fp8_fp4_mega_moe (SM100 family), its fused shared-expert mode;      |
+|              |           | on SM90 sgl-deep-gemm's fp8_mega_moe (FP8 weights), an external Hopper anchor  |
 """
 
 from __future__ import annotations
@@ -206,11 +207,36 @@ class MegaPortAdapter(_PendingBaseline):
     needs = "sm_90a"
 
 
-class DeepGemmAdapter(_PendingBaseline):
+class DeepGemmAdapter(OperatorAdapter):
+    """DeepGEMM's Mega MoE (baselines.mega_moe.deepgemm): fp8_fp4_mega_moe on the SM100 family (fused shared
+    expert where the installed version has it), sgl-deep-gemm's fp8_mega_moe on SM90 as an external anchor."""
+
     name = "deepgemm"
-    summary = "DeepGEMM fp8_fp4_mega_moe (SM100 family), fused shared-expert mode for shared suites"
-    module = "deep_gemm"
-    needs = "sm_100 family"
+    role = "baseline"
+    summary = ("DeepGEMM fp8_fp4_mega_moe (SM100 family), fused shared-expert mode for shared suites; "
+               "fp8_mega_moe (FP8 weights) on SM90")
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        try:
+            from baselines.mega_moe import deepgemm
+        except ImportError as exc:
+            return False, f"{self.name}: baselines.mega_moe.deepgemm does not import ({exc})"
+        ok, reason = deepgemm.available(device)
+        return (True, "") if ok else (False, f"{self.name}: {reason}")
+
+    def prepare(self, workload: Workload, group: Any) -> Invocation:
+        from baselines.mega_moe import deepgemm
+
+        model, w = workload.model, workload.weights
+        inputs = deepgemm.MegaMoeInputs(
+            x=workload.x, x_sf=workload.x_sf, topk_idx=workload.topk_idx, topk_weights=workload.topk_weights,
+            l1_weights=w.l1, l2_weights=w.l2, num_experts=model.num_experts, num_max_tokens_per_rank=model.capacity,
+            activation_alpha=model.activation_alpha, activation_clamp=model.activation_clamp,
+            shared_weights=w.shared if workload.shared_experts else None,
+        )
+        call = deepgemm.prepare(inputs, group)
+        return Invocation(call.run, call.output, keep_alive=call.keep_alive, capturable=call.capturable,
+                          note=call.note)
 
 
 REGISTRY: dict[str, OperatorAdapter] = {
