@@ -4,7 +4,14 @@ import re
 
 import pytest
 import torch
-from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128, pack_ue8m0, quantize_fp8_k128
+from gc_moe.formats import (
+    E2M1_VALUES,
+    dequantize_fp4_ue8m0,
+    dequantize_fp8_k128,
+    pack_fp4,
+    pack_ue8m0,
+    quantize_fp8_k128,
+)
 from gc_moe.kernels.sm90 import grouped_gemm as gg
 from gc_moe.weights import sm90 as wsm90
 
@@ -27,6 +34,99 @@ def test_shared_memory_plan_fits_the_sm():
         assert cfg.smem_bytes + 1024 <= 227 * 1024  # the DSL adds 1 KiB of static shared memory
 
 
+# --------------------------------------------------------------------------------------------- folded decode
+# CPU proof of the fold_scales decode: gg.decode_fp4x4_folded / gg.fold_exponent_step are the expressions the
+# kernel traces (ptx.py passes u32=Uint32); here they run on int64 tensors holding 32-bit words.
+def _words(byte_tensor):
+    """uint8 [..., 4] -> int64 [...] little-endian 32-bit words (byte 0 lowest, as ld.shared loads them)."""
+    b = byte_tensor.to(torch.int64)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _word_bytes(words):
+    """int64 [...] 32-bit words -> uint8 [..., 4]."""
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+
+
+def _e4m3(byte_tensor):
+    return byte_tensor.contiguous().view(torch.float8_e4m3fn).float()
+
+
+def test_folded_decode_every_code_at_every_window_step():
+    """All 16 codes x d in 0..11, low and high nibble paths, the other nibble random: the E4M3 byte equals
+    torch's exact E4M3 encoding of value * 2^(d-5), byte for byte (signed zero, code 0.5, 6 at d = 11)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    d = torch.arange(12).view(12, 1, 1)
+    code = torch.arange(16).view(1, 16, 1).expand(12, 16, 4)
+    other = torch.randint(0, 16, (12, 16, 4), generator=gen)
+    # scale word: the wanted byte at a random position j, random in-window bytes elsewhere
+    j = int(torch.randint(0, 4, (1,), generator=gen))
+    sbytes = torch.randint(0, 12, (12, 4), generator=gen) + gg.SCALE_BYTE_OFFSET
+    sbytes[:, j] = torch.arange(12) + gg.SCALE_BYTE_OFFSET
+    step = gg.fold_exponent_step(_words(sbytes.to(torch.uint8)), j).view(12, 1)
+    assert torch.equal(step.flatten(), 8 * (torch.arange(12) + 1))
+    expected_value = E2M1_VALUES[code] * torch.exp2(d.float() - gg.FOLD_EXPONENT)
+    expected_byte = expected_value.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(_e4m3(expected_byte), expected_value)  # every (code, d) is exact in E4M3: the window keeps it in range
+    for high in (False, True):
+        nibbles = (code << 4 | other) if high else (other << 4 | code)
+        got = _word_bytes(gg.decode_fp4x4_folded(_words(nibbles.to(torch.uint8)), step, high))
+        assert torch.equal(got, expected_byte), f"high={high}"
+        assert torch.equal(_e4m3(got), expected_value)
+    # hand-checked corners: 0.5 at d=0 is 2^-6, E4M3's smallest normal; 6 at d=11 is 384 (0x7C); -0 is 0x80
+    assert int(expected_byte[0, 1, 0]) == 0x08 and int(expected_byte[11, 7, 0]) == 0x7C
+    assert int(expected_byte[5, 8, 0]) == 0x80 and int(expected_byte[0, 9, 0]) == 0x88
+
+
+def test_folded_decode_needs_the_window():
+    """One step past the window (d = 12) the largest code is 768 > 448: the fold is exact only for d <= 11."""
+    from gc_moe.weights import sm90 as w
+
+    assert w.WINDOW_STEPS == 11 and w.X64_EXPONENT + w.UE8M0_BIAS == gg.SCALE_BYTE_OFFSET
+    word = torch.tensor([0x07070707])
+    got = _word_bytes(gg.decode_fp4x4_folded(word, torch.tensor([8 * 13]), False))
+    assert float(_e4m3(got)[0, 0]) != 6.0 * 2.0 ** (12 - gg.FOLD_EXPONENT)
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_folded_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
+    """Per thread as the kernel does (two 16-byte loads, row g / g+8 scale words, K32 block j): E4M3(decode) *
+    2^5 * factor equals formats.dequantize_fp4_ue8m0 of the canonical weights, every element, every d."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    e, m, k = 2, 128, 512
+    codes = torch.randint(0, 16, (e, m, k), dtype=torch.uint8, generator=gen)
+    codes[:, :, :16] = torch.arange(16, dtype=torch.uint8)  # every code in every row
+    exps = torch.randint(113, 125, (e, m, k // 32), dtype=torch.uint8, generator=gen)
+    exps[:, 0, :12] = torch.arange(113, 125, dtype=torch.uint8)  # span exactly 12 values: d = 0..11 all occur
+    packed, sf = pack_fp4(codes), pack_ue8m0(exps)
+    mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up)
+    d_seen = set((mat.scales.flatten().long() - gg.SCALE_BYTE_OFFSET).tolist())
+    assert d_seen == set(range(12))
+    words = _words(mat.codes.view(*mat.codes.shape[:3], 128, 8, 4))  # [E, mt, kt, thread T, word 2j+h]
+    scale_words = _words(mat.scales)  # [E, mt, kt, tile row]: byte j = K32 block j
+    t = torch.arange(128)
+    warp, g, q = t // 32, (t % 32) // 4, t % 4
+    row_lo = 16 * warp + g
+    dense = torch.zeros(e, m // 64, k // 128, 64, 128)
+    for j in range(4):
+        step_lo = gg.fold_exponent_step(scale_words[..., row_lo], j)  # [E, mt, kt, T]
+        step_hi = gg.fold_exponent_step(scale_words[..., row_lo + 8], j)
+        for h in range(2):
+            w = words[..., 2 * j + h]
+            lo = _e4m3(_word_bytes(gg.decode_fp4x4_folded(w, step_lo, False)))  # [E, mt, kt, T, 4]
+            hi = _e4m3(_word_bytes(gg.decode_fp4x4_folded(w, step_hi, True)))
+            for b in range(4):
+                col = 32 * j + 16 * h + 4 * q + b
+                dense[..., row_lo, col] = lo[..., b]
+                dense[..., row_lo + 8, col] = hi[..., b]
+    got = dense.transpose(2, 3).reshape(e, m, k) * 2.0**gg.FOLD_EXPONENT * mat.factor.view(e, 1, 1)
+    ref = dequantize_fp4_ue8m0(packed, sf)
+    if gate_up:
+        ref = ref[:, wsm90.w1_row_order(m // 2)]
+    assert torch.equal(got, ref)
+    assert torch.equal(got, wsm90.dequantize_matrix(mat))
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     pytest.importorskip("cutlass")
@@ -37,11 +137,12 @@ def built(tmp_path_factory):
 
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
-    assert len(built) == 2 * len(gg.BLOCK_N_CHOICES)
+    assert len(built) == 4 * len(gg.BLOCK_N_CHOICES)  # default and folded-scale sets
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
         bn = params["block_n"]
+        fold = params.get("fold_scales", False)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
@@ -51,12 +152,40 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
         assert res["registers"] <= 128  # 512 threads per CTA
         expected = [8 if kind == "u64" else 4 for _, kind in gg.GemmConfig(params["role"], bn).params]
-        assert [size for _, size in res["params"]] == expected
+        assert [size for _, size in res["params"]] == expected  # folding changes no parameter
         assert entry.launch.dynamic_smem_bytes == gg.GemmConfig(params["role"], bn).smem_bytes
+        waits = ptx.count("wgmma.wait_group.sync.aligned")
+        assert waits == (1 if fold else 4 // gg.GemmConfig(params["role"], bn).wgmmas_per_wait), variant.describe()
+
+
+def test_default_variants_do_not_name_the_fold_knob():
+    """The default set keeps its parameters, so its cache keys (and binaries) are those of before the knob."""
+    for v in gg.variant_set():
+        assert "fold_scales" not in dict(v.params)
+    assert all(dict(v.params)["fold_scales"] is True for v in gg.variant_set(fold_scales=True))
+    assert gg.GemmConfig("w1", 64, fold_scales=True).wgmmas_per_wait == 4
+    assert gg.GemmConfig("w1", 64).name + "_fold" == gg.GemmConfig("w1", 64, fold_scales=True).name
+
+
+def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
+    """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
+    fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
+    folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
+    assert len(folded) == 2 * len(gg.BLOCK_N_CHOICES)
+    for variant, entry in folded.items():
+        bn = dict(variant.params)["block_n"]
+        ptx = entry.ptx_path.read_text()
+        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{([^}}]*)\}}, "
+                         r"\{[^}]*\}, %rd\d+, (\w+), 1, 1;", ptx)
+        assert len(mma) == 4 and len({acc for acc, _ in mma}) == 1, variant.describe()
+        assert len(mma[0][0].split(",")) == bn // 2
+        assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"]
+        assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
+        assert entry.resources["frame_bytes"] == 0 and entry.resources["registers"] <= 128
 
 
 # --------------------------------------------------------------------------------------------- GPU check
-def _run_case(hidden, inter, experts, topk, tokens, block_n, seed):
+def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False):
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -83,8 +212,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed):
     mid_sf = torch.full((rows, inter // 128), float("nan"), device=dev)
     out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     dest = torch.randperm(rows, generator=gen, device=dev).to(torch.int32)
-    k1 = jit.load_kernel(gg.variant("w1", block_n), "sm_90a")
-    k2 = jit.load_kernel(gg.variant("w2", block_n), "sm_90a")
+    k1 = jit.load_kernel(gg.variant("w1", block_n, fold_scales=fold_scales), "sm_90a")
+    k2 = jit.load_kernel(gg.variant("w2", block_n, fold_scales=fold_scales), "sm_90a")
     stream = torch.cuda.current_stream()
     cap = int(counts.max())
     gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream)
@@ -113,10 +242,12 @@ def _cos_diff(y, r):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold_scales", [False, True], ids=["default", "folded"])
 @pytest.mark.parametrize("block_n", gg.BLOCK_N_CHOICES)
 @pytest.mark.parametrize("topk,tokens", [(1, 5), (8, 3), (6, 40), (8, 64)])
-def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens):
-    got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 100 + tokens)
+def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens, fold_scales):
+    got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 100 + tokens,
+                                           fold_scales=fold_scales)
     assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
     for y, r in ((got_mid, ref_mid), (got, ref)):
         cos, diff = _cos_diff(y, r)
@@ -124,9 +255,10 @@ def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold_scales", [False, True], ids=["default", "folded"])
 @pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
-def test_grouped_gemm_model_shapes(hidden, inter, topk):
-    _, _, got, ref = _run_case(hidden, inter, 6, topk, 9, 16, seed=hidden)
+def test_grouped_gemm_model_shapes(hidden, inter, topk, fold_scales):
+    _, _, got, ref = _run_case(hidden, inter, 6, topk, 9, 16, seed=hidden, fold_scales=fold_scales)
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)

@@ -6,7 +6,10 @@ Supported: both GEMMs of a routed-expert MoE layer over tokens pre-grouped by ex
 Operands: weights in the window-repacked layout of `gc_moe.weights.sm90` (the A operand, decoded FP4 ->
 E4M3 in registers, m64nNk32 WGMMA); activations E4M3 [rows, K] with FP32 K128 scales [rows, K/128]
 (the B operand, staged in shared memory, N = the expert's valid tokens rounded up to 8 by zero fill).
-Per-K32 weight scales and per-K128 activation scales are FMAs on the FP32 partials outside the MMA.
+Per-K32 weight scales and per-K128 activation scales are FMAs on the FP32 partials outside the MMA; the
+opt-in `fold_scales` variant instead folds the K32 scale into the decode (an exponent add, exact inside the
+weight window), so the four K32 WGMMAs of a K128 step chain into one accumulator and only the activation
+scale stays an FMA.
 
 Tuning knobs: `block_n` (tokens per CTA tile, 8/16/32/64: the token-bound BM of the paper's swapped
 orientation), `stages` (K128 steps in flight through cp.async; each step moves 17 KB of weights per CTA).
@@ -27,6 +30,10 @@ TILE_BYTES = 4096  # 64 x 128 FP4 codes
 TILE_SCALE_BYTES = 256  # 64 rows x 4 K32 scale bytes
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
+# fold_scales: the A operand is value * 2^(d - FOLD_EXPONENT): the smallest code (0.5 at d = 0) is E4M3's
+# smallest normal 2^-6 and the largest (6 at d = 11) is 384 <= 448, so every (code, d) is an exact E4M3 byte
+FOLD_EXPONENT = 5
+SCALE_BYTE_OFFSET = 6 + 127  # stored K32 scale byte = d + 6 + 127 (weights.sm90, the x64 convention)
 
 PARAMS_W1 = (
     ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
@@ -53,6 +60,9 @@ class GemmConfig:
     # token tiles of one weight tile as the fastest grid dimension: CTAs that read the same weights run
     # side by side, so a second token tile finds them in L2 instead of HBM
     token_tiles_fastest: bool = True
+    # K32 weight scales folded into the FP4 -> E4M3 decode (exponent add): one WGMMA chain per K128 step
+    # and one FP32 FMA per accumulator per K128 instead of four waited WGMMAs with scale FMAs
+    fold_scales: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -89,7 +99,12 @@ class GemmConfig:
 
     @property
     def wgmmas_per_wait(self) -> int:
-        """K32 WGMMAs issued before one wait: bounded by the registers their fresh accumulators take."""
+        """K32 WGMMAs issued before one wait: bounded by the registers their fresh accumulators take.
+
+        With folded scales the four K32 WGMMAs of a K128 step share one accumulator: one wait per step.
+        """
+        if self.fold_scales:
+            return 4
         return {8: 4, 16: 4, 32: 2, 64: 1}[self.block_n]
 
     @property
@@ -101,7 +116,37 @@ class GemmConfig:
         s = f"sm90_grouped_gemm_{self.role}_n{self.block_n}_s{self.stages}"
         if self.role == "w1":
             s += f"_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
+        if self.fold_scales:
+            s += "_fold"
         return s
+
+
+# ---------------------------------------------------------------------------------------------- folded decode
+# Plain integer arithmetic on 32-bit words (& | << >> + *, constants through `u32`): traced with u32=Uint32
+# inside the kernel (ptx.decode_fp4x4_folded) and run with u32=int on torch int64 tensors by the CPU proof,
+# so the emulation is the kernel's own expression, not a second copy of it.
+def fold_exponent_step(scale_word, byte: int, u32=int):
+    """Byte `byte` of a packed K32 scale word (d + 133, d in 0..11) -> 8 (d + 1): the E4M3 exponent-field
+    add that scales a decoded code by 2^(d + 1) relative to its unscaled encoding below."""
+    b = (scale_word >> (8 * byte)) & u32(0xFF)
+    return (b - u32(SCALE_BYTE_OFFSET - 1)) << 3
+
+
+def decode_fp4x4_folded(w, step, high: bool, u32=int):
+    """The four low (or high) nibbles of w, E2M1 codes (sign, e1 e0, m), -> four E4M3 bytes of
+    value * 2^(d - 5) where step = 8 (d + 1) (fold_exponent_step), d in 0..11.
+
+    Code n with e = e1 e0 != 0 is 2^(e-1) (1 + m/2): its E4M3 byte is (e + d + 1) << 3 | m << 2, i.e. the
+    magnitude bits n << 2 plus the exponent step. Code 1 (0.5, the E2M1 subnormal) is 2^(d-6), an E4M3
+    normal with exponent field d + 1 and no mantissa: its m bit is dropped before the add. Code 0 stays 0
+    (no add). Per byte the magnitude is at most 28 + 96 = 124, so no add carries into the sign or the next byte.
+    """
+    x = (w >> 4) if high else w  # the wanted nibble in bits 0..3 of each byte; bits 4..7 are masked below
+    exp_nonzero = ((x >> 1) | (x >> 2)) & u32(0x01010101)  # e1 | e0 per byte
+    nonzero = (x & u32(0x01010101)) | exp_nonzero  # m | e1 | e0
+    magnitude = x & (u32(0x06060606) | exp_nonzero)  # m kept only where e != 0 (drops code 1's m)
+    sign = (x & u32(0x08080808)) << 4
+    return sign | ((magnitude << 2) + nonzero * step)
 
 
 def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple[int, int, int]:
@@ -202,6 +247,32 @@ def _make_kernel(cfg: GemmConfig):
                     acc[4 * i + 3] = acc[4 * i + 3] + p[3] * (s_hi * xs[i][1])
 
     @cute.jit
+    def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc):
+        sbase = smem + stage * cfg.stage_bytes
+        wa = sbase + wg * TILE_BYTES + t * 32
+        words = ptx.lds128(wa) + ptx.lds128(wa + 16)
+        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        sc_lo = ptx.lds32(srow)
+        sc_hi = ptx.lds32(srow + 32)
+        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
+        a_regs = []
+        descs = []
+        for j in cutlass.range_constexpr(4):
+            step_lo = ptx.fold_exponent_step(sc_lo, j)
+            step_hi = ptx.fold_exponent_step(sc_hi, j)
+            w_k0, w_k16 = words[2 * j], words[2 * j + 1]
+            a_regs += [
+                ptx.decode_fp4x4_folded(w_k0, step_lo, False), ptx.decode_fp4x4_folded(w_k0, step_hi, True),
+                ptx.decode_fp4x4_folded(w_k16, step_lo, False), ptx.decode_fp4x4_folded(w_k16, step_hi, True),
+            ]
+            descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+        ptx.wgmma_fence()
+        part = ptx.wgmma_rs_e4m3_chain(BN, a_regs, descs)
+        for i in cutlass.range_constexpr(NSUB):
+            for c in cutlass.range_constexpr(4):
+                acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
+
+    @cute.jit
     def main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
         tid = cute.arch.thread_idx()[0]
         wg = tid // 128
@@ -222,7 +293,10 @@ def _make_kernel(cfg: GemmConfig):
             if nk < k_blocks:
                 issue_stage(smem, nk % STAGES, nk, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy)
             ptx.cp_async_commit()
-            compute_stage(smem, kb % STAGES, wg, t, warp, g, q, acc)
+            if cutlass.const_expr(cfg.fold_scales):
+                compute_stage_folded(smem, kb % STAGES, wg, t, warp, g, q, acc)
+            else:
+                compute_stage(smem, kb % STAGES, wg, t, warp, g, q, acc)
         return tid, wg, warp, g, q
 
     if W1:
@@ -246,6 +320,8 @@ def _make_kernel(cfg: GemmConfig):
                     (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
                 factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
+                if cutlass.const_expr(cfg.fold_scales):
+                    factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
                 inter = m_tiles * 32
                 channel = bx * 128 + wg * 32 + warp * 8 + g
                 hv = cute.make_rmem_tensor((BN // 4,), Float32)
@@ -303,6 +379,8 @@ def _make_kernel(cfg: GemmConfig):
                     (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
                 factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
+                if cutlass.const_expr(cfg.fold_scales):
+                    factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
                 hidden = m_tiles * 64
                 h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
                 for i in cutlass.range_constexpr(NSUB):
@@ -320,7 +398,7 @@ def _make_kernel(cfg: GemmConfig):
 # ---------------------------------------------------------------------------------------------- build
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
-               token_tiles_fastest: bool = True):
+               token_tiles_fastest: bool = True, fold_scales: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64, cute
 
@@ -328,7 +406,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
-    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest)
+    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
+                     fold_scales)
     kernel = _make_kernel(cfg)
 
     if cfg.role == "w1":
@@ -349,7 +428,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 
 
 def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-            l2_evict_first: bool = False, token_tiles_fastest: bool = True):
+            l2_evict_first: bool = False, token_tiles_fastest: bool = True, fold_scales: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build)."""
     from gc_moe.runtime.jit import KernelVariant
 
@@ -358,6 +437,8 @@ def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0,
         params["l2_evict_first"] = True
     if not token_tiles_fastest:
         params["token_tiles_fastest"] = False
+    if fold_scales:  # only named when on: the default variants keep their parameters (and cache keys)
+        params["fold_scales"] = True
     if role == "w1":
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
@@ -367,9 +448,14 @@ def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0,
     )
 
 
-def all_variants(**knobs):
-    """Every variant CI builds: both roles at every block_n, default SwiGLU (alpha 1, clamp 10)."""
+def variant_set(**knobs):
+    """One configuration at both roles and every block_n, default SwiGLU (alpha 1, clamp 10)."""
     return [variant(role, bn, **knobs) for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
+
+
+def all_variants():
+    """Every variant CI builds (the registry's list): the default set and the opt-in folded-scale set."""
+    return variant_set() + variant_set(fold_scales=True)
 
 
 # ---------------------------------------------------------------------------------------------- launch

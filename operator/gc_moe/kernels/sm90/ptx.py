@@ -139,6 +139,21 @@ def decode_fp4x4_high(w: Uint32) -> Uint32:
     return (w & Uint32(0x80808080)) | ((w >> 2) & Uint32(0x1C1C1C1C))
 
 
+def decode_fp4x4_folded(w: Uint32, step: Uint32, high: bool) -> Uint32:
+    """Four FP4 nibbles of w with their K32 scale folded in: E4M3 bytes of value * 2^(d - 5) (see
+    grouped_gemm.decode_fp4x4_folded, the arithmetic shared with its CPU emulation)."""
+    from gc_moe.kernels.sm90.grouped_gemm import decode_fp4x4_folded as decode
+
+    return decode(w, step, high, Uint32)
+
+
+def fold_exponent_step(scale_word: Uint32, byte: int) -> Uint32:
+    """Byte `byte` of a packed K32 scale word (d + 133) -> the exponent-field add 8 (d + 1)."""
+    from gc_moe.kernels.sm90.grouped_gemm import fold_exponent_step as step
+
+    return step(scale_word, byte, Uint32)
+
+
 # ------------------------------------------------------------------------------------------ WGMMA
 def smem_desc_kmajor(addr: Int32, lbo: int, sbo: int) -> Int64:
     """WGMMA shared-memory descriptor, no swizzle: start, K-direction core stride (LBO), N-direction (SBO)."""
@@ -170,6 +185,28 @@ def wgmma_rs_e4m3_batch(n: int, a_regs: list, descs: list) -> list:
     lines.append("wgmma.wait_group.sync.aligned 0;")
     lines.append("}")
     return asm("\n".join(lines), [Float32] * (per * count), list(a_regs) + list(descs) + [Int32(0)])
+
+
+def wgmma_rs_e4m3_chain(n: int, a_regs: list, descs: list) -> list:
+    """len(descs) register-A `m64n{n}k32` E4M3 WGMMAs chained into one accumulator, commit, one wait.
+
+    The first starts fresh (scale-d false), the others accumulate: with the K32 scales folded into the A
+    operand the K32 blocks of one K128 step share one FP32 chain. Returns the n/2 floats of the fragment.
+    """
+    per = n // 2
+    count = len(descs)
+    zero = f"${per + 5 * count}"
+    d = ", ".join(f"${r}" for r in range(per))
+    lines = ["{", ".reg .pred fresh, chain;", f"setp.ne.b32 fresh, {zero}, 0;", f"setp.eq.b32 chain, {zero}, 0;"]
+    for i in range(count):
+        a = ", ".join(f"${per + 4 * i + r}" for r in range(4))
+        desc = f"${per + 4 * count + i}"
+        pred = "fresh" if i == 0 else "chain"
+        lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, {desc}, {pred}, 1, 1;")
+    lines.append("wgmma.commit_group.sync.aligned;")
+    lines.append("wgmma.wait_group.sync.aligned 0;")
+    lines.append("}")
+    return asm("\n".join(lines), [Float32] * per, list(a_regs) + list(descs) + [Int32(0)])
 
 
 # ------------------------------------------------------------------------------------------ warp / scalar
