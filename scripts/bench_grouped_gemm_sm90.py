@@ -14,6 +14,9 @@ subtracts the memset-only graph's time, so every replay reads its weights from H
 bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
 large `amax` measured in the same run.
 
+`--fold-scales` runs the folded-scale variants (K32 scale in the decode, `GemmConfig.fold_scales`) beside the
+configured ones at every point, on the same inputs: each point gives one row per variant set (`tag`; the folded set's ends in `_fold`).
+
 Run on the GPU machine with the cubins built on the build machine and copied over:
   python scripts/bench_grouped_gemm_sm90.py --build-only            # here: fills .cubin-cache
   python scripts/bench_grouped_gemm_sm90.py --check --time          # GPU machine (with .cubin-cache copied over)
@@ -103,6 +106,10 @@ class Point:
         self.out = torch.empty(max(self.rows, 1), h, dtype=torch.bfloat16, device=device)
         self.dest = torch.arange(max(self.rows, 1), dtype=torch.int32, device=device)
         self.rw = self.rw.float().contiguous() if self.rows else torch.ones(1, device=device)
+        self.use(kernels)
+
+    def use(self, kernels):
+        """Run with this variant set's kernels: {(role, block_n): loaded kernel}."""
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
 
     def poison(self):
@@ -216,6 +223,39 @@ def sass_report(gg, jit) -> None:
               f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d}", flush=True)
 
 
+def run_point(pt, row, args, stream, flush, bw) -> bool:
+    """Check and/or time one point with the kernels `pt` uses now; fills `row`, returns whether the check passed."""
+    if pt.rows == 0:
+        row["note"] = "no local pairs"
+        return True
+    ok = True
+    if args.check:
+        pt.poison()
+        with torch.cuda.stream(stream):
+            pt.launch(stream, sync_each=args.sync_each)
+        stream.synchronize()
+        c = pt.check()
+        row.update(cos_mid=c["mid"]["cosine"], cos_out=c["out"]["cosine"], diff_out=c["out"]["diff"],
+                   diff_w2=c["out_w2_only"]["diff"], ok=c["ok"])
+        ok = c["ok"]
+    if args.time:
+        def gemm(pt=pt):
+            pt.launch(stream)
+
+        def flush_then_gemm(pt=pt):
+            flush.zero_()
+            pt.launch(stream)
+
+        warm = time_graph(gemm, stream, args.replays, args.windows)
+        flush_only = time_graph(flush.zero_, stream, args.replays, args.windows)
+        both = time_graph(flush_then_gemm, stream, args.replays, args.windows)
+        cold = both - flush_only
+        floor = row["bytes"] / bw * 1e6
+        row.update(warm_us=warm, cold_us=cold, floor_us=floor, bw_pct=100 * floor / cold,
+                   tflops=pt.flops() / (cold * 1e-6) / 1e12)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="deepseek-v4.1-flash,glm-5.2")
@@ -228,6 +268,8 @@ def main() -> int:
     ap.add_argument("--l2-hint", action="store_true", help="variants with the evict-first L2 policy (see docs)")
     ap.add_argument("--stages", type=int, default=6, help="cp.async pipeline depth of the variants to run")
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
+    ap.add_argument("--fold-scales", action="store_true",
+                    help="also run the folded-scale variants (K32 scale in the decode) at every point")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
@@ -239,8 +281,9 @@ def main() -> int:
     from gc_moe.runtime import jit
 
     if args.build_only:
-        sets = [{}, {"l2_evict_first": True}, {"token_tiles_fastest": False}] + [{"stages": st} for st in (4, 8)]
-        for v in [v for knobs in sets for v in gg.all_variants(**knobs)]:
+        sets = [{}, {"l2_evict_first": True}, {"token_tiles_fastest": False}, {"fold_scales": True}]
+        sets += [{"stages": st} for st in (4, 8)]
+        for v in [v for knobs in sets for v in gg.variant_set(**knobs)]:
             entry = jit.build_variant(v, "sm_90a")
             print(v.describe(), entry.entry_name, entry.resources)
         return 0
@@ -252,12 +295,17 @@ def main() -> int:
     torch.zeros(1, device=device)  # make the primary context current before the driver-level kernel loads
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
-    kernels = {}
     knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {}),
              **({"token_tiles_fastest": False} if args.experts_fastest else {})}
-    for v in gg.all_variants(**knobs):
-        p = dict(v.params)
-        kernels[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
+    base_tag = args.tag or f"s{args.stages}"
+    kernel_sets = {base_tag: knobs, **({f"{base_tag}_fold": {**knobs, "fold_scales": True}} if args.fold_scales else {})}
+    for tag, set_knobs in kernel_sets.items():
+        loaded = {}
+        for v in gg.variant_set(**set_knobs):
+            p = dict(v.params)
+            loaded[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
+        kernel_sets[tag] = loaded
+    kernels = kernel_sets[base_tag]
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -273,48 +321,23 @@ def main() -> int:
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device)
-            row = {"tag": args.tag or f"s{args.stages}", "model": name, "tokens": tokens, "rows": pt.rows, "active": pt.active,
-                   "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes()}
-            if pt.rows == 0:
-                row["note"] = "no local pairs"
+            for tag, set_kernels in kernel_sets.items():
+                pt.use(set_kernels)
+                row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
+                       "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes()}
+                all_ok &= run_point(pt, row, args, stream, flush, bw)
                 rows_out.append(row)
-                continue
-            if args.check:
-                pt.poison()
-                with torch.cuda.stream(stream):
-                    pt.launch(stream, sync_each=args.sync_each)
-                stream.synchronize()
-                c = pt.check()
-                row.update(cos_mid=c["mid"]["cosine"], cos_out=c["out"]["cosine"], diff_out=c["out"]["diff"],
-                           diff_w2=c["out_w2_only"]["diff"], ok=c["ok"])
-                all_ok &= c["ok"]
-            if args.time:
-                def gemm(pt=pt):
-                    pt.launch(stream)
-
-                def flush_then_gemm(pt=pt):
-                    flush.zero_()
-                    pt.launch(stream)
-
-                warm = time_graph(gemm, stream, args.replays, args.windows)
-                flush_only = time_graph(flush.zero_, stream, args.replays, args.windows)
-                both = time_graph(flush_then_gemm, stream, args.replays, args.windows)
-                cold = both - flush_only
-                floor = row["bytes"] / bw * 1e6
-                row.update(warm_us=warm, cold_us=cold, floor_us=floor, bw_pct=100 * floor / cold,
-                           tflops=pt.flops() / (cold * 1e-6) / 1e12)
-            rows_out.append(row)
-            print(json.dumps(row), flush=True)
+                print(json.dumps(row), flush=True)
         del weights, canon
         torch.cuda.empty_cache()
-    path = args.json or f"bench_grouped_gemm_sm90_{args.tag or f's{args.stages}'}.json"
+    path = args.json or f"bench_grouped_gemm_sm90_{base_tag}{'_vs_fold' if args.fold_scales else ''}.json"
     with open(path, "w") as f:
         json.dump({"read_bw_bytes_per_s": bw, "rows": rows_out}, f, indent=1)
     print(f"\nread bandwidth (amax, 4 GiB): {bw / 1e12:.2f} TB/s")
-    print(f"{'model':22s} {'T':>4s} {'rows':>5s} {'act':>4s} {'bn':>3s} {'MB':>7s} {'floor':>7s} {'cold':>7s} "
+    print(f"{'variant':12s} {'model':22s} {'T':>4s} {'rows':>5s} {'act':>4s} {'bn':>3s} {'MB':>7s} {'floor':>7s} {'cold':>7s} "
           f"{'warm':>7s} {'%bw':>5s} {'TF':>5s} {'cos':>8s} {'diff':>8s} ok")
     for r in rows_out:
-        print(f"{r['model']:22s} {r['tokens']:4d} {r['rows']:5d} {r['active']:4d} {r['block_n']:3d} "
+        print(f"{r['tag']:12s} {r['model']:22s} {r['tokens']:4d} {r['rows']:5d} {r['active']:4d} {r['block_n']:3d} "
               f"{r['bytes'] / 1e6:7.1f} {r.get('floor_us', math.nan):7.1f} {r.get('cold_us', math.nan):7.1f} "
               f"{r.get('warm_us', math.nan):7.1f} {r.get('bw_pct', math.nan):5.1f} {r.get('tflops', math.nan):5.2f} "
               f"{r.get('cos_out', math.nan):8.5f} {r.get('diff_out', math.nan):8.5f} {r.get('ok', '-')}")
