@@ -8,6 +8,8 @@ inputs with ``gc_moe.cases.build_case_inputs``, and three outputs are compared:
 - a BF16 forward on the *unquantized* activations and weights (the cosine the paper's thresholds refer to).
 
 Each rank checks its own tokens; a case passes when it passes on every rank (the row reports the worst rank).
+An operator that is not available, or whose ``prepare`` raises ``OperatorUnavailable``, on any rank is recorded as
+``skipped`` for that case on every rank, with the reason; any other error stops every rank.
 Cases use the Table 4 per-rank capacity (256), whatever the profile's sweep capacity is.
 """
 
@@ -22,9 +24,10 @@ import torch
 from rich.console import Console
 
 from gcmoe_bench import distributed, results
+from gcmoe_bench.distributed import agree_on_unavailable
 from gcmoe_bench.env import environment, invocation_command, local_device_info
 from gcmoe_bench.models import ModelShape, table4_models
-from gcmoe_bench.operators import get_operator
+from gcmoe_bench.operators import OperatorUnavailable, get_operator
 from gcmoe_bench.profiles import Profile
 from gcmoe_bench.workloads import Weights, Workload, WorkloadCounts, shared_recipe, stable_seed
 
@@ -146,10 +149,20 @@ def _run(ctx, profile: Profile, out_root: Path, operators: list[str], case_filte
                 rows = []
                 for op in operators:
                     ok, reason = availability[op]
-                    error, check = None, None
+                    error, check, invocation, unavailable_here = None, None, None, {}
                     if ok:
                         try:
                             invocation = get_operator(op).prepare(workload, ctx.data)
+                        except OperatorUnavailable as exc:  # a known limitation: skipped on every rank
+                            unavailable_here[op] = f"prepare: {type(exc).__name__}: {exc}"
+                        except Exception as exc:  # noqa: BLE001 - every rank must hear about it
+                            error = f"{op} on case {case.name}: prepare: {type(exc).__name__}: {exc}"
+                        ctx.check_in(error)
+                        unavailable = agree_on_unavailable(ctx, unavailable_here)
+                        if op in unavailable:
+                            ok, reason, invocation = False, unavailable[op], None
+                    if invocation is not None:
+                        try:
                             invocation()  # collective: ranks without tokens take part too
                             if inputs.num_tokens:
                                 check = dataclasses.asdict(metrics.check_accuracy(

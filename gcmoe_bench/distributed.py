@@ -85,6 +85,17 @@ class DistContext:
         return out
 
 
+def agree_on_unavailable(ctx: DistContext, unavailable_here: dict[str, str]) -> dict[str, str]:
+    """Every rank's reasons for operators it could not prepare, merged: operator -> the reason(s) of the rank(s)
+    that said so (prefixed ``rank r:`` when there are several ranks). The same answer on every rank, so all of them
+    drop the same operators. Collective over the control group."""
+    merged: dict[str, list[str]] = {}
+    for rank, reasons in enumerate(ctx.gather_objects(unavailable_here)):
+        for operator, reason in reasons.items():
+            merged.setdefault(operator, []).append(reason if ctx.world_size == 1 else f"rank {rank}: {reason}")
+    return {operator: "; ".join(reasons) for operator, reasons in merged.items()}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

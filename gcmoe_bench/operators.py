@@ -4,7 +4,8 @@ An adapter says whether it can run on a device (``available``) and turns one ran
 callable that performs one invocation (``prepare``).  The protocol treats every adapter the same: it captures the
 callable in a CUDA graph (unless the invocation says it synchronizes with the host: then it is called directly and
 raw.csv records ``cuda-eager``), and times it.  An adapter that is not available is recorded by the sweep as
-``skipped`` with its reason, never silently dropped.
+``skipped`` with its reason, never silently dropped; so is one whose ``prepare`` raises ``OperatorUnavailable``
+(a known limitation found only while setting up, e.g. a package version whose buffer allocation fails).
 
 | name         | role      | what it runs                                                                   |
 | ------------ | --------- | ------------------------------------------------------------------------------ |
@@ -29,6 +30,14 @@ from gcmoe_bench.workloads import Workload
 
 RECIPE = (1, 1, 32)
 ACTIVATION = "swiglu"
+
+
+class OperatorUnavailable(RuntimeError):
+    """Raised by ``prepare`` when this operator cannot run here for a known, external reason (the installed package
+    cannot set up its buffers on this job, say).  The harness records the operator as ``skipped`` with this message
+    on every rank and goes on; any other exception from ``prepare`` is a defect and stops the run.
+
+    Raise it before the first collective of ``prepare`` where possible: the other ranks may be waiting in one."""
 
 
 class Invocation:
@@ -59,7 +68,8 @@ class OperatorAdapter(ABC):
 
     @abstractmethod
     def prepare(self, workload: Workload, group: Any) -> Invocation:
-        """Allocate buffers, transform weights and stage the inputs; return one invocation.  Collective over ``group``."""
+        """Allocate buffers, transform weights and stage the inputs; return one invocation.  Collective over ``group``.
+        Raises ``OperatorUnavailable`` when a known limitation stops it (recorded as skipped, not a failure)."""
 
 
 def _missing_module(module: str) -> str | None:
@@ -234,7 +244,10 @@ class DeepGemmAdapter(OperatorAdapter):
             activation_alpha=model.activation_alpha, activation_clamp=model.activation_clamp,
             shared_weights=w.shared if workload.shared_experts else None,
         )
-        call = deepgemm.prepare(inputs, group)
+        try:
+            call = deepgemm.prepare(inputs, group)
+        except deepgemm.BufferSetupFailed as exc:  # the installed DeepGEMM cannot run this job: a skip, not a bug
+            raise OperatorUnavailable(f"{self.name}: {exc}") from exc
         return Invocation(call.run, call.output, keep_alive=call.keep_alive, capturable=call.capturable,
                           note=call.note)
 

@@ -3,6 +3,9 @@
 Every rank walks the same plan in the same order (models, suites, tokens per rank, the suite's baseline first and
 then its operators), so the collectives inside the protocol line up. Rank 0 owns the run directory and the
 progress display; the other ranks are quiet.
+
+An operator that is not available, or whose ``prepare`` raises ``OperatorUnavailable``, on any rank is skipped at
+that point on every rank (its row says why, naming the rank); the sweep goes on. Any other error stops every rank.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gcmoe_bench import distributed, protocol, results
-from gcmoe_bench.distributed import DistContext
+from gcmoe_bench.distributed import DistContext, agree_on_unavailable
 from gcmoe_bench.env import environment, invocation_command, local_device_info
 from gcmoe_bench.gate import GateError, run_gate
 from gcmoe_bench.models import ModelShape
-from gcmoe_bench.operators import get_operator
+from gcmoe_bench.operators import OperatorUnavailable, get_operator
 from gcmoe_bench.profiles import Profile, SuiteSpec
 from gcmoe_bench.workloads import Weights, Workload, build_weights, build_workload
 
@@ -116,6 +119,11 @@ def _availability(ctx: DistContext, operator: str) -> tuple[bool, str]:
     return True, ""
 
 
+def _without_speedup(note: str, baseline: str, baseline_reason: str) -> str:
+    why = f"no speedup: baseline {baseline} skipped ({baseline_reason})"
+    return f"{note}; {why}" if note else why
+
+
 def run_sweep(profile: Profile, *, out_root: Path, resume: Path | None = None,
               console: Console | None = None) -> Path:
     """Run (or resume) a sweep on this rank; returns the run directory. Collective over the torchrun job."""
@@ -185,6 +193,8 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
     total_windows = windows * sum(len(todo) for *_, todo in plan)
     baseline_latency = {k[:3]: float(r["latency_us"]) for k, r in finished.items()
                         if k[3] == r["baseline"] and r["status"] == "ok"}
+    baseline_skipped = {k[:3]: r["reason"] for k, r in finished.items()  # why those points have no speedup
+                        if k[3] == r["baseline"] and r["status"] == "skipped"}
     if ctx.is_main:
         console.print(f"sweep {profile.gpu} (layout {profile.layout}) on {ctx.world_size} rank(s): "
                       f"{len(plan)} points to measure -> {run_dir}")
@@ -204,37 +214,48 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
                                       weights=weights_cache[model.name], routing=profile.routing,
                                       seed=profile.seed, device=ctx.device)
             point = f"{model.name} {suite.name} T={tokens}"
-            runnable, outcome = [], {}  # outcome: operator -> (points row, raw rows, console line)
+            key = (model.name, suite.name, tokens)
+            runnable, skipped, measured = [], {}, {}  # skipped: operator -> reason
             for operator in todo:
                 ok, reason = _availability(ctx, operator)
                 if ok:
                     runnable.append(operator)
-                    continue
-                row = _point_row(profile, model, suite, workload, operator, status="skipped", reason=reason)
-                outcome[operator] = (row, [], f"[yellow]skip[/] {point} {operator}: {reason}")
-                progress.advance(task, windows)
+                else:
+                    skipped[operator] = reason
+                    progress.advance(task, windows)
             # interleaved: all operators of the point measured together; else one after the other
             groups = [runnable] if profile.protocol.interleave else [[op] for op in runnable]
             for group in groups:
                 if not group:
                     continue
                 progress.update(task, description=f"{point} {'+'.join(group)}")
-                measured = _measure(ctx, profile, workload, group, flusher, cache_bytes,
-                                    on_window=lambda *_: progress.advance(task, 1))
-                for operator in group:
-                    m = measured[operator]
-                    key = (model.name, suite.name, tokens)
-                    if operator == suite.baseline:
-                        baseline_latency[key] = m.latency_us
-                    base = baseline_latency.get(key)
-                    row = _point_row(
-                        profile, model, suite, workload, operator, status="ok", reason=m.note,
-                        latency_us=m.latency_us, rank_medians_us=";".join(f"{v:.3f}" for v in m.rank_medians_us),
-                        spread_us=m.spread_us, speedup=(base / m.latency_us) if base else None,
-                    )
-                    speed = f" x{base / m.latency_us:.3f}" if base and operator != suite.baseline else ""
-                    line = f"{point} {operator}: {m.latency_us:.1f} us (spread {m.spread_us:.1f}, {m.timing}){speed}"
-                    outcome[operator] = (row, _raw_rows(profile, model, suite, tokens, operator, m), line)
+                group_measured, unavailable = _measure(ctx, profile, workload, group, flusher, cache_bytes,
+                                                       on_window=lambda *_: progress.advance(task, 1))
+                measured.update(group_measured)
+                skipped.update(unavailable)
+                progress.advance(task, windows * len(unavailable))
+            # the point's rows, once all of it is known (a skipped baseline leaves the speedups empty, saying why)
+            if suite.baseline in measured:
+                baseline_latency[key] = measured[suite.baseline].latency_us
+            if suite.baseline in skipped:
+                baseline_skipped[key] = skipped[suite.baseline]
+            base = baseline_latency.get(key)
+            outcome = {}  # operator -> (points row, raw rows, console line)
+            for operator, reason in skipped.items():
+                row = _point_row(profile, model, suite, workload, operator, status="skipped", reason=reason)
+                outcome[operator] = (row, [], f"[yellow]skip[/] {point} {operator}: {reason}")
+            for operator, m in measured.items():
+                note = m.note
+                if key in baseline_skipped and operator != suite.baseline:
+                    note = _without_speedup(note, suite.baseline, baseline_skipped[key])
+                row = _point_row(
+                    profile, model, suite, workload, operator, status="ok", reason=note,
+                    latency_us=m.latency_us, rank_medians_us=";".join(f"{v:.3f}" for v in m.rank_medians_us),
+                    spread_us=m.spread_us, speedup=(base / m.latency_us) if base else None,
+                )
+                speed = f" x{base / m.latency_us:.3f}" if base and operator != suite.baseline else ""
+                line = f"{point} {operator}: {m.latency_us:.1f} us (spread {m.spread_us:.1f}, {m.timing}){speed}"
+                outcome[operator] = (row, _raw_rows(profile, model, suite, tokens, operator, m), line)
             if ctx.is_main:  # the whole point at once, in the suite's order (baseline first)
                 for operator in todo:
                     row, raw, line = outcome[operator]
@@ -252,8 +273,11 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
 
 
 def _measure(ctx: DistContext, profile: Profile, workload: Workload, operators: list[str],
-             flusher: protocol.CacheFlusher, cache_bytes: int, on_window) -> dict[str, protocol.Measurement]:
-    """Prepare the operators (rotation copies included) on one point's workload and measure them together."""
+             flusher: protocol.CacheFlusher, cache_bytes: int,
+             on_window) -> tuple[dict[str, protocol.Measurement], dict[str, str]]:
+    """Prepare the operators (rotation copies included) on one point's workload and measure them together.
+    Returns the measurements and, apart, the operators some rank could not prepare (operator -> reason): those
+    are dropped on every rank before any window. Any other prepare error stops every rank."""
     spec = profile.protocol
     copies = 1
     if spec.l2 == "rotate":
@@ -261,13 +285,21 @@ def _measure(ctx: DistContext, profile: Profile, workload: Workload, operators: 
         copies = min(ctx.gather_objects(copies))  # identical on every rank, so graphs and windows line up
     error = None
     invocation_sets: dict[str, list] = {}
+    unavailable_here: dict[str, str] = {}
     workloads = [workload] + [workload.clone() for _ in range(copies - 1)]
     for operator in operators:
         try:
             invocation_sets[operator] = [get_operator(operator).prepare(w, ctx.data) for w in workloads]
+        except OperatorUnavailable as exc:  # a known limitation: recorded as skipped, the sweep goes on
+            unavailable_here[operator] = f"prepare: {type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - every rank must hear about any failure
             error = f"{operator}: prepare failed at {workload.model.name} T={workload.tokens_per_rank}: " \
                     f"{type(exc).__name__}: {exc}"
             break
     ctx.check_in(error)
-    return protocol.measure_many(invocation_sets, ctx, spec, flusher=flusher, on_window=on_window)
+    unavailable = agree_on_unavailable(ctx, unavailable_here)
+    for operator in unavailable:
+        invocation_sets.pop(operator, None)  # prepared here but not on another rank: nobody measures it
+    if not invocation_sets:
+        return {}, unavailable
+    return protocol.measure_many(invocation_sets, ctx, spec, flusher=flusher, on_window=on_window), unavailable
