@@ -405,3 +405,53 @@ def test_real_kernel_matches_the_reference_on_this_gpu():
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- buffer setup
+@pytest.mark.parametrize("capability, sm90", [((10, 0), False), ((9, 0), True)])
+def test_a_failing_buffer_allocator_is_a_setup_failure_naming_version_and_error(install, capability, sm90):
+    dg = install(fake_deep_gemm(fused_shared=False, sm90=sm90, version="0.2.0"), capability)
+    message = f"tensor does not have a device ({torch.randint(0, 1 << 30, ()).item()})"
+
+    def broken_allocator(*args, **kwargs):
+        raise RuntimeError(message)
+
+    dg.get_symm_buffer_for_mega_moe = broken_allocator
+    with pytest.raises(deepgemm.BufferSetupFailed) as caught:
+        deepgemm.prepare(make_inputs(), "group")
+    assert str(caught.value) == f"deep_gemm 0.2.0 broken_allocator failed: RuntimeError: {message}"
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_sm90_without_any_allocator_is_a_setup_failure(install):
+    dg = install(fake_deep_gemm(fused_shared=False, sm90=True, version="0.2.0"), (9, 0))
+    del dg.get_symm_buffer_for_mega_moe
+    with pytest.raises(deepgemm.BufferSetupFailed, match=r"^deep_gemm 0.2.0 has no symmetric-buffer allocator "
+                                                          r"for fp8_mega_moe \(get_symm_buffer_for_sm90_mega_moe"):
+        deepgemm.prepare(make_inputs(), "group")
+
+
+def test_adapter_turns_a_setup_failure_into_operator_unavailable_and_nothing_else(monkeypatch):
+    from gcmoe_bench.operators import OperatorUnavailable, get_operator
+
+    adapter = get_operator("deepgemm")
+    inputs = make_inputs()
+    w = types.SimpleNamespace(l1=inputs.l1_weights, l2=inputs.l2_weights, shared=None)
+    model = types.SimpleNamespace(num_experts=E, capacity=CAPACITY, activation_alpha=1.0, activation_clamp=10.0)
+    workload = types.SimpleNamespace(x=inputs.x, x_sf=inputs.x_sf, topk_idx=inputs.topk_idx,
+                                     topk_weights=inputs.topk_weights, weights=w, model=model, shared_experts=0)
+
+    def setup_fails(inputs, group):
+        raise deepgemm.BufferSetupFailed("deep_gemm 0.2.0 get_symm_buffer_for_mega_moe failed: RuntimeError: x")
+
+    monkeypatch.setattr(deepgemm, "prepare", setup_fails)
+    with pytest.raises(OperatorUnavailable) as caught:
+        adapter.prepare(workload, "group")
+    assert str(caught.value) == "deepgemm: deep_gemm 0.2.0 get_symm_buffer_for_mega_moe failed: RuntimeError: x"
+
+    def bug(inputs, group):
+        raise ValueError("a defect, not a limitation")
+
+    monkeypatch.setattr(deepgemm, "prepare", bug)
+    with pytest.raises(ValueError, match="a defect, not a limitation"):  # not turned into a skip
+        adapter.prepare(workload, "group")
