@@ -11,6 +11,11 @@ opt-in `fold_scales` variant instead folds the K32 scale into the decode (an exp
 weight window), so the four K32 WGMMAs of a K128 step chain into one accumulator and only the activation
 scale stays an FMA.
 
+Opt-in `ring_consumer` (docs/sm90-layer.md): W1 becomes a consumer of the layer's token ring while role1
+fills it (waits for RING_READY, acquires every ring block its token tile touches, releases l1_empty_count
+after its last read of the ring) and W2 scatters each row to its source rank's combine buffer through the
+peer table. Default off: the default and folded variants are unchanged.
+
 Tuning knobs: `block_n` (tokens per CTA tile, 8/16/32/64: the token-bound BM of the paper's swapped
 orientation), `stages` (K128 steps in flight through cp.async; each step moves 17 KB of weights per CTA).
 One CTA = 4 warpgroups = 4 tiles of 64 weight rows (256 rows: 128 intermediate channels of W1, or 256
@@ -45,6 +50,14 @@ PARAMS_W2 = (
     ("expert_offsets", "u64"), ("dest_row", "u64"), ("out", "u64"),
     ("k_blocks", "s32"), ("m_tiles", "s32"),
 )
+# ring_consumer appends these: W1 waits for the ring (control word RING_READY, l1_full_count per ring block of
+# ring_block_m rows) bounded by timeout_ns and releases l1_empty_count; W2 finds each row's source rank as
+# ring_source div source_rows (source_rows = capacity x topk) and its combine buffer at peers[source rank]
+RING_PARAMS_W1 = (
+    ("ring_ready", "u64"), ("l1_full_count", "u64"), ("l1_empty_count", "u64"),
+    ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("timeout_ns", "s64"),
+)
+RING_PARAMS_W2 = (("ring_source", "u64"), ("peers", "u64"), ("source_rows", "s32"))
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,9 @@ class GemmConfig:
     # K32 weight scales folded into the FP4 -> E4M3 decode (exponent add): one WGMMA chain per K128 step
     # and one FP32 FMA per accumulator per K128 instead of four waited WGMMAs with scale FMAs
     fold_scales: bool = False
+    # a consumer of the layer's token ring (docs/sm90-layer.md): W1 acquires ring blocks as role1 fills them
+    # and releases l1_empty_count; W2 scatters to the source ranks through the peer table
+    ring_consumer: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -109,7 +125,9 @@ class GemmConfig:
 
     @property
     def params(self):
-        return PARAMS_W1 if self.role == "w1" else PARAMS_W2
+        if self.role == "w1":
+            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ())
+        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ())
 
     @property
     def name(self) -> str:
@@ -118,6 +136,8 @@ class GemmConfig:
             s += f"_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
         if self.fold_scales:
             s += "_fold"
+        if self.ring_consumer:
+            s += "_ring"
         return s
 
 
@@ -159,6 +179,42 @@ def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple
     return rows // ROWS_PER_CTA, local_experts, token_tiles
 
 
+# ---------------------------------------------------------------------------------------------- ring consumer (host)
+def tile_rows(expert_offsets: list[int], expert: int, tile: int, block_n: int) -> tuple[int, int]:
+    """(first grouped row, rows) W1's token tile `tile` of local expert `expert` reads; rows 0: the CTA exits."""
+    first = expert_offsets[expert] + tile * block_n
+    return first, max(0, min(block_n, expert_offsets[expert + 1] - first))
+
+
+def ring_tile_waits(expert_offsets: list[int], block_n: int, block_m: int, ring_blocks: int) -> dict:
+    """What each W1 token tile with rows waits for before its first copy: {(expert, tile): [(ring block,
+    l1_full_count it must reach)]}, one entry per logical block of ring_block_m rows its rows touch."""
+    from gc_moe.kernels.sm90 import layer_layout as ll
+
+    waits = {}
+    for expert in range(len(expert_offsets) - 1):
+        tile = 0
+        while True:
+            first, rows = tile_rows(expert_offsets, expert, tile, block_n)
+            if rows == 0:
+                break
+            slots = [ll.ring_slot(b, ring_blocks) for b in ll.blocks_of_tile(first, rows, block_m)]
+            waits[(expert, tile)] = [(b, ll.expected_l1_full_count(g, block_m)) for b, g in slots]
+            tile += 1
+    return waits
+
+
+def expected_l1_empty_counts(expert_offsets: list[int], block_n: int, block_m: int, ring_blocks: int,
+                             weight_row_ctas: int) -> list[int]:
+    """l1_empty_count per ring block once W1 ran: every CTA (token tile x weight-row CTA) adds 1 on each ring
+    block its tile read; weight_row_ctas = W1 rows / 256."""
+    counts = [0] * ring_blocks
+    for blocks in ring_tile_waits(expert_offsets, block_n, block_m, ring_blocks).values():
+        for b, _ in blocks:
+            counts[b] += weight_row_ctas
+    return counts
+
+
 # ---------------------------------------------------------------------------------------------- kernel
 def _make_kernel(cfg: GemmConfig):
     import cutlass  # the CuTe DSL is needed to build only; launching needs the cubin and the driver
@@ -171,6 +227,7 @@ def _make_kernel(cfg: GemmConfig):
     NSUB = BN // 8
     NP = cfg.wgmmas_per_wait
     W1 = cfg.role == "w1"
+    RING = cfg.ring_consumer
 
     @cute.jit
     def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
@@ -299,19 +356,40 @@ def _make_kernel(cfg: GemmConfig):
                 compute_stage(smem, kb % STAGES, wg, t, warp, g, q, acc)
         return tid, wg, warp, g, q
 
+    if RING:
+        from gc_moe.kernels.sm90 import dispatch as ring_protocol  # the ring's wait and release helpers
+
     if W1:
-        @cute.kernel
-        def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
-                   expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
-                   k_blocks: Int32, m_tiles: Int32):
+        @cute.jit
+        def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
+                    k_blocks, m_tiles, ring):
             bx, e, bz = cute.arch.block_idx()
             if cutlass.const_expr(cfg.token_tiles_fastest):
                 bz, bx, e = cute.arch.block_idx()
-            off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-            off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
+            if cutlass.const_expr(RING):
+                # role1 writes expert_offsets while this kernel may already run: wait for its release, then
+                # read them (and every ring word below) with coherent loads, not the read-only path
+                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+                started = cute.arch.globaltimer()
+                if cute.arch.thread_idx()[0] == 0:
+                    ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
+                ptx.barrier_sync()
+                off0 = ptx.ld_global_s32(expert_offsets + Int64(e) * 4)
+                off1 = ptx.ld_global_s32(expert_offsets + Int64(e) * 4 + 4)
+            else:
+                off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+                off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
             count = off1 - off0 - bz * BN
             if count > 0:
                 row0 = off0 + bz * BN
+                if cutlass.const_expr(RING):
+                    rows = count
+                    if rows > BN:  # a DSL value: Python min() cannot trace it
+                        rows = Int32(BN)
+                    if cute.arch.thread_idx()[0] == 0:
+                        ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m,
+                                                        ring_blocks, started, timeout_ns)
+                    ptx.barrier_sync()  # every thread's copies of the tile's rows follow thread 0's acquire
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
                 for i in cutlass.range_constexpr(BN // 2):
@@ -334,7 +412,10 @@ def _make_kernel(cfg: GemmConfig):
                         gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
                         up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
                                       Float32(-cfg.swiglu_clamp))
-                        rw = ptx.ldg_f32(routing_weight + nrow * 4)
+                        if cutlass.const_expr(RING):
+                            rw = ptx.ld_global_f32(routing_weight + nrow * 4)
+                        else:
+                            rw = ptx.ldg_f32(routing_weight + nrow * 4)
                         h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
                         hv[2 * i + c] = h
                         m = ptx.fabs(h)
@@ -344,6 +425,16 @@ def _make_kernel(cfg: GemmConfig):
                         if g == 0:
                             ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
                 ptx.barrier_sync()
+                if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
+                    # every read of the tile's ring rows (copies, scales, routing weights) precedes the
+                    # barrier above: release the blocks so role1 may refill them (a later generation)
+                    if tid == 0:
+                        block = row0 // ring_block_m
+                        while block <= (row0 + rows - 1) // ring_block_m:
+                            generation = block // ring_blocks
+                            ring_protocol.atom_add_release_gpu(
+                                l1_empty_count + Int64(block - generation * ring_blocks) * 4, Int32(1))
+                            block = block + 1
                 for i in cutlass.range_constexpr(NSUB):
                     for c in cutlass.range_constexpr(2):
                         n = 8 * i + 2 * q + c
@@ -358,11 +449,27 @@ def _make_kernel(cfg: GemmConfig):
                             if tid < 4:
                                 ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
                                             amax * Float32(1.0 / FP8_MAX))
+
+        if cutlass.const_expr(RING):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32, ring_ready: Int64, l1_full_count: Int64,
+                       l1_empty_count: Int64, ring_block_m: Int32, ring_blocks: Int32, timeout_ns: Int64):
+                w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
+                        k_blocks, m_tiles,
+                        (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns))
+        else:
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32):
+                w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
+                        k_blocks, m_tiles, None)
     else:
-        @cute.kernel
-        def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
-                   expert_offsets: Int64, dest_row: Int64, out: Int64,
-                   k_blocks: Int32, m_tiles: Int32):
+        @cute.jit
+        def w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks, m_tiles,
+                    ring):
             bx, e, bz = cute.arch.block_idx()
             if cutlass.const_expr(cfg.token_tiles_fastest):
                 bz, bx, e = cute.arch.block_idx()
@@ -388,47 +495,90 @@ def _make_kernel(cfg: GemmConfig):
                         n = 8 * i + 2 * q + c
                         if n < count:
                             d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
-                            base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                            if cutlass.const_expr(RING):
+                                # the row's source rank owns the combine buffer: its peer offset moves the address
+                                ring_source, peers, source_rows = ring
+                                source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4) // source_rows
+                                base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
+                                    + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                            else:
+                                base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
                             ptx.stg_bf16(base, acc[4 * i + c] * factor)
                             ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+
+        if cutlass.const_expr(RING):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
+                       ring_source: Int64, peers: Int64, source_rows: Int32):
+                w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks,
+                        m_tiles, (ring_source, peers, source_rows))
+        else:
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64,
+                       k_blocks: Int32, m_tiles: Int32):
+                w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks,
+                        m_tiles, None)
 
     return kernel
 
 
 # ---------------------------------------------------------------------------------------------- build
-def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
-               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
-               token_tiles_fastest: bool = True, fold_scales: bool = False):
-    """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
+def _host_launcher(cfg: GemmConfig, kernel):
+    """The DSL host function that launches `kernel` with the parameters of `cfg.params` (one per variant kind:
+    the DSL needs each scalar named in the signature)."""
     from cutlass import Int32, Int64, cute
 
-    from gc_moe.runtime.jit import CompileRequest, LaunchShape
-
-    if arch != "sm_90a":
-        raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
-    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
-                     fold_scales)
-    kernel = _make_kernel(cfg)
-
-    if cfg.role == "w1":
+    launch = {"grid": (1, 1, 1), "block": (THREADS, 1, 1), "smem": cfg.smem_bytes}
+    if cfg.role == "w1" and cfg.ring_consumer:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32, r0: Int64, r1: Int64, r2: Int64, block_m: Int32,
+                 blocks: Int32, timeout_ns: Int64):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, r0, r1, r2, block_m, blocks,
+                   timeout_ns).launch(**launch)
+    elif cfg.role == "w1":
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles).launch(
                 grid=(1, 1, 1), block=(THREADS, 1, 1), smem=cfg.smem_bytes)
+    elif cfg.ring_consumer:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32, r0: Int64, r1: Int64, source_rows: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, r0, r1, source_rows).launch(**launch)
     else:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles).launch(
                 grid=(1, 1, 1), block=(THREADS, 1, 1), smem=cfg.smem_bytes)
+    return host
 
-    args = tuple([Int64(0)] * (len(cfg.params) - 2) + [Int32(1), Int32(1)])
+
+def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
+               swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
+               token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False):
+    """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
+    from cutlass import Int32, Int64
+
+    from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
+    cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
+                     fold_scales, ring_consumer)
+    kernel = _make_kernel(cfg)
+    host = _host_launcher(cfg, kernel)
+    args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
     return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
 def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-            l2_evict_first: bool = False, token_tiles_fastest: bool = True, fold_scales: bool = False):
+            l2_evict_first: bool = False, token_tiles_fastest: bool = True, fold_scales: bool = False,
+            ring_consumer: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build)."""
     from gc_moe.runtime.jit import KernelVariant
 
@@ -439,12 +589,18 @@ def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0,
         params["token_tiles_fastest"] = False
     if fold_scales:  # only named when on: the default variants keep their parameters (and cache keys)
         params["fold_scales"] = True
+    promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
+    extra_sources = ("gc_moe.kernels.sm90.ptx",)
+    if ring_consumer:
+        params["ring_consumer"] = True
+        if role == "w1":  # the bounded acquire waits and the l1_empty_count release
+            promises += ("ld.acquire.gpu", "atom.release.gpu.global.add", "nanosleep", "trap")
+        extra_sources += ("gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout")
     if role == "w1":
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params,
-        promises=("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global"),
-        local_bytes_budget=0, extra_sources=("gc_moe.kernels.sm90.ptx",),
+        promises=promises, local_bytes_budget=0, extra_sources=extra_sources,
     )
 
 
@@ -454,8 +610,9 @@ def variant_set(**knobs):
 
 
 def all_variants():
-    """Every variant CI builds (the registry's list): the default set and the opt-in folded-scale set."""
-    return variant_set() + variant_set(fold_scales=True)
+    """Every variant CI builds (the registry's list): the default set, the opt-in folded-scale set and the
+    ring-consumer set (default numerics, the layer's token ring)."""
+    return variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
 
 
 # ---------------------------------------------------------------------------------------------- launch

@@ -94,6 +94,20 @@ def ldg_f32(addr: Int64) -> Float32:
     return asm("ld.global.nc.f32 $0, [$1];", [Float32], [addr])
 
 
+def ldg_s64(addr: Int64) -> Int64:
+    return asm("ld.global.nc.b64 $0, [$1];", [Int64], [addr])
+
+
+# coherent loads: words another kernel writes while this one runs (read after an acquire), where the
+# read-only `.nc` path is not allowed
+def ld_global_s32(addr: Int64) -> Int32:
+    return asm("ld.global.b32 $0, [$1];", [Int32], [addr])
+
+
+def ld_global_f32(addr: Int64) -> Float32:
+    return asm("ld.global.f32 $0, [$1];", [Float32], [addr])
+
+
 def stg_f32(addr: Int64, v: Float32) -> None:
     asm("st.global.f32 [$0], $1;", [], [addr, v])
 
