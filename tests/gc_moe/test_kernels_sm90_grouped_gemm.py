@@ -137,12 +137,14 @@ def built(tmp_path_factory):
 
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
-    assert len(built) == 4 * len(gg.BLOCK_N_CHOICES)  # default and folded-scale sets
+    assert len(built) == 6 * len(gg.BLOCK_N_CHOICES)  # default, folded-scale and ring-consumer sets
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
         bn = params["block_n"]
         fold = params.get("fold_scales", False)
+        ring = params.get("ring_consumer", False)
+        cfg = gg.GemmConfig(params["role"], bn, fold_scales=fold, ring_consumer=ring)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
@@ -151,15 +153,20 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         res = entry.resources
         assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
         assert res["registers"] <= 128  # 512 threads per CTA
-        expected = [8 if kind == "u64" else 4 for _, kind in gg.GemmConfig(params["role"], bn).params]
-        assert [size for _, size in res["params"]] == expected  # folding changes no parameter
+        expected = [8 if kind in ("u64", "s64") else 4 for _, kind in cfg.params]
+        assert [size for _, size in res["params"]] == expected  # folding changes no parameter, the ring appends
+        assert len(expected) == len(gg.PARAMS_W1 if params["role"] == "w1" else gg.PARAMS_W2) + (
+            len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0)
         assert entry.launch.dynamic_smem_bytes == gg.GemmConfig(params["role"], bn).smem_bytes
+        assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = ptx.count("wgmma.wait_group.sync.aligned")
-        assert waits == (1 if fold else 4 // gg.GemmConfig(params["role"], bn).wgmmas_per_wait), variant.describe()
+        assert waits == (1 if fold else 4 // cfg.wgmmas_per_wait), variant.describe()
 
 
 def test_default_variants_do_not_name_the_fold_knob():
     """The default set keeps its parameters, so its cache keys (and binaries) are those of before the knob."""
+    for v in gg.variant_set() + gg.variant_set(fold_scales=True):
+        assert "ring_consumer" not in dict(v.params)
     for v in gg.variant_set():
         assert "fold_scales" not in dict(v.params)
     assert all(dict(v.params)["fold_scales"] is True for v in gg.variant_set(fold_scales=True))
@@ -182,6 +189,115 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"]
         assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
         assert entry.resources["frame_bytes"] == 0 and entry.resources["registers"] <= 128
+
+
+# --------------------------------------------------------------------------------------------- ring consumer
+def test_ring_consumer_knob_names_params_and_registration():
+    cfg = gg.GemmConfig("w1", 16, ring_consumer=True)
+    assert cfg.name == gg.GemmConfig("w1", 16).name + "_ring"
+    assert [n for n, _ in cfg.params][-6:] == ["ring_ready", "l1_full_count", "l1_empty_count", "ring_block_m",
+                                               "ring_blocks", "timeout_ns"]
+    assert [n for n, _ in gg.GemmConfig("w2", 8, ring_consumer=True).params][-3:] == ["ring_source", "peers",
+                                                                                      "source_rows"]
+    assert gg.GemmConfig("w1", 16).params == gg.PARAMS_W1 and gg.GemmConfig("w2", 16).params == gg.PARAMS_W2
+    from gc_moe.kernels.registry import variants_for_profile
+
+    ring = [v for v in variants_for_profile("sm_90a", {}) if dict(v.params).get("ring_consumer")]
+    assert sorted((dict(v.params)["role"], dict(v.params)["block_n"]) for v in ring) == sorted(
+        (r, bn) for r in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES)
+    assert not any(dict(v.params).get("ring_consumer") for v in variants_for_profile("sm_103a", {}))
+
+
+def test_ring_tile_waits_by_hand_with_ring_reuse():
+    """Experts of 5, 0, 7 and 18 rows, token tiles of 8, ring blocks of 4 rows, 3 ring blocks (so logical
+    blocks 3..7 are generations 1 and 2): each tile waits on the blocks its rows touch, at BM (generation + 1)."""
+    offsets = [0, 5, 5, 12, 30]
+    assert gg.tile_rows(offsets, 3, 2, 8) == (28, 2) and gg.tile_rows(offsets, 1, 0, 8) == (5, 0)
+    assert gg.tile_rows(offsets, 3, 3, 8) == (36, 0)
+    assert gg.ring_tile_waits(offsets, 8, 4, 3) == {
+        (0, 0): [(0, 4), (1, 4)],  # rows 0..4: logical blocks 0, 1
+        (2, 0): [(1, 4), (2, 4)],  # rows 5..11: blocks 1, 2
+        (3, 0): [(0, 8), (1, 8)],  # rows 12..19: blocks 3, 4 = ring blocks 0, 1 of generation 1
+        (3, 1): [(2, 8), (0, 12)],  # rows 20..27: blocks 5 (ring 2, gen 1) and 6 (ring 0, gen 2)
+        (3, 2): [(1, 12)],  # rows 28, 29: block 7 (ring 1, gen 2)
+    }
+    # two weight-row CTAs per token tile: ring block 0 read by 3 tiles, block 1 by 4, block 2 by 2
+    assert gg.expected_l1_empty_counts(offsets, 8, 4, 3, 2) == [6, 8, 4]
+
+
+def test_ring_tile_waits_cover_every_row_once_on_random_layouts():
+    """Against an independent walk (dispatch.expected_probe_rows, the probe's twin): the tiles start where the
+    probe records them with the same row counts; with the ring covering the pool every wait is BM and the
+    blocks waited on are exactly the blocks holding rows."""
+    from gc_moe.kernels.sm90 import dispatch
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for _ in range(20):
+        experts = int(torch.randint(1, 9, (1,), generator=gen))
+        counts = torch.randint(0, 40, (experts,), generator=gen)
+        offsets = [0] + counts.cumsum(0).tolist()
+        bn = gg.BLOCK_N_CHOICES[int(torch.randint(0, 4, (1,), generator=gen))]
+        bm = int(torch.randint(1, 17, (1,), generator=gen))
+        total = offsets[-1]
+        blocks = max(1, -(-total // bm))
+        waits = gg.ring_tile_waits(offsets, bn, bm, blocks)
+        seen = dispatch.expected_probe_rows(offsets, bn, blocks * bm)
+        got = [0] * (blocks * bm)
+        for e, t in waits:
+            first, rows = gg.tile_rows(offsets, e, t, bn)
+            got[first] = rows
+        assert got == seen
+        assert all(c == bm for w in waits.values() for _, c in w)
+        touched = {b for w in waits.values() for b, _ in w}
+        assert touched == {r // bm for r in range(total)}
+
+
+def _entry_body(entry):
+    ptx = entry.ptx_path.read_text()
+    return ptx[ptx.index(".entry"):]
+
+
+def test_ring_consumer_w1_ptx_acquires_before_it_reads_and_releases_after(built):
+    """W1 as a ring consumer: a bounded acquire wait on RING_READY before the coherent load of the expert
+    offsets, acquire waits on l1_full_count before the first cp.async of the tile, the l1_empty_count release
+    after the last WGMMA and the routing-weight loads, every trap after a %globaltimer comparison; the ring's
+    words are read coherently (the only read-only load left is the weights' factor)."""
+    ring = {v: e for v, e in built.items() if dict(v.params).get("ring_consumer") and dict(v.params)["role"] == "w1"}
+    assert len(ring) == len(gg.BLOCK_N_CHOICES)
+    for variant, entry in ring.items():
+        ptx = _entry_body(entry)
+        acquires = [m.start() for m in re.finditer(r"ld\.acquire\.gpu\.global\.b32", ptx)]
+        offsets_load = ptx.find("ld.global.b32")
+        first_copy = ptx.find("cp.async.cg.shared.global")
+        release = [m.start() for m in re.finditer(r"atom\.release\.gpu\.global\.add\.s32", ptx)]
+        assert len(acquires) >= 3 and acquires[0] < offsets_load < acquires[-1] < first_copy, variant.describe()
+        assert ptx.rfind("bar.sync 0;", 0, first_copy) > acquires[-1]  # the CTA waits for thread 0's acquire
+        assert len(release) == 1 and release[0] > ptx.rfind("wgmma.mma_async") and release[0] > ptx.rfind(
+            "ld.global.f32")
+        assert ptx.rfind("bar.sync 0;", 0, release[0]) > ptx.rfind("ld.global.f32")
+        assert ptx.count("ld.global.nc") == 1 and ptx.count("ld.global.nc.f32") == 1
+        assert "%globaltimer" in ptx and "nanosleep" in ptx
+        traps = [m.start() for m in re.finditer(r"\btrap;", ptx)]
+        assert traps
+        for pos in traps:
+            before = ptx[:pos]
+            assert before.rfind("%globaltimer") != -1 and before.rfind("setp.") > before.rfind("%globaltimer")
+        assert entry.resources["frame_bytes"] == 0 and not re.search(r"\b(ld|st)\.local\b", ptx)
+
+
+def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
+    """W2 as a ring consumer: per stored row, the source rank from ring_source (a division by source_rows)
+    and a 64-bit load of its peer offset before the BF16 stores; no waits (W2 follows W1 in the graph)."""
+    ring = {v: e for v, e in built.items() if dict(v.params).get("ring_consumer") and dict(v.params)["role"] == "w2"}
+    assert len(ring) == len(gg.BLOCK_N_CHOICES)
+    for variant, entry in ring.items():
+        ptx = _entry_body(entry)
+        bn = dict(variant.params)["block_n"]
+        assert len(re.findall(r"ld\.global\.nc\.b64", ptx)) == bn // 4  # one peer offset per stored row
+        assert re.search(r"div\.s32", ptx)
+        assert ptx.find("ld.global.nc.b64") < ptx.find("st.global.b16")
+        assert "ld.acquire" not in ptx and "trap;" not in ptx
+        assert entry.resources["frame_bytes"] == 0
 
 
 # --------------------------------------------------------------------------------------------- GPU check
