@@ -378,3 +378,28 @@ def test_grouped_gemm_model_shapes(hidden, inter, topk, fold_scales):
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+def test_ring_arguments_follow_the_ring_parameter_tables():
+    from types import SimpleNamespace
+
+    from gc_moe.kernels.sm90 import layer_layout as ll
+
+    shape = ll.LayerShape(2, 8, 3, 256, 256, 5, 8)  # ring of ceil(5 * 2 * 3 / 8) = 4 blocks
+    ws = ll.LocalWorkspace(ll.layer_layout(shape))
+    a1 = gg.ring_args_w1(ws, shape, timeout_s=2.5)
+    assert [a.size for a in a1] == [8 if k in ("u64", "s64") else 4 for _, k in gg.RING_PARAMS_W1]
+    assert a1[0].data == (ws.control.data_ptr() + 4 * ll.RING_READY).to_bytes(8, "little")
+    assert a1[2].data == ws.l1_empty_count.data_ptr().to_bytes(8, "little")
+    assert [int.from_bytes(a.data, "little") for a in a1[3:]] == [8, 4, 2_500_000_000]
+    a2 = gg.ring_args_w2(ws, shape)
+    assert [a.size for a in a2] == [8 if k in ("u64", "s64") else 4 for _, k in gg.RING_PARAMS_W2]
+    assert a2[1].data == ws.peers.data_ptr().to_bytes(8, "little") and int.from_bytes(a2[2].data, "little") == 15
+    with pytest.raises(ValueError, match="timeout_s"):
+        gg.ring_args_w1(ws, shape, timeout_s=0)
+    ring_kernel = SimpleNamespace(name="w1_ring")
+    with pytest.raises(ValueError, match="is a ring consumer"):
+        gg._check_ring_args(gg.GemmConfig("w1", 8, ring_consumer=True), ring_kernel, [])
+    with pytest.raises(ValueError, match="not a ring consumer"):
+        gg._check_ring_args(gg.GemmConfig("w2", 8), ring_kernel, a2)
+    assert len(gg._check_ring_args(gg.GemmConfig("w2", 8, ring_consumer=True), ring_kernel, a2)) == 3

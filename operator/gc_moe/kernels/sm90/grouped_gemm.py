@@ -623,16 +623,41 @@ def _check_cuda(what: str, t, dtype, shape=None):
         raise ValueError(f"{what} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream):
-    """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
+def ring_args_w1(ws, shape, timeout_s: float = 3600.0) -> list:
+    """The ring-consumer W1's extra arguments (`RING_PARAMS_W1`) from a layer workspace and its
+    `layer_layout.LayerShape`: RING_READY, the ring signals, BM, B, the bounded waits' limit."""
+    from gc_moe.kernels.sm90 import layer_layout as ll
+    from gc_moe.runtime.launch import i32, i64, ptr
 
-    mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
-    expert_offsets int32 [E+1] (rows of expert e: [off[e], off[e+1])); routing_weight f32 [R];
-    out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold.
-    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    return [ptr(ws.control.data_ptr() + 4 * ll.RING_READY), ptr(ws.l1_full_count), ptr(ws.l1_empty_count),
+            i32(shape.block_m), i32(shape.ring_blocks), i64(int(timeout_s * 1e9))]
+
+
+def ring_args_w2(ws, shape) -> list:
+    """The ring-consumer W2's extra arguments (`RING_PARAMS_W2`): ring_source, the peer table, C k."""
+    from gc_moe.runtime.launch import i32, ptr
+
+    return [ptr(ws.ring_source), ptr(ws.peers), i32(shape.capacity * shape.topk)]
+
+
+def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
+    extra = RING_PARAMS_W1 if cfg.role == "w1" else RING_PARAMS_W2
+    if cfg.ring_consumer and len(ring_args) != len(extra):
+        raise ValueError(f"{kernel.name} is a ring consumer: pass ring_args ({[n for n, _ in extra]}), "
+                         f"got {len(ring_args)} values")
+    if not cfg.ring_consumer and ring_args:
+        raise ValueError(f"{kernel.name} is not a ring consumer: ring_args must be empty")
+    return list(ring_args)
+
+
+def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
+              ring_args=()):
+    """(grid, arguments) of one W1 launch or graph node; see `launch_w1`."""
     import torch
 
-    from gc_moe.runtime.launch import i32, launch, ptr
+    from gc_moe.runtime.launch import i32, ptr
 
     if not mat.gate_up_interleaved:
         raise ValueError("launch_w1 needs the W1 matrix (gate/up interleaved), got a W2 matrix")
@@ -646,20 +671,33 @@ def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
     if cfg.role != "w1":
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
-    return launch(kernel, grid(cfg, mat.rows, mat.num_experts, capacity),
-                  [ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale),
-                   ptr(expert_offsets), ptr(routing_weight), ptr(out), ptr(out_scale),
-                   i32(hidden // 128), i32(mat.rows // 64)], stream)
+    extra = _check_ring_args(cfg, kernel, ring_args)
+    return grid(cfg, mat.rows, mat.num_experts, capacity), [
+        ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
+        ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
 
 
-def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream):
-    """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
+def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream,
+              ring_args=()):
+    """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
 
-    act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H].
+    mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
+    expert_offsets int32 [E+1] (rows of expert e: [off[e], off[e+1])); routing_weight f32 [R];
+    out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold;
+    ring_args: `ring_args_w1(...)` for a ring-consumer variant, else empty.
     """
+    from gc_moe.runtime.launch import launch
+
+    g, args = w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
+                        ring_args)
+    return launch(kernel, g, args, stream)
+
+
+def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args=()):
+    """(grid, arguments) of one W2 launch or graph node; see `launch_w2`."""
     import torch
 
-    from gc_moe.runtime.launch import i32, launch, ptr
+    from gc_moe.runtime.launch import i32, ptr
 
     rows, inter, hidden = act.shape[0], mat.cols, mat.rows
     _check_cuda("act", act, torch.float8_e4m3fn, (rows, inter))
@@ -672,6 +710,20 @@ def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
     if cfg.role != "w2":
         raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
-    return launch(kernel, grid(cfg, mat.rows, mat.num_experts, capacity),
-                  [ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale),
-                   ptr(expert_offsets), ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)], stream)
+    extra = _check_ring_args(cfg, kernel, ring_args)
+    return grid(cfg, mat.rows, mat.num_experts, capacity), [
+        ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
+        ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra
+
+
+def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=()):
+    """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
+
+    act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H]
+    (a ring consumer: the local combine buffer, rows go to peers[ring_source div C k] + it);
+    ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty.
+    """
+    from gc_moe.runtime.launch import launch
+
+    g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args)
+    return launch(kernel, g, args, stream)
