@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Roles 1 and 3 of the SM90 GC-MoE layer on one GPU (P = 1), around a torch stand-in for role2.
+"""Roles 1 and 3 of the SM90 GC-MoE layer on one GPU (P = 1), around a torch stand-in for role2, and the
+layer with the grouped GEMM itself as role2 (its ring-consumer variant), one graph on both green contexts.
 
 Per token count: role1 (dispatch, a kernel node in the communication green context) fills the token ring;
 the stand-in (torch on the capture stream: the grouped GEMM's numerics in float32, W1 + SwiGLU + routing
@@ -19,6 +20,21 @@ grouped GEMM reads; role3 (finalize, a kernel node in the compute green context)
    context, `dispatch.acquire_ring_rows`, what role2 adds) as concurrent roots, role3 after both, replayed
    --replays times: every tile saw its rows (`dispatch.expected_probe_rows`), no bounded wait trapped;
 5. control words over both loops (arrival errors, ring overflows, replays, received rows), a short table.
+
+With `--role2 kernel` (or `both`, the default) each token count also runs the layer with the grouped GEMM's
+ring-consumer variant (`grouped_gemm.GemmConfig.ring_consumer`) as role2: dispatch (communication context)
+and W1 (compute context) as concurrent roots, W2 after W1, finalize after dispatch and W2. Checks:
+
+6. eager [dispatch, W1]: the ring as in 1; l1_empty_count per ring block equal to
+   `grouped_gemm.expected_l1_empty_counts`; every element of W1's requantized output (l2_act, l2_scale)
+   within one E4M3 rounding (2^-4 relative, half a subnormal step) plus 2^-10 relative of the float32
+   SwiGLU x routing weight computed from the ring and the weights as the kernel holds them;
+7. eager [W2, finalize] after it: every element of y within two BF16 roundings of the float32 combine of
+   W2 applied to W1's own output (partials scattered by dest_row, valid slots summed), every element
+   finite (combine and y poisoned with NaN first), cosine and processed difference against
+   `gc_moe.reference` at the paper's thresholds;
+8. the four nodes captured once and replayed --replays times: every replay's y equal to the eager y bit for
+   bit; control words as in 5.
 
 Role1 and the stand-in do not overlap in step 3 (the stand-in follows role1 in the capture); step 4 is the
 overlap role2 gets once it acquires ring blocks (docs/sm90-layer.md). Needs the dispatch and finalize cubins in the cache:
@@ -40,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 import torch
 from gc_moe.formats import dequantize_fp4_ue8m0, dequantize_fp8_k128
 from gc_moe.kernels.sm90 import dispatch, finalize
+from gc_moe.kernels.sm90 import grouped_gemm as gg
 from gc_moe.kernels.sm90 import layer_layout as ll
 
 ALPHA, CLAMP = 1.0, 10.0
@@ -86,6 +103,49 @@ def scatter_partials(partials, valid, dest_row, combine_scratch):
     combine_scratch.index_copy_(0, dest, partials)
 
 
+def w1_float32(ring_act, ring_scale, expert_offsets, routing_weight, w1f, alpha=ALPHA, clamp=CLAMP):
+    """Per ring row the float32 W1 result the kernel requantizes (SwiGLU x routing weight); 0 past the rows."""
+    rows, inter = ring_act.shape[0], w1f.shape[1] // 2
+    r = torch.arange(rows, device=ring_act.device, dtype=torch.int32)
+    expert = torch.searchsorted(expert_offsets[1:].contiguous(), r, right=True)
+    valid = r < expert_offsets[-1]
+    x = torch.where(valid[:, None], dequantize_fp8_k128(ring_act, ring_scale), 0.0)
+    weight = torch.where(valid, routing_weight, 0.0)
+    out = torch.zeros(rows, inter, dtype=torch.float32, device=ring_act.device)
+    for le in range(w1f.shape[0]):
+        gu = x @ w1f[le].T
+        gate, up = gu[:, :inter].clamp(max=clamp), gu[:, inter:].clamp(-clamp, clamp)
+        out = torch.where((expert == le)[:, None], gate * torch.sigmoid(alpha * gate) * up * weight[:, None], out)
+    return out
+
+
+def w1_element_errors(l2_act, l2_scale, a):
+    """Elements of W1's requantized output farther from the float32 value `a` than one E4M3 rounding (2^-4
+    relative, or half a subnormal step at the block scale) plus 2^-10 relative (the kernel's accumulation
+    order and fast sigmoid), or not finite."""
+    q = dequantize_fp8_k128(l2_act, l2_scale)
+    tol = (2.0 ** -4 + 2.0 ** -10) * a.abs() + 2.0 ** -9 * l2_scale.repeat_interleave(128, dim=1)
+    return int(((q - a).abs() > tol).sum()) + int((~torch.isfinite(q)).sum())
+
+
+def combine_from_intermediate(l2_act, l2_scale, expert_offsets, dest_row, w2f, idx, shape, num_tokens):
+    """float32 y of W2 applied to W1's own output (rows [0, n)): partials to dest_row, valid slots summed.
+    Returns (y, tolerance): two BF16 roundings (the partials and y), 2^-8 of sum |partial| + |y|."""
+    rows, hidden = l2_act.shape[0], w2f.shape[1]
+    r = torch.arange(rows, device=l2_act.device, dtype=torch.int32)
+    expert = torch.searchsorted(expert_offsets[1:].contiguous(), r, right=True)
+    q = dequantize_fp8_k128(l2_act, l2_scale)
+    partial = torch.zeros(rows, hidden, device=l2_act.device)
+    for le in range(w2f.shape[0]):
+        partial = torch.where((expert == le)[:, None], q @ w2f[le].T, partial)
+    lanes = torch.zeros(shape.topk * shape.capacity, hidden, device=l2_act.device)
+    lanes.index_copy_(0, dest_row.long(), partial)
+    lanes = lanes.view(shape.topk, shape.capacity, hidden)[:, :num_tokens]
+    used = (idx[:num_tokens] >= 0).T[..., None].to(l2_act.device)
+    y = (lanes * used).sum(0)
+    return y, 2.0 ** -8 * ((lanes.abs() * used).sum(0) + y.abs())
+
+
 def dequantized_weights(l1, l2, device):
     w1 = torch.stack([dequantize_fp4_ue8m0(l1[0][j], l1[1][j]) for j in range(l1[0].shape[0])]).to(device)
     w2 = torch.stack([dequantize_fp4_ue8m0(l2[0][j], l2[1][j]) for j in range(l2[0].shape[0])]).to(device)
@@ -111,6 +171,10 @@ class Layer:
         self.k_dispatch = jit.load_kernel(dispatch.variant(), "sm_90a")
         self.k_finalize = jit.load_kernel(finalize.variant(), "sm_90a")
         self.k_probe = jit.load_kernel(dispatch.consumer_probe_variant(), "sm_90a")
+        self.k_w1 = self.k_w2 = None
+        if args.role2 in ("kernel", "both"):
+            self.k_w1 = jit.load_kernel(gg.variant("w1", args.block_n, ring_consumer=True), "sm_90a")
+            self.k_w2 = jit.load_kernel(gg.variant("w2", args.block_n, ring_consumer=True), "sm_90a")
         self.scratch = torch.zeros(shape.combine_lanes * shape.capacity + 1, shape.hidden, dtype=torch.bfloat16,
                                    device="cuda")
         torch.cuda.synchronize()
@@ -281,6 +345,116 @@ def run_point(layer, num_tokens, w, replays):
     }
 
 
+def layer_nodes(layer, y, num_tokens, mats, nodes=("dispatch", "w1", "w2", "finalize")):
+    """A child graph of the layer's nodes named in `nodes` with role2 = the ring-consumer grouped GEMM:
+    dispatch (communication context) and W1 (compute) are roots, W2 follows W1, finalize follows dispatch
+    and W2 (of the nodes present)."""
+    from gc_moe.runtime.graph import ChildGraph
+
+    shape, ws, args = layer.shape, layer.ws, layer.args
+    cap = shape.capacity * shape.num_ranks  # the most grouped rows one expert can take
+    g, made = ChildGraph(), {}
+    if "dispatch" in nodes:
+        made["dispatch"] = g.add_kernel("dispatch", layer.k_dispatch, layer.dispatch_ctas,
+                                        dispatch.dispatch_args(ws, shape, num_tokens, 0, args.timeout_s),
+                                        layer.parts.comm_context)
+    if "w1" in nodes:
+        grid, a = gg.w1_launch(layer.k_w1, mats.l1, ws.ring_act, ws.ring_scale, ws.expert_offsets,
+                               ws.routing_weight, ws.l2_act, ws.l2_scale, cap,
+                               gg.ring_args_w1(ws, shape, args.timeout_s))
+        made["w1"] = g.add_kernel("w1", layer.k_w1, grid, a, layer.parts.compute_context)
+    if "w2" in nodes:
+        grid, a = gg.w2_launch(layer.k_w2, mats.l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row,
+                               ws.combine.view(-1, shape.hidden), cap, gg.ring_args_w2(ws, shape))
+        made["w2"] = g.add_kernel("w2", layer.k_w2, grid, a, layer.parts.compute_context,
+                                  depends_on=[made["w1"]] if "w1" in made else [])
+    if "finalize" in nodes:
+        g.add_kernel("finalize", layer.k_finalize, layer.finalize_ctas,
+                     finalize.finalize_args(ws, shape, y, num_tokens, layer.dispatch_ctas, args.timeout_s),
+                     layer.parts.compute_context, depends_on=[made[n] for n in ("dispatch", "w2") if n in made])
+    return g
+
+
+def run_kernel_point(layer, num_tokens, w, replays):
+    """Steps 6-8: the layer with the ring-consumer grouped GEMM as role2."""
+    from gc_moe import metrics
+    from gc_moe.cases import make_routing, random_activations
+    from gc_moe.reference import moe_reference
+
+    shape, ws, dev = layer.shape, layer.ws, torch.device("cuda")
+    x, x_sf = random_activations(num_tokens, shape.hidden, seed=100 + num_tokens)
+    idx, wts = make_routing("uniform", num_tokens, shape.num_experts, shape.topk, seed=200 + num_tokens)
+    ws.x[:num_tokens].copy_(x)
+    ws.x_sf[:num_tokens].copy_(x_sf)
+    ws.topk_idx[:num_tokens].copy_(idx)
+    ws.topk_weights[:num_tokens].copy_(wts)
+    ws.l2_act.view(torch.uint8).fill_(0x7F)  # NaN: an element W1 does not write shows
+    ws.l2_scale.fill_(float("nan"))
+    ws.combine.fill_(float("nan"))
+    y = torch.full((num_tokens, shape.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    before = ws.control.cpu().tolist()
+
+    # 6. dispatch and W1 as concurrent roots, then the ring, l1_empty_count and W1's output
+    layer_nodes(layer, y, num_tokens, w["sm90"], ("dispatch", "w1")).launch(stream.cuda_stream)
+    torch.cuda.synchronize()
+    twin = dispatch.reference_dispatch(shape, 0, [x], [x_sf], [idx], [wts])
+    rows = int(twin["expert_offsets"][-1])
+    offsets = twin["expert_offsets"].tolist()
+    ring_bad = check_ring(layer, twin, rows)
+    want_empty = gg.expected_l1_empty_counts(offsets, layer.args.block_n, shape.block_m, shape.ring_blocks,
+                                             w["sm90"].l1.rows // gg.ROWS_PER_CTA)
+    empty_bad = int((ws.l1_empty_count.cpu() != torch.tensor(want_empty, dtype=torch.int32)).sum())
+    a = w1_float32(ws.ring_act[:rows], ws.ring_scale[:rows], ws.expert_offsets, ws.routing_weight[:rows],
+                   w["kernel_dev"][0])
+    w1_bad = w1_element_errors(ws.l2_act[:rows], ws.l2_scale[:rows], a)
+    # 7. W2 and finalize after it
+    layer_nodes(layer, y, num_tokens, w["sm90"], ("w2", "finalize")).launch(stream.cuda_stream)
+    torch.cuda.synchronize()
+    y_eager = y.clone()
+    y_want, tol = combine_from_intermediate(ws.l2_act[:rows], ws.l2_scale[:rows], ws.expert_offsets,
+                                            ws.dest_row[:rows], w["kernel_dev"][1], idx, shape, num_tokens)
+    y_bad = int(((y_eager.float() - y_want).abs() > tol).sum()) + int((~torch.isfinite(y_eager)).sum())
+    ref = moe_reference(x, x_sf, idx, wts, *w["canonical"], activation_alpha=ALPHA, activation_clamp=CLAMP)
+    cos = metrics.cosine(y_eager.cpu().float(), ref.float())
+    diff = metrics.processed_diff(y_eager.cpu().float(), ref.float())
+
+    # 8. the whole layer as one graph, replayed
+    full = layer_nodes(layer, y, num_tokens, w["sm90"])
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        full.attach_to_capture(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    mismatched = torch.zeros((), dtype=torch.int64, device=dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+        mismatched += (y.view(torch.int16) != y_eager.view(torch.int16)).any().to(torch.int64)
+    end.record()
+    torch.cuda.synchronize()
+    c = [now - then for now, then in zip(ws.control.cpu().tolist(), before)]
+    return {
+        "tokens": num_tokens, "rows": rows, "ring_mismatches": ring_bad, "l1_empty_mismatches": empty_bad,
+        "w1_element_errors": w1_bad, "y_element_errors": y_bad, "cosine": cos, "processed_diff": diff,
+        "replays": replays, "mismatched_replays": int(mismatched),
+        "us_per_replay_with_check": 1e3 * start.elapsed_time(end) / max(replays, 1),
+        "arrival_errors": c[ll.ARRIVAL_ERRORS], "ring_overflows": c[ll.RING_OVERFLOWS],
+        "replays_finalized": c[ll.REPLAYS], "received_rows": c[ll.RECEIVED_ROWS],
+        "expected_received_rows": rows * (replays + 1),
+    }
+
+
+def kernel_point_passes(r) -> bool:
+    return (sum(r["ring_mismatches"].values()) == 0 and r["l1_empty_mismatches"] == 0 and r["w1_element_errors"] == 0
+            and r["y_element_errors"] == 0 and r["mismatched_replays"] == 0 and r["cosine"] >= 0.97
+            and r["processed_diff"] <= 0.002 and r["arrival_errors"] == 0 and r["ring_overflows"] == 0
+            and r["replays_finalized"] == r["replays"] + 1 and r["received_rows"] == r["expected_received_rows"])
+
+
 def main() -> int:
     from gc_moe.cases import random_moe_weights
 
@@ -292,6 +466,10 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--block-m", type=int, default=8)
+    p.add_argument("--block-n", type=int, default=8, choices=gg.BLOCK_N_CHOICES,
+                   help="token tile of the grouped GEMM (role2 kernel)")
+    p.add_argument("--role2", choices=("standin", "kernel", "both"), default="both",
+                   help="role2 as the torch stand-in (steps 1-5), the ring-consumer grouped GEMM (6-8), or both")
     p.add_argument("--timeout-s", type=float, default=10.0, help="bounded waits (the operator's default: 3600)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -300,13 +478,28 @@ def main() -> int:
     l1, l2 = random_moe_weights(args.experts, args.hidden, args.intermediate, seed=5)
     w = {"canonical": (l1, l2), "dev": dequantized_weights(l1, l2, "cuda")}
     layer = Layer(shape, args)
-    results, started = [], time.time()
+    if args.role2 in ("kernel", "both"):
+        from gc_moe.weights import sm90 as wsm90
+
+        dev_l1 = tuple(t.to("cuda") for t in l1)
+        dev_l2 = tuple(t.to("cuda") for t in l2)
+        w["sm90"] = wsm90.transform(dev_l1, dev_l2)
+        # the weights as the kernel holds them (the window may shift blocks below its base)
+        w["kernel_dev"] = dequantized_weights(*wsm90.inverse(w["sm90"]), "cuda")
+    results, kernel_results, started = [], [], time.time()
     for t in tokens:
-        try:
-            results.append(run_point(layer, t, w, args.replays))
-        except Exception as err:  # noqa: BLE001  (one point's failure is reported, the others still run)
-            results.append({"tokens": t, "error": f"{type(err).__name__}: {err}"})
-        print(json.dumps(results[-1]), flush=True)
+        if args.role2 in ("standin", "both"):
+            try:
+                results.append(run_point(layer, t, w, args.replays))
+            except Exception as err:  # noqa: BLE001  (one point's failure is reported, the others still run)
+                results.append({"tokens": t, "error": f"{type(err).__name__}: {err}"})
+            print(json.dumps(results[-1]), flush=True)
+        if args.role2 in ("kernel", "both"):
+            try:
+                kernel_results.append(run_kernel_point(layer, t, w, args.replays))
+            except Exception as err:  # noqa: BLE001
+                kernel_results.append({"tokens": t, "error": f"{type(err).__name__}: {err}"})
+            print(json.dumps(kernel_results[-1]), flush=True)
     ok = True
     print(f"\n{'T':>5} {'rows':>6} {'ring':>6} {'twin':>6} {'cosine':>9} {'pdiff':>9} {'replays':>8} "
           f"{'bad':>5} {'rdiff':>8} {'us/rep':>8} {'arrive':>6} {'probe':>5}")
@@ -325,11 +518,28 @@ def main() -> int:
               f"{r['processed_diff']:>9.2e} {r['replays']:>8} {r['mismatched_replays']:>5} {r['max_repeat_diff']:>8.1e} "
               f"{r['us_per_replay_with_check']:>8.1f} {r['arrival_errors']:>6} {r['probe_mismatches']:>5}  "
               f"{'PASS' if good else 'FAIL'}")
+    if kernel_results:
+        print(f"\nrole2 = ring-consumer grouped GEMM (block_n {args.block_n})\n{'T':>5} {'rows':>6} {'ring':>6} "
+              f"{'empty':>6} {'w1 el':>6} {'y el':>6} {'cosine':>9} {'pdiff':>9} {'replays':>8} {'bad':>5} "
+              f"{'us/rep':>8} {'arrive':>6}")
+    for r in kernel_results:
+        if "error" in r:
+            ok = False
+            print(f"{r['tokens']:>5} ERROR {r['error']}")
+            continue
+        good = kernel_point_passes(r)
+        ok &= good
+        print(f"{r['tokens']:>5} {r['rows']:>6} {sum(r['ring_mismatches'].values()):>6} {r['l1_empty_mismatches']:>6} "
+              f"{r['w1_element_errors']:>6} {r['y_element_errors']:>6} {r['cosine']:>9.6f} {r['processed_diff']:>9.2e} "
+              f"{r['replays']:>8} {r['mismatched_replays']:>5} {r['us_per_replay_with_check']:>8.1f} "
+              f"{r['arrival_errors']:>6}  {'PASS' if good else 'FAIL'}")
     print(f"partition: {layer.parts.describe()}, dispatch CTAs {layer.dispatch_ctas}, finalize CTAs "
           f"{layer.finalize_ctas}, {time.time() - started:.1f} s")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "device_layer_proof.json").write_text(json.dumps(results, indent=1))
+        if kernel_results:
+            (args.out / "device_layer_proof_kernel.json").write_text(json.dumps(kernel_results, indent=1))
     return 0 if ok else 1
 
 

@@ -370,3 +370,90 @@ def test_device_script_ring_check_accepts_any_order_within_a_segment_and_catches
     ws.dest_row[5] += 1
     bad = script.check_ring(layer, twin, n)
     assert bad["ring_act"] == 1 and bad["dest_row"] == 1 and sum(bad.values()) == 2
+
+
+# ------------------------------------------------------------------------------------------------ role2 = the kernel
+def test_kernel_mode_element_checks_accept_the_kernels_numerics_and_catch_one_wrong_element():
+    """The device script's checks for role2 = the ring-consumer grouped GEMM, on the host twin at P = 1: W1's
+    requantized output (formats.quantize_fp8_k128 of the float32 SwiGLU, what the kernel stores) passes the
+    per-element W1 check; the stand-in's y (BF16 partials, FP32 combine, BF16 out: the kernel path's roundings)
+    passes the per-element y check built from that output and matches gc_moe.reference; one wrong byte of
+    W1's output or one missing partial is caught."""
+    from gc_moe import metrics
+    from gc_moe.cases import make_routing, random_activations, random_moe_weights
+    from gc_moe.formats import quantize_fp8_k128
+    from gc_moe.reference import moe_reference
+
+    script = _device_script()
+    seed = int(torch.randint(0, 2**20, (1,)))
+    shape = ll.LayerShape(1, 8, 3, 256, 128, 7, 8)
+    l1, l2 = random_moe_weights(8, 256, 128, seed=seed)
+    w1f, w2f = script.dequantized_weights(l1, l2, "cpu")
+    x, sf = random_activations(7, 256, seed=seed + 1)
+    idx, wt = make_routing("uniform", 7, 8, 3, seed=seed + 2)
+    twin = dispatch.reference_dispatch(shape, 0, [x], [sf], [idx], [wt])
+    n = int(twin["expert_offsets"][-1])
+    assert n == 21
+    a = script.w1_float32(twin["ring_act"], twin["ring_scale"], twin["expert_offsets"], twin["routing_weight"], w1f)
+    # the row loop by hand: expert of row r from the offsets, SwiGLU of its own product
+    for r in range(n):
+        e = int((twin["expert_offsets"][1:] <= r).sum())
+        gu = dequantize_fp8_k128(twin["ring_act"][r:r + 1], twin["ring_scale"][r:r + 1]) @ w1f[e].T
+        gate, up = gu[:, :128].clamp(max=10.0), gu[:, 128:].clamp(-10.0, 10.0)
+        assert torch.allclose(a[r], (gate * torch.sigmoid(gate) * up * twin["routing_weight"][r])[0], rtol=1e-5,
+                              atol=1e-6)
+    q, qs = quantize_fp8_k128(a)
+    assert script.w1_element_errors(q, qs, a) == 0
+    wrong = q.clone()
+    wrong.view(torch.uint8)[4, 9] += 2  # two E4M3 steps off
+    assert script.w1_element_errors(wrong, qs, a) == 1
+    y_want, tol = script.combine_from_intermediate(q, qs, twin["expert_offsets"], twin["dest_row"], w2f, idx,
+                                                   shape, 7)
+    # the kernel path's roundings: BF16 partials of W2 on W1's output, FP32 sum of the valid slots, BF16 y
+    partials, valid = script.grouped_ffn_standin(twin["ring_act"], twin["ring_scale"], twin["expert_offsets"],
+                                                 twin["routing_weight"], w1f, w2f)
+    scratch = torch.zeros(shape.combine_lanes * shape.capacity + 1, 256, dtype=torch.bfloat16)
+    script.scatter_partials(partials, valid, twin["dest_row"], scratch)
+    lanes = scratch[:-1].view(shape.combine_lanes, shape.capacity, 256)
+    y = finalize.combine_reference(lanes, idx, 7, shared=False).float()
+    assert ((y - y_want).abs() <= tol).all()
+    assert float(tol.mean()) < 0.05 * float(y_want.abs().mean())  # the tolerance is two BF16 roundings, not more
+    ref = moe_reference(x, sf, idx, wt, l1, l2, activation_alpha=1.0, activation_clamp=10.0)
+    assert metrics.cosine(y, ref.float()) >= 0.999
+    lanes[1, 3] = 0  # one partial not written
+    y_missing = finalize.combine_reference(lanes, idx, 7, shared=False).float()
+    assert int(((y_missing - y_want).abs() > tol).sum()) > 200
+
+
+def test_kernel_mode_graph_topology(monkeypatch):
+    """The layer graph of the device script with role2 = the kernel: dispatch (communication context) and W1
+    (compute) are roots, W2 follows W1, finalize follows dispatch and W2; W1 and W2 get their ring arguments."""
+    from types import SimpleNamespace
+
+    import gc_moe.runtime.graph as graph_module
+
+    script = _device_script()
+    added = []
+
+    class RecordingGraph:
+        def add_kernel(self, name, kernel, grid, args, context, depends_on=()):
+            added.append((name, kernel, context, [d for d in depends_on], len(args)))
+            return name
+
+    monkeypatch.setattr(graph_module, "ChildGraph", RecordingGraph)
+    monkeypatch.setattr(script.gg, "w1_launch", lambda k, m, *a: ((1, 1, 1), list(a[:7]) + list(a[-1])))
+    monkeypatch.setattr(script.gg, "w2_launch", lambda k, m, *a: ((1, 1, 1), list(a[:6]) + list(a[-1])))
+    shape = ll.LayerShape(1, 4, 2, 256, 128, 6, 8)
+    ws = ll.LocalWorkspace(ll.layer_layout(shape))
+    layer = SimpleNamespace(shape=shape, ws=ws, args=SimpleNamespace(timeout_s=5.0), dispatch_ctas=4,
+                            finalize_ctas=8, k_dispatch="kd", k_w1="k1", k_w2="k2", k_finalize="kf",
+                            parts=SimpleNamespace(comm_context="comm", compute_context="compute"))
+    y = torch.zeros(6, 256, dtype=torch.bfloat16)
+    script.layer_nodes(layer, y, 6, SimpleNamespace(l1=None, l2=None))
+    assert [(n, k, c, d) for n, k, c, d, _ in added] == [
+        ("dispatch", "kd", "comm", []), ("w1", "k1", "compute", []), ("w2", "k2", "compute", ["w1"]),
+        ("finalize", "kf", "compute", ["dispatch", "w2"])]
+    assert added[1][4] == 7 + 6 and added[2][4] == 6 + 3  # the ring arguments ride along
+    added.clear()
+    script.layer_nodes(layer, y, 6, SimpleNamespace(l1=None, l2=None), ("w2", "finalize"))
+    assert [(n, d) for n, _, _, d, _ in added] == [("w2", []), ("finalize", ["w2"])]
