@@ -403,3 +403,63 @@ def test_ring_arguments_follow_the_ring_parameter_tables():
     with pytest.raises(ValueError, match="not a ring consumer"):
         gg._check_ring_args(gg.GemmConfig("w2", 8), ring_kernel, a2)
     assert len(gg._check_ring_args(gg.GemmConfig("w2", 8, ring_consumer=True), ring_kernel, a2)) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", gg.BLOCK_N_CHOICES)
+def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n):
+    """A ring role1 already filled (RING_READY = 1, l1_full_count as role1 leaves it, ring blocks of 8 rows
+    that token tiles straddle): the ring-consumer W1/W2 write byte for byte what the default variants write
+    from the same rows, and l1_empty_count holds one release per (W1 CTA, ring block it read)."""
+    from gc_moe.kernels.sm90 import layer_layout as ll
+    from gc_moe.runtime import jit
+
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)  # the primary context must be current for the driver-level loads
+    gen = torch.Generator(device=dev).manual_seed(block_n)
+    shape = ll.LayerShape(1, 6, 3, 512, 256, 10, 8)  # 30 grouped rows, 4 ring blocks of 8
+    ws = ll.LocalWorkspace(ll.layer_layout(shape), device=dev)
+    ll.initialize_state(ws)
+
+    def mxfp4(rows, cols):
+        packed = torch.randint(-128, 128, (6, rows, cols // 2), dtype=torch.int8, generator=gen, device=dev)
+        return packed, pack_ue8m0(torch.randint(117, 125, (6, rows, cols // 32), dtype=torch.uint8, generator=gen,
+                                                device=dev))
+
+    w = wsm90.transform(mxfp4(512, 512), mxfp4(512, 256))
+    idx = torch.rand(10, 6, generator=gen, device=dev).topk(3, dim=1).indices
+    offsets = torch.zeros(7, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.bincount(idx.flatten(), minlength=6).cumsum(0)
+    rows = 30
+    ws.expert_offsets.copy_(offsets)
+    act, act_sf = quantize_fp8_k128(torch.randn(rows, 512, generator=gen, device=dev))
+    ws.ring_act[:rows], ws.ring_scale[:rows] = act, act_sf
+    ws.routing_weight[:rows] = torch.rand(rows, generator=gen, device=dev) + 0.1
+    ws.dest_row[:rows] = torch.randperm(rows, generator=gen, device=dev).to(torch.int32)
+    ws.ring_source[:rows] = torch.arange(rows, dtype=torch.int32, device=dev)  # all from rank 0
+    ws.l1_full_count.copy_(torch.tensor(ll.l1_full_counts_after_dispatch(rows, shape), dtype=torch.int32))
+    ws.control[ll.RING_READY] = 1
+    cap = shape.capacity * shape.num_ranks
+    stream = torch.cuda.current_stream()
+    mid = torch.full_like(ws.l2_act.view(torch.uint8), 0x7F).view(torch.float8_e4m3fn)
+    mid_sf = torch.full_like(ws.l2_scale, float("nan"))
+    out = torch.full((30, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    ws.l2_act.view(torch.uint8).fill_(0x7F)
+    ws.l2_scale.fill_(float("nan"))
+    ws.combine.fill_(float("nan"))
+    k1, k2 = (jit.load_kernel(gg.variant(r, block_n), "sm_90a") for r in ("w1", "w2"))
+    r1, r2 = (jit.load_kernel(gg.variant(r, block_n, ring_consumer=True), "sm_90a") for r in ("w1", "w2"))
+    gg.launch_w1(k1, w.l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight, mid, mid_sf, cap,
+                 stream)
+    gg.launch_w2(k2, w.l2, mid, mid_sf, ws.expert_offsets, ws.dest_row, out, cap, stream)
+    gg.launch_w1(r1, w.l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight, ws.l2_act,
+                 ws.l2_scale, cap, stream, ring_args=gg.ring_args_w1(ws, shape, timeout_s=10.0))
+    gg.launch_w2(r2, w.l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row, ws.combine.view(-1, 512), cap,
+                 stream, ring_args=gg.ring_args_w2(ws, shape))
+    torch.cuda.synchronize()
+    assert torch.equal(ws.l2_act[:rows].view(torch.uint8), mid[:rows].view(torch.uint8))
+    assert torch.equal(ws.l2_scale[:rows], mid_sf[:rows]) and torch.isfinite(mid_sf[:rows]).all()
+    assert torch.equal(ws.combine.view(-1, 512).view(torch.int16), out.view(torch.int16))
+    assert torch.isfinite(out.float()).all()
+    assert ws.l1_empty_count.tolist() == gg.expected_l1_empty_counts(
+        offsets.tolist(), block_n, shape.block_m, shape.ring_blocks, w.l1.rows // gg.ROWS_PER_CTA)
