@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -172,15 +173,16 @@ def allocate_buffer(allocate: Callable | None, function: str, module: Any, *args
 
 
 # ----------------------------------------------------------------------------------------------- the kernels
-class MegaMoeKernel:
+class MegaMoeKernel(ABC):
     """One DeepGEMM Mega MoE entry point; subclasses name it, its GPUs and the functions it needs."""
 
     function = ""
     arch_label = ""  # how messages name the GPUs it needs
     required: tuple[str, ...] = ()
 
+    @abstractmethod
     def supports_capability(self, capability: tuple[int, int]) -> bool:
-        raise NotImplementedError
+        """Whether this entry point has a kernel for a GPU of this compute capability."""
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         device = torch.device(device)
@@ -198,8 +200,9 @@ class MegaMoeKernel:
             return False, f"{PACKAGE} {package_version(module)} lacks {', '.join(lacking)}"
         return True, ""
 
+    @abstractmethod
     def prepare(self, inputs: MegaMoeInputs, group: Any) -> MegaMoeCall:
-        raise NotImplementedError
+        """Allocate the buffer, transform the weights, stage the inputs; return the call."""
 
     def _module(self) -> Any:
         module, reason = import_deep_gemm()
