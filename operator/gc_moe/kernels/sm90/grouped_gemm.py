@@ -356,6 +356,17 @@ def _make_kernel(cfg: GemmConfig):
                 compute_stage(smem, kb % STAGES, wg, t, warp, g, q, acc)
         return tid, wg, warp, g, q
 
+    @cute.jit
+    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
+        """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply."""
+        for i in cutlass.range_constexpr(BN // 2):
+            acc[i] = Float32(0.0)
+        tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
+        factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
+        if cutlass.const_expr(cfg.fold_scales):
+            factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
+        return tid, wg, warp, g, q, factor
+
     if RING:
         from gc_moe.kernels.sm90 import dispatch as ring_protocol  # the ring's wait and release helpers
 
@@ -392,14 +403,9 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.barrier_sync()  # every thread's copies of the tile's rows follow thread 0's acquire
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
-                for i in cutlass.range_constexpr(BN // 2):
-                    acc[i] = Float32(0.0)
-                tid, wg, warp, g, q = main_loop(
-                    (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
+                tid, wg, warp, g, q, factor = tile_product(
+                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
-                factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
-                if cutlass.const_expr(cfg.fold_scales):
-                    factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
                 inter = m_tiles * 32
                 channel = bx * 128 + wg * 32 + warp * 8 + g
                 hv = cute.make_rmem_tensor((BN // 4,), Float32)
@@ -480,14 +486,9 @@ def _make_kernel(cfg: GemmConfig):
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
-                for i in cutlass.range_constexpr(BN // 2):
-                    acc[i] = Float32(0.0)
-                _, wg, warp, g, q = main_loop(
-                    (w_codes, w_scales, act, act_scale), e, bx, row0, count, k_blocks, m_tiles, smem, acc
+                _, wg, warp, g, q, factor = tile_product(
+                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
-                factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
-                if cutlass.const_expr(cfg.fold_scales):
-                    factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
                 hidden = m_tiles * 64
                 h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
                 for i in cutlass.range_constexpr(NSUB):
