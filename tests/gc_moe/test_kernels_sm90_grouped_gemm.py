@@ -316,6 +316,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     l1, l2 = mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
     w = wsm90.transform(l1, l2)
     # routing: tokens x topk distinct experts, expert 0 left without tokens
+    if experts < topk + 2:
+        raise ValueError(f"{experts} experts cannot leave expert 0 empty with top-{topk} routing; allowed: >= {topk + 2}")
     idx = torch.rand(tokens, experts - 1, generator=gen, device=dev).topk(topk, dim=1).indices + 1
     expert = idx.flatten()  # grouped rows are defined by the counts alone: row contents are drawn per row
     counts = torch.bincount(expert, minlength=experts)
@@ -374,7 +376,8 @@ def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens, fold_scal
 @pytest.mark.parametrize("fold_scales", [False, True], ids=["default", "folded"])
 @pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
 def test_grouped_gemm_model_shapes(hidden, inter, topk, fold_scales):
-    _, _, got, ref = _run_case(hidden, inter, 6, topk, 9, 16, seed=hidden, fold_scales=fold_scales)
+    # expert 0 is left empty and topk distinct experts are drawn from the others: experts >= topk + 2
+    _, _, got, ref = _run_case(hidden, inter, topk + 2, topk, 9, 16, seed=hidden, fold_scales=fold_scales)
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)
