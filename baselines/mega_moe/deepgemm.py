@@ -279,10 +279,22 @@ class Fp8MegaMoeSm90(MegaMoeKernel):
         _check_plain_swiglu(inputs, self.function)
         allocate = getattr(dg, "get_symm_buffer_for_sm90_mega_moe", None) or getattr(
             dg, "get_symm_buffer_for_mega_moe", None)
-        buffer = allocate_buffer(allocate, f"{self.function} (get_symm_buffer_for_sm90_mega_moe / "
-                                 f"get_symm_buffer_for_mega_moe)", dg, group, inputs.num_experts,
-                                 inputs.num_max_tokens_per_rank, inputs.topk_idx.shape[1], inputs.hidden,
-                                 inputs.intermediate)
+        sizes = (inputs.num_experts, inputs.num_max_tokens_per_rank, inputs.topk_idx.shape[1], inputs.hidden,
+                 inputs.intermediate)
+        buffer_note = "symmetric buffer"
+        try:
+            buffer = allocate_buffer(allocate, f"{self.function} (get_symm_buffer_for_sm90_mega_moe / "
+                                     f"get_symm_buffer_for_mega_moe)", dg, group, *sizes)
+        except BufferSetupFailed as symmetric_failure:
+            if _group_size(group) != 1 or not Sm90PlainBuffer.supported(dg):
+                raise
+            # one rank has no peers to map: a plain allocation sliced by the package's own layout function
+            try:
+                buffer = Sm90PlainBuffer(dg, group, *sizes, device=inputs.x.device)
+            except Exception as exc:
+                raise BufferSetupFailed(f"{symmetric_failure}; the world-size-1 plain buffer failed too: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+            buffer_note = f"plain world-size-1 buffer ({symmetric_failure})"
         l1, l2 = dg.transform_weights_for_mega_moe_sm90(fp8_block128_weights(inputs.l1_weights),
                                                         fp8_block128_weights(inputs.l2_weights))
         x, x_sf = activations_for_buffer(inputs.x, inputs.x_sf, buffer.x_sf.dtype)
@@ -291,13 +303,66 @@ class Fp8MegaMoeSm90(MegaMoeKernel):
         routed = _launch(dg.fp8_mega_moe, output, l1, l2, buffer,
                          {"recipe": SM90_RECIPE, "activation": ACTIVATION,
                           "activation_clamp": inputs.activation_clamp, "fast_math": True})
-        note = f"deep_gemm {package_version(dg)} {self.function} (FP8 weights, recipe {SM90_RECIPE})"
+        note = (f"deep_gemm {package_version(dg)} {self.function} (FP8 weights, recipe {SM90_RECIPE}; "
+                f"{buffer_note})")
         keep_alive: tuple = (buffer, l1, l2)
         if inputs.shared_weights is None:
             return MegaMoeCall(routed, output, keep_alive, note)
         separate = SeparateSharedExpert(inputs)
         return MegaMoeCall(_then(routed, lambda: separate.add_to(output)), output, keep_alive + (separate,),
                            f"{note}, shared expert separate: {SeparateSharedExpert.description}")
+
+
+def _group_size(group: Any) -> int | None:
+    size = getattr(group, "size", None)
+    try:
+        return int(size()) if callable(size) else None
+    except Exception:  # noqa: BLE001 - an unknown group object: no fallback
+        return None
+
+
+class Sm90PlainBuffer:
+    """``fp8_mega_moe``'s buffer for a one-rank job from one plain device allocation.
+
+    sgl-deep-gemm's SM90 allocator always goes through ``torch.distributed._symmetric_memory``; at world size 1
+    there is no peer to map, so the kernel only needs the bytes and their one pointer.  The size and the input
+    views come from the package's own ``_C.get_symm_buffer_size_for_sm90_mega_moe`` (its layout, not ours); the
+    attributes are the ones ``fp8_mega_moe`` reads (buffer, handle.buffer_ptrs, group, sizes, input views)."""
+
+    size_function = "get_symm_buffer_size_for_sm90_mega_moe"
+
+    @classmethod
+    def supported(cls, module: Any) -> bool:
+        native = getattr(module, "_C", None)
+        return native is not None and hasattr(native, cls.size_function) and hasattr(
+            native, "get_token_alignment_for_mega_moe")
+
+    def __init__(self, module: Any, group: Any, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
+                 hidden: int, intermediate: int, *, device: torch.device):
+        native = module._C
+        alignment = int(native.get_token_alignment_for_mega_moe())
+        self.group = group
+        self.num_experts, self.num_topk = num_experts, num_topk
+        self.num_max_tokens_per_rank = -(-num_max_tokens_per_rank // alignment) * alignment
+        self.hidden, self.intermediate_hidden = hidden, intermediate
+        num_bytes, slice_views = getattr(native, self.size_function)(
+            1, num_experts, self.num_max_tokens_per_rank, num_topk, hidden, intermediate, True, ACTIVATION)
+        self.buffer = torch.zeros(int(num_bytes), dtype=torch.int8, device=device)
+        self.handle = _BufferPointers([self.buffer.data_ptr()])
+        views = [v if isinstance(v, torch.Tensor) else torch.from_dlpack(v) for v in slice_views(self.buffer)]
+        if len(views) < 4:
+            raise ValueError(f"{self.size_function} sliced {len(views)} views; expected at least x, x_sf, "
+                             f"topk_idx, topk_weights")
+        x, self.x_sf, self.topk_idx, self.topk_weights = views[:4]
+        self.x = x if x.dtype == torch.float8_e4m3fn else x.view(torch.float8_e4m3fn)
+        self.more_views = views[4:]  # pool views the kernel uses; kept alive with the buffer
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+
+
+@dataclass
+class _BufferPointers:
+    buffer_ptrs: list[int]
 
 
 FP8_FP4_MEGA_MOE = Fp8Fp4MegaMoe()

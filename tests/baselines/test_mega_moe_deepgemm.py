@@ -262,7 +262,7 @@ def test_sm90_requantizes_weights_to_fp8_blocks_and_activations_per_128(install)
                       "fast_math": True}
     assert not calls_named(dg, "fp8_fp4_mega_moe")
     assert bool(call.output.eq(2.0).all())
-    assert call.note == "deep_gemm 0.2.1 fp8_mega_moe (FP8 weights, recipe (128, 128, 128))"
+    assert call.note == "deep_gemm 0.2.1 fp8_mega_moe (FP8 weights, recipe (128, 128, 128); symmetric buffer)"
 
 
 def test_sm90_shared_expert_runs_beside_the_kernel(install):
@@ -377,7 +377,7 @@ def test_registry_adapter_wires_to_this_module(monkeypatch):
 def test_real_kernel_matches_the_reference_on_this_gpu():
     import torch.distributed as dist
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # init_process_group's device_id needs an index
     ok, reason = deepgemm.available(device)
     if not ok:
         pytest.skip(reason)
@@ -455,3 +455,85 @@ def test_adapter_turns_a_setup_failure_into_operator_unavailable_and_nothing_els
     monkeypatch.setattr(deepgemm, "prepare", bug)
     with pytest.raises(ValueError, match="a defect, not a limitation"):  # not turned into a skip
         adapter.prepare(workload, "group")
+
+
+# ----------------------------------------------------------------------------------------------- SM90 at one rank
+class OneRankGroup:
+    def __init__(self, size=1):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return 0
+
+
+def fake_native_sm90(module, alignment=8):
+    """The two `_C` functions the plain buffer uses: the token alignment and the size + slicer of the layout."""
+    module.native_calls = []
+
+    def get_symm_buffer_size_for_sm90_mega_moe(num_ranks, num_experts, num_max_tokens, num_topk, hidden,
+                                               intermediate, use_fp8_dispatch, activation):
+        module.native_calls.append((num_ranks, num_experts, num_max_tokens, num_topk, hidden, intermediate,
+                                    use_fp8_dispatch, activation))
+        parts = ((num_max_tokens * hidden, torch.uint8, (num_max_tokens, hidden)),
+                 (num_max_tokens * hidden // 128 * 4, torch.float32, (num_max_tokens, hidden // 128)),
+                 (num_max_tokens * num_topk * 8, torch.int64, (num_max_tokens, num_topk)),
+                 (num_max_tokens * num_topk * 4, torch.float32, (num_max_tokens, num_topk)),
+                 (64, torch.uint8, (64,)))
+
+        def slice_input_buffers(buffer):
+            views, at = [], 0
+            for nbytes, dtype, shape in parts:
+                views.append(buffer[at:at + nbytes].view(dtype).view(shape))
+                at += nbytes
+            return views
+
+        return sum(p[0] for p in parts), slice_input_buffers
+
+    module._C = types.SimpleNamespace(get_token_alignment_for_mega_moe=lambda: alignment,
+                                      get_symm_buffer_size_for_sm90_mega_moe=get_symm_buffer_size_for_sm90_mega_moe)
+
+
+def test_sm90_one_rank_falls_back_to_a_plain_buffer_when_the_symmetric_allocator_fails(install):
+    dg = install(fake_deep_gemm(fused_shared=False, sm90=True, version="0.2.2"), (9, 0))
+    fake_native_sm90(dg, alignment=8)
+    message = f"tensor does not have a device ({torch.randint(0, 1 << 30, ()).item()})"
+
+    def symmetric_allocator(*args, **kwargs):
+        raise RuntimeError(message)
+
+    dg.get_symm_buffer_for_sm90_mega_moe = symmetric_allocator
+    inputs = make_inputs()
+    call = deepgemm.prepare(inputs, OneRankGroup())
+    capacity = -(-CAPACITY // 8) * 8
+    assert dg.native_calls == [(1, E, capacity, K, H, I, True, "swiglu")]
+    call.run()
+    (_, args, _), = calls_named(dg, "fp8_mega_moe")
+    buffer = args[3]
+    assert isinstance(buffer, deepgemm.Sm90PlainBuffer)
+    assert buffer.handle.buffer_ptrs == [buffer.buffer.data_ptr()] and buffer.group.rank() == 0
+    assert buffer.num_max_tokens_per_rank == capacity and buffer.num_experts == E and buffer.num_topk == K
+    # the inputs were staged into the plain allocation's own bytes, through the package's views
+    x, x_sf = deepgemm.activations_for_buffer(inputs.x, inputs.x_sf, torch.float32)
+    assert_bytes_equal(buffer.buffer[:T * H].view(torch.float8_e4m3fn).view(T, H), x)
+    assert_bytes_equal(buffer.x_sf[:T], x_sf)
+    assert torch.equal(buffer.topk_idx[:T], inputs.topk_idx)
+    assert bool(call.output.eq(2.0).all())
+    assert call.note.endswith(f"plain world-size-1 buffer (deep_gemm 0.2.2 symmetric_allocator failed: "
+                              f"RuntimeError: {message}))")
+
+
+def test_sm90_several_ranks_keep_the_symmetric_allocator_failure(install):
+    dg = install(fake_deep_gemm(fused_shared=False, sm90=True, version="0.2.2"), (9, 0))
+    fake_native_sm90(dg)
+
+    def symmetric_allocator(*args, **kwargs):
+        raise RuntimeError("no device")
+
+    dg.get_symm_buffer_for_sm90_mega_moe = symmetric_allocator
+    with pytest.raises(deepgemm.BufferSetupFailed, match=r"^deep_gemm 0.2.2 symmetric_allocator failed: "
+                                                          r"RuntimeError: no device$"):
+        deepgemm.prepare(make_inputs(), OneRankGroup(size=2))
+    assert dg.native_calls == []  # no plain buffer for a job with peers
