@@ -210,11 +210,38 @@ class _PendingBaseline(OperatorAdapter):
         raise RuntimeError(self.available(workload.device)[1])
 
 
-class MegaPortAdapter(_PendingBaseline):
+class MegaPortAdapter(OperatorAdapter):
+    """The SM90 reference port of Mega MoE (baselines.mega_moe.port_sm90): the routed layer as one persistent
+    kernel with GC-MoE's FP8xFP4 numerics; for shared suites a separate bf16 shared expert beside it."""
+
     name = "mega-port"
+    role = "baseline"
     summary = "SM90 port of Mega MoE (one fused persistent kernel); unfused shared expert beside it"
-    module = "baselines.mega_moe.port_sm90"
-    needs = "sm_90a"
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        try:
+            from baselines.mega_moe import port_sm90
+        except ImportError as exc:
+            return False, f"{self.name}: baselines.mega_moe.port_sm90 does not import ({exc})"
+        ok, reason = port_sm90.available(device)
+        return (True, "") if ok else (False, f"{self.name}: {reason}")
+
+    def prepare(self, workload: Workload, group: Any) -> Invocation:
+        from baselines.mega_moe import deepgemm, port_sm90
+
+        model, w = workload.model, workload.weights
+        inputs = deepgemm.MegaMoeInputs(
+            x=workload.x, x_sf=workload.x_sf, topk_idx=workload.topk_idx, topk_weights=workload.topk_weights,
+            l1_weights=w.l1, l2_weights=w.l2, num_experts=model.num_experts, num_max_tokens_per_rank=model.capacity,
+            activation_alpha=model.activation_alpha, activation_clamp=model.activation_clamp,
+            shared_weights=w.shared if workload.shared_experts else None,
+        )
+        try:
+            call = port_sm90.prepare(inputs, group)
+        except port_sm90.PortUnavailable as exc:
+            raise OperatorUnavailable(f"{self.name}: {exc}") from exc
+        return Invocation(call.run, call.output, keep_alive=call.keep_alive, capturable=call.capturable,
+                          note=call.note)
 
 
 class DeepGemmAdapter(OperatorAdapter):
