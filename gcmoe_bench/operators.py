@@ -127,8 +127,10 @@ class ReferenceAdapter(OperatorAdapter):
 
 
 class GcAdapter(OperatorAdapter):
-    """GC-MoE through its public API (Listing 1).  Where no kernel backend applies (CPU) the API itself falls back
-    to the reference backend, so this adapter is the same code on every machine."""
+    """GC-MoE through its public API (Listing 1).  The API picks its backend from the device: the SM90 layer's
+    kernels on an sm_90 GPU (``sm90``), else the float32 reference.  A configuration a kernel backend declines
+    (it raises GcMoeConstraintError naming why, e.g. shared experts before their kernel is wired) runs on the
+    reference backend, and the invocation's note says so and why: never a fallback presented as the kernel."""
 
     name = "gc"
     role = "operator"
@@ -148,14 +150,23 @@ class GcAdapter(OperatorAdapter):
 
     def prepare(self, workload: Workload, group: Any) -> Invocation:
         from gc_moe import api as gc_moe
+        from gc_moe.planning import GcMoeConstraintError
 
         model, w = workload.model, workload.weights
         fused_shared = bool(workload.shared_experts) and self.fuse_shared
-        buffer = gc_moe.get_symm_buffer_for_gc_moe(
-            group, model.num_experts, model.capacity, model.topk, model.hidden, model.intermediate,
-            mma_type="fp8xfp4", num_shared_experts=workload.shared_experts if fused_shared else 0,
-        )
-        w1, w2 = gc_moe.transform_weights_for_gc_moe(w.l1, w.l2)
+        shape = (group, model.num_experts, model.capacity, model.topk, model.hidden, model.intermediate)
+        shared_count = workload.shared_experts if fused_shared else 0
+        declined = ""
+        try:
+            buffer = gc_moe.get_symm_buffer_for_gc_moe(*shape, mma_type="fp8xfp4", num_shared_experts=shared_count)
+        except GcMoeConstraintError as exc:
+            if gc_moe.select_backend(workload.device).name == gc_moe.REFERENCE:
+                raise  # the configuration itself is outside the operator's envelope
+            declined = f"; {gc_moe.select_backend(workload.device).name} declined: {exc}"
+            buffer = gc_moe.get_symm_buffer_for_gc_moe(*shape, mma_type="fp8xfp4", num_shared_experts=shared_count,
+                                                       backend=gc_moe.REFERENCE)
+        backend = buffer.backend
+        w1, w2 = _weights_for(gc_moe, backend, w.l1, w.l2)
         t = workload.tokens_per_rank
         buffer.x[:t].copy_(workload.x)
         buffer.x_sf[:t].copy_(workload.x_sf)
@@ -166,6 +177,7 @@ class GcAdapter(OperatorAdapter):
             "recipe": RECIPE, "activation": ACTIVATION, "activation_alpha": model.activation_alpha,
             "activation_clamp": model.activation_clamp, "num_tokens": t,
         }
+        note = f"gc_moe backend: {backend}{declined}"
         if fused_shared:
             def run() -> None:
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, shared_weights=w.shared, **call_args)
@@ -174,21 +186,38 @@ class GcAdapter(OperatorAdapter):
             def run() -> None:
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
                 output.add_(_shared_expert_output(workload))
+            note += ("; shared expert: float32 reference, added after the routed call (no SM90 shared-expert "
+                     "kernel is wired yet)")
         else:
             def run() -> None:
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
 
-        # the API's reference backend (CPU, or a GPU without a kernel backend) synchronizes with the host
-        backend = getattr(buffer, "backend", "reference")
-        capturable = backend != "reference" and not (workload.shared_experts and not fused_shared)
-        return Invocation(run, output, keep_alive=(buffer, w1, w2), capturable=capturable,
-                          note=f"gc_moe backend: {backend}")
+        # the reference (the API's reference backend, or the unfused shared expert) synchronizes with the host;
+        # a kernel backend's call is graph-capturable
+        capturable = backend != gc_moe.REFERENCE and not (workload.shared_experts and not fused_shared)
+        return Invocation(run, output, keep_alive=(buffer, w1, w2), capturable=capturable, note=note)
 
 
 class GcUnfusedAdapter(GcAdapter):
     name = "gc-unfused"
     summary = "GC-MoE routed experts, shared expert computed separately and added (the fusion ablation)"
     fuse_shared = False
+
+
+_TRANSFORMED: dict = {}  # (backend layout, weight tensors' addresses and shapes) -> (w1, w2), one model at a time
+
+
+def _weights_for(gc_moe, backend: str, l1, l2):
+    """(w1, w2) in the layout `backend` reads; the last transform is reused while the same weights come back
+    (the accuracy suite prepares every case with one weight set per model)."""
+    layout = gc_moe.registered_backends()[backend].weight_layout
+    if layout == "canonical":
+        return tuple(l1), tuple(l2)
+    key = (layout, *((t.data_ptr(), tuple(t.shape), t.device) for t in (*l1, *l2)))
+    if key not in _TRANSFORMED:
+        _TRANSFORMED.clear()
+        _TRANSFORMED[key] = (gc_moe.transform_weights_for_gc_moe(l1, l2, arch=layout), (l1, l2))
+    return _TRANSFORMED[key][0]
 
 
 class _PendingBaseline(OperatorAdapter):

@@ -1,0 +1,329 @@
+"""The SM90 GC-MoE layer: roles 1-3 as one child CUDA graph on the two green contexts, replayed with no host work.
+
+`Sm90Layer` owns what one layer needs on one rank:
+
+- the green-context partition (`runtime.partition.get_partitions`): dispatch runs in the communication context,
+  the grouped GEMM and finalize in the compute context;
+- the workspace of `layer_layout` (one plain device allocation at P = 1, one torch symmetric-memory allocation
+  rendezvoused over the group at P > 1), its signals zeroed once (`layer_layout.initialize_state`);
+- the kernels: dispatch (role1), the ring-consumer grouped GEMM W1 / W2 (role2) at the token tile the
+  token-bound heuristic picks for the call's token count (`plan_call`), finalize (role3);
+- one child graph per (token count, output, weights): dispatch (communication context) and W1 (compute
+  context) as concurrent roots, W2 after W1, finalize after dispatch and W2. Every replay leaves the state
+  ready for the next (role3 resets the ring signals and flips the parity), so a graph replays, eagerly or
+  inside an outer torch CUDA graph capture, without host work in between.
+
+Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
+Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only
+helpers (`plan_call`, `unsupported_reasons`, `kernel_variants`, `missing_kernels`) import without the DSL and
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from gc_moe.kernels.sm90 import dispatch, finalize
+from gc_moe.kernels.sm90 import grouped_gemm as gg
+from gc_moe.kernels.sm90 import layer_layout as ll
+from gc_moe.planning import choose_block_m
+
+ARCH = "sm_90a"
+DEFAULT_TIMEOUT_S = 3600.0
+TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
+# Ring block rows: the smallest token tile, so the first ring block is full after as few pulled rows as possible
+# (W1 of any token tile acquires every block its rows touch, so the GEMM's tile need not equal it).
+RING_BLOCK_M = 8
+# The ring-consumer W1 cubins are built with the SwiGLU of both models (alpha 1, clamp 10).
+SWIGLU_ALPHA, SWIGLU_CLAMP = 1.0, 10.0
+FINALIZE_MAX_CTAS = 64
+GRAPH_CACHE_SIZE = 64
+SHARED_EXPERT_MODULE = "gc_moe.kernels.sm90.shared_expert"
+UNCHECKED = object()  # an option unsupported_reasons was not asked about
+
+
+# ------------------------------------------------------------------------------------------------ host planning
+def unsupported_reasons(*, num_experts: int, num_ranks: int, topk: int, hidden: int, intermediate: int,
+                        capacity: int, num_shared_experts: int = 0, activation_alpha=UNCHECKED,
+                        activation_clamp=UNCHECKED) -> list[str]:
+    """Why the SM90 layer cannot run this configuration (empty when it can): one line per broken rule, with the
+    value given and what is allowed. The activation is checked only when given (it is a per-call option)."""
+    problems = []
+    if hidden % gg.ROWS_PER_CTA:
+        problems.append(f"hidden {hidden}: the W2 grid covers {gg.ROWS_PER_CTA} output channels per CTA; allowed: "
+                        f"a multiple of {gg.ROWS_PER_CTA}")
+    if intermediate % 128:
+        problems.append(f"intermediate {intermediate}: W1 covers 128 channels (256 gate/up rows) per CTA; allowed: "
+                        f"a multiple of 128")
+    if num_experts > dispatch.MAX_EXPERTS:
+        problems.append(f"num_experts {num_experts}: dispatch counts experts in shared memory; allowed: at most "
+                        f"{dispatch.MAX_EXPERTS}")
+    if num_experts % num_ranks:
+        problems.append(f"num_experts {num_experts} over {num_ranks} ranks; allowed: a multiple of the rank count")
+    if topk + num_shared_experts > 32:
+        problems.append(f"topk {topk} + shared {num_shared_experts}; allowed: at most 32 combine lanes")
+    if num_shared_experts:
+        reason = shared_expert_unavailable_reason()
+        if reason:
+            problems.append(f"num_shared_experts {num_shared_experts}: {reason}; allowed: 0 (the reference backend "
+                            f"serves shared experts: get_symm_buffer_for_gc_moe(..., backend='reference'))")
+    if activation_alpha is not UNCHECKED and activation_alpha != SWIGLU_ALPHA:
+        problems.append(f"activation_alpha {activation_alpha}: the ring-consumer W1 cubins are built with alpha "
+                        f"{SWIGLU_ALPHA:g}; allowed: {SWIGLU_ALPHA:g}")
+    if activation_clamp is not UNCHECKED and activation_clamp != SWIGLU_CLAMP:
+        problems.append(f"activation_clamp {activation_clamp}: the ring-consumer W1 cubins are built with clamp "
+                        f"{SWIGLU_CLAMP:g}; allowed: {SWIGLU_CLAMP:g}")
+    if not problems:
+        try:
+            layer_shape(num_ranks, num_experts, topk, hidden, intermediate, capacity)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def shared_expert_unavailable_reason() -> str | None:
+    """Why shared experts cannot run as a node of the layer graph (None once they can)."""
+    return ("the SM90 shared-expert kernel (role4, gc_moe.kernels.sm90.shared_expert) is not wired into the layer "
+            "graph yet")
+
+
+def layer_shape(num_ranks: int, num_experts: int, topk: int, hidden: int, intermediate: int, capacity: int,
+                num_shared_experts: int = 0) -> ll.LayerShape:
+    """The workspace shape of one rank: the ring in blocks of RING_BLOCK_M rows covering the whole pool."""
+    return ll.LayerShape(num_ranks, num_experts, topk, hidden, intermediate, capacity, RING_BLOCK_M,
+                         num_shared_experts)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What one call launches: the grouped GEMM's token tile and the grid bound on one expert's rows."""
+
+    num_tokens: int
+    block_n: int  # W1 / W2 token tile (planning.choose_block_m, SM90 candidates)
+    expert_rows_bound: int  # the most grouped rows one local expert can receive this call
+
+
+def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
+    """The token tile the token-bound heuristic picks for `num_tokens` tokens per rank (the mean rows per expert
+    T P k / E plus one standard deviation, covered by the smallest of 8 / 16 / 32 / 64), and the grid bound: at
+    P = 1 an expert meets each of this call's tokens at most once (T rows); at P > 1 the other ranks' counts are
+    not known on the host, so the bound is the capacity of every rank (C P)."""
+    if not 0 <= num_tokens <= shape.capacity:
+        raise ValueError(f"num_tokens {num_tokens}; allowed: 0 to capacity={shape.capacity}")
+    block_n = choose_block_m(max(num_tokens, 1), shape.num_ranks, shape.topk, shape.num_experts, arch="sm90")
+    bound = max(num_tokens, 1) if shape.num_ranks == 1 else shape.capacity * shape.num_ranks
+    return CallPlan(num_tokens, block_n, bound)
+
+
+def kernel_variants() -> list:
+    """Every cubin the layer may load: dispatch, finalize and the ring-consumer W1 / W2 at every token tile."""
+    out = [dispatch.variant(), finalize.variant()]
+    for bn in gg.BLOCK_N_CHOICES:
+        out += [gg.variant("w1", bn, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ring_consumer=True),
+                gg.variant("w2", bn, ring_consumer=True)]
+    return out
+
+
+def missing_kernels(cache_dir=None) -> list[str]:
+    """Names of the layer's variants that are not in the cubin cache (current source hash) for sm_90a."""
+    from gc_moe.runtime import jit
+
+    return [v.describe() for v in kernel_variants() if jit.find_entry(v, ARCH, cache_dir) is None]
+
+
+def timeout_from_env(environ=os.environ) -> float:
+    """The bounded waits' limit: GC_MOE_WAIT_TIMEOUT_S if set (seconds > 0), else 3600."""
+    raw = environ.get(TIMEOUT_ENV, "")
+    if raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}; allowed: a number of seconds > 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}; allowed: a finite number of seconds > 0")
+    return value
+
+
+def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
+    """The SM90 matrices (`weights.sm90.Sm90Matrix`) must be this rank's experts at the layer's H and I."""
+    e, h, i = shape.local_experts, shape.hidden, shape.intermediate
+    for what, mat, rows, cols, interleaved in (("w1", l1, 2 * i, h, True), ("w2", l2, h, i, False)):
+        if not all(hasattr(mat, a) for a in ("codes", "scales", "factor", "rows", "cols", "gate_up_interleaved")):
+            raise TypeError(f"{what}: got {type(mat).__name__}; allowed: the SM90 layout from "
+                            f"transform_weights_for_gc_moe (gc_moe.weights.sm90.Sm90Matrix)")
+        got = (mat.num_experts, mat.rows, mat.cols, bool(mat.gate_up_interleaved))
+        if got != (e, rows, cols, interleaved):
+            raise ValueError(f"{what}: {got[0]} experts of [{got[1]}, {got[2]}] (gate/up interleaved {got[3]}); "
+                             f"allowed: this rank's {e} experts of [{rows}, {cols}] (interleaved {interleaved})")
+        if mat.codes.device != device:
+            raise ValueError(f"{what}: on {mat.codes.device}; allowed: the layer's device {device}")
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+_LOADED: dict = {}  # variant description -> LoadedKernel (one load per process; graphs keep using it)
+
+
+def _load(variant):
+    from gc_moe.runtime import jit
+
+    key = variant.describe()
+    if key not in _LOADED:
+        _LOADED[key] = jit.load_kernel(variant, ARCH)
+    return _LOADED[key]
+
+
+class Sm90Layer:
+    """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
+
+    def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch
+
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s {timeout_s!r}; allowed: a finite number of seconds > 0")
+        device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+        if device.type != "cuda":
+            raise ValueError(f"device {device}; allowed: an sm_90 CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.get_device_capability(device) != (9, 0):
+            raise RuntimeError(f"{device} has compute capability {torch.cuda.get_device_capability(device)}; the "
+                               f"SM90 layer runs on 9.0 (sm_90a)")
+        problems = unsupported_reasons(num_experts=shape.num_experts, num_ranks=shape.num_ranks, topk=shape.topk,
+                                       hidden=shape.hidden, intermediate=shape.intermediate,
+                                       capacity=shape.capacity, num_shared_experts=shape.num_shared_experts)
+        if problems:
+            raise ValueError("the SM90 layer cannot run this configuration: " + "; ".join(problems))
+        from gc_moe.runtime.partition import get_partitions
+
+        self.shape, self.device, self.timeout_s = shape, device, float(timeout_s)
+        torch.zeros(1, device=device)  # a current context before the first driver-level load
+        self.parts = get_partitions(device.index)
+        described = self.parts.describe()
+        self.dispatch_ctas = described["comm_sms"]  # every rank's finalize checks this many contributors
+        self.finalize_ctas = min(described["compute_sms"], FINALIZE_MAX_CTAS)
+        layout = ll.layer_layout(shape)
+        if shape.num_ranks == 1:
+            self.ws = ll.LocalWorkspace(layout, device)
+        else:
+            from gc_moe.runtime.workspace import SymmetricWorkspace
+
+            self.ws = SymmetricWorkspace(layout, group, device)
+            if self.ws.world_size != shape.num_ranks:
+                raise ValueError(f"the group has {self.ws.world_size} ranks, the layer shape {shape.num_ranks}")
+        self.rank = 0 if shape.num_ranks == 1 else self.ws.rank
+        ll.initialize_state(self.ws)
+        torch.cuda.synchronize(device)
+        if shape.num_ranks > 1:
+            self.ws.barrier()  # every peer's signals are zero before anyone's first replay
+        # every kernel loaded (and its shared-memory limit raised) now: a graph first built inside a capture
+        # then only adds nodes, no module loads
+        self.k_dispatch = _load(dispatch.variant())
+        self.k_finalize = _load(finalize.variant())
+        for bn in gg.BLOCK_N_CHOICES:
+            for k in self.gemm_kernels(bn):
+                k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
+        self._stage = None  # output rows for a non-contiguous or empty y
+        self._graphs: OrderedDict = OrderedDict()
+
+    # the inputs of Listing 1 are the workspace's first regions
+    def input_views(self) -> dict:
+        return {name: getattr(self.ws, name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
+
+    def gemm_kernels(self, block_n: int):
+        w1 = _load(gg.variant("w1", block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP,
+                              ring_consumer=True))
+        w2 = _load(gg.variant("w2", block_n, ring_consumer=True))
+        return w1, w2
+
+    def build_graph(self, y, num_tokens: int, l1, l2):
+        """The child graph of one call: [dispatch || W1] -> W2 -> finalize (finalize also after dispatch)."""
+        from gc_moe.runtime.graph import ChildGraph
+
+        shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
+        k_w1, k_w2 = self.gemm_kernels(plan.block_n)
+        g = ChildGraph()
+        d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
+                         dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
+                         self.parts.comm_context)
+        grid, args = gg.w1_launch(k_w1, l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight,
+                                  ws.l2_act, ws.l2_scale, plan.expert_rows_bound,
+                                  gg.ring_args_w1(ws, shape, self.timeout_s))
+        w1 = g.add_kernel("w1", k_w1, grid, args, self.parts.compute_context)
+        grid, args = gg.w2_launch(k_w2, l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row,
+                                  ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
+                                  gg.ring_args_w2(ws, shape))
+        w2 = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
+        g.add_kernel("finalize", self.k_finalize, self.finalize_ctas,
+                     finalize.finalize_args(ws, shape, y, num_tokens, self.dispatch_ctas, self.timeout_s),
+                     self.parts.compute_context, depends_on=[d, w2])
+        return g
+
+    def _output_rows(self, y, num_tokens: int):
+        """Where finalize writes: y itself when it is a contiguous bf16 [num_tokens >= 1, H], else staging rows."""
+        import torch
+
+        if y.is_contiguous() and num_tokens > 0:
+            return y, False
+        if self._stage is None:
+            self._stage = torch.empty(self.shape.capacity, self.shape.hidden, dtype=torch.bfloat16,
+                                      device=self.device)
+        return self._stage, True
+
+    def graph(self, y, num_tokens: int, l1, l2):
+        """The cached child graph for (token count, output rows, weights); built on first use."""
+        target, staged = self._output_rows(y, num_tokens)
+        key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
+               l2.factor.data_ptr())
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self.build_graph(target, num_tokens, l1, l2)
+            while len(self._graphs) > GRAPH_CACHE_SIZE:  # captured copies of an evicted graph stay valid
+                self._graphs.popitem(last=False)[1].destroy()
+        else:
+            self._graphs.move_to_end(key)
+        return g, target, staged
+
+    def run(self, y, num_tokens: int, l1, l2, stream=None) -> None:
+        """One layer call into y[:num_tokens] (bf16 [>= num_tokens, H]) on `stream` (default: torch's current
+        stream). Inside a torch CUDA graph capture the child graph is attached to the capture; otherwise it is
+        launched. No host synchronization either way."""
+        import torch
+
+        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != self.shape.hidden or y.shape[0] < num_tokens:
+            raise ValueError(f"y: {y.dtype} {list(y.shape)}; allowed: bfloat16 [>= {num_tokens}, "
+                             f"{self.shape.hidden}]")
+        if y.device != self.device:
+            raise ValueError(f"y: on {y.device}; allowed: the layer's device {self.device}")
+        check_weights(self.shape, l1, l2, self.device)
+        g, target, staged = self.graph(y[:num_tokens] if num_tokens else y, num_tokens, l1, l2)
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing():
+            g.attach_to_capture(stream)
+        else:
+            g.launch(stream)
+        if staged and num_tokens:
+            y[:num_tokens].copy_(target[:num_tokens])
+
+    def control(self) -> dict:
+        """The control words (host read: synchronizes)."""
+        words = self.ws.control.cpu().tolist()
+        return {"recv_parity": words[ll.RECV_PARITY], "arrival_errors": words[ll.ARRIVAL_ERRORS],
+                "received_rows": words[ll.RECEIVED_ROWS], "ring_overflows": words[ll.RING_OVERFLOWS],
+                "replays": words[ll.REPLAYS]}
+
+    def release(self) -> None:
+        """Destroy the cached graphs (the workspace goes with the last reference to it). Copies attached to an
+        outer capture belong to that capture and stay valid."""
+        graphs = getattr(self, "_graphs", {})
+        while graphs:
+            graphs.popitem()[1].destroy()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001  (the driver may already be gone at interpreter exit)
+            pass

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The sm90 backend of `gc_moe.fp8_fp4_gc_moe` on one GPU (P = 1), through the public API, at the H200 profile's
+per-rank slices (GLM-5.2: 32 local experts, k 8, H 6144, I 2048; DeepSeek-V4.1-Flash: 48, k 6, H 5120, I 2304;
+capacity 256).
+
+Steps (each prints JSON lines; a short table last):
+
+1. per model and token count (--tokens): fresh random weights and inputs, y poisoned with NaN, one eager call;
+   every element finite, cosine >= 0.97 and processed difference <= 0.002 against the float32 reference
+   (`gc_moe.reference.moe_reference`); then the call captured in a torch CUDA graph (as the harness does) and
+   replayed --replays times, every replay's y bit-equal to the eager y (counted on the device), one eager call
+   after the replays equal too, control words: one finalized replay per call, no arrival errors, no overflow;
+2. --long-replays replays of one point (--long-model, --long-tokens) with the same checks (no deadlock: the
+   waits are bounded by GC_MOE_WAIT_TIMEOUT_S, and the caller wraps the script in `timeout`);
+3. the bounded wait: the ring-consumer W1 alone (no dispatch) in a child process must trap after 1 s;
+4. latency per token count (--latency-tokens) for both models: a graph of 10 back-to-back calls replayed
+   --latency-replays times, microseconds per call, beside the stand-alone grouped GEMM (W1 + W2 only, warm,
+   docs/sm90-grouped-gemm.md, measured 2026-12-02 on the H200).
+
+    gcmoe-bench build --arch sm_90a --profile h200        # on the build machine; copy .cubin-cache over
+    PYTHONPATH=operator GC_MOE_WAIT_TIMEOUT_S=30 python scripts/device_layer_backend.py --out device-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+# stand-alone grouped GEMM (W1 + W2), warm us, docs/sm90-grouped-gemm.md "Speed on the H200" (2026-12-02)
+STANDALONE_GEMM_US = {
+    "glm-5.2": {1: 81.6, 2: 86.6, 4: 124.8, 8: 152.0, 16: 227.7, 32: 366.3, 64: 367.7, 128: 480.0, 256: 696.5},
+    "deepseek-v4.1-flash": {1: 81.0, 2: 95.2, 4: 126.9, 8: 172.7, 16: 250.2, 32: 258.3, 64: 331.7, 128: 479.3,
+                            256: 827.5},
+}
+
+
+def point_passes(r: dict, replays: int) -> bool:
+    return (r["nonfinite"] == 0 and r["cosine"] >= 0.97 and r["processed_diff"] <= 0.002
+            and r["mismatched_replays"] == 0 and r["eager_after_mismatch"] == 0 and r["arrival_errors_added"] == 0
+            and r["ring_overflows_added"] == 0 and r["replays_added"] == replays + 1)
+
+
+def main() -> int:
+    import torch
+
+    from gc_moe import api
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="glm-5.2,deepseek-v4.1-flash")
+    p.add_argument("--tokens", default="1,8,64,256")
+    p.add_argument("--replays", type=int, default=1000)
+    p.add_argument("--long-replays", type=int, default=100_000)
+    p.add_argument("--long-model", default="deepseek-v4.1-flash")
+    p.add_argument("--long-tokens", type=int, default=1)
+    p.add_argument("--latency-tokens", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--latency-replays", type=int, default=50)
+    p.add_argument("--skip", default="", help="comma-separated steps to skip: points,long,bounded,latency")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    out = {"points": [], "long": None, "bounded": None, "latency": [], "backend": None}
+    ok = True
+    layers = {}
+    for name in args.models.split(","):
+        started = time.perf_counter()
+        layers[name] = lc.ApiLayer(lc.SLICES[name], dev, seed=11)
+        backend = layers[name].buffer.backend
+        out["backend"] = backend
+        print(json.dumps({"model": name, "backend": backend, "setup_s": round(time.perf_counter() - started, 2)}),
+              flush=True)
+        if backend != "sm90":
+            reason = api.registered_backends()["sm90"].unavailable_reason(dev, api.device_arch(dev))
+            print(f"FAIL: the API picked {backend!r}, not 'sm90': {reason}", flush=True)
+            return 1
+        if "points" in skip:
+            continue
+        for t in (int(v) for v in args.tokens.split(",")):
+            try:
+                r = lc.check_point(layers[name], t, seed=1000 + t)
+                y = r.pop("y")
+                r.update(lc.replay_check(layers[name], y, t, args.replays))
+                r["pass"] = point_passes(r, args.replays)
+            except Exception as exc:  # noqa: BLE001  (one point's failure is reported, the others still run)
+                r = {"tokens": t, "error": f"{type(exc).__name__}: {exc}", "pass": False}
+            r["model"] = name
+            ok &= r["pass"]
+            out["points"].append(r)
+            print(json.dumps(r), flush=True)
+
+    if "long" not in skip:
+        layer = layers[args.long_model]
+        r = lc.check_point(layer, args.long_tokens, seed=77)
+        y = r.pop("y")
+        r.update(lc.replay_check(layer, y, args.long_tokens, args.long_replays))
+        r["pass"] = point_passes(r, args.long_replays)
+        r["model"] = args.long_model
+        ok &= r["pass"]
+        out["long"] = r
+        print(json.dumps(r), flush=True)
+
+    if "bounded" not in skip:
+        started = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-c", "from gc_moe.kernels.sm90.layer_checks import bounded_wait_probe as b; b(1.0)"],
+            capture_output=True, text=True, timeout=120,
+            env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "operator")})
+        r = {"exit": proc.returncode, "seconds": round(time.perf_counter() - started, 2),
+             "stdout": proc.stdout.strip()[-300:], "stderr": proc.stderr.strip()[-300:]}
+        r["pass"] = proc.returncode == lc.BOUNDED_WAIT_EXIT
+        ok &= r["pass"]
+        out["bounded"] = r
+        print(json.dumps(r), flush=True)
+
+    if "latency" not in skip:
+        for name, layer in layers.items():
+            for t in (int(v) for v in args.latency_tokens.split(",")):
+                try:
+                    us = lc.time_calls(layer, t, seed=5000 + t, replays=args.latency_replays)
+                except Exception as exc:  # noqa: BLE001
+                    us = float("nan")
+                    print(json.dumps({"model": name, "tokens": t, "error": f"{type(exc).__name__}: {exc}"}))
+                    ok = False
+                gemm = STANDALONE_GEMM_US.get(name, {}).get(t)
+                out["latency"].append({"model": name, "tokens": t, "layer_us": us, "standalone_gemm_us": gemm})
+
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "device_layer_backend.json").write_text(json.dumps(out, indent=1))
+    print(f"\n{'model':20s} {'T':>4} {'rows':>5} {'cosine':>9} {'pdiff':>9} {'nonfin':>6} {'replays':>7} {'bad':>4} "
+          f"{'us/rep':>7} {'arrive':>6}")
+    for r in out["points"] + ([out["long"]] if out["long"] else []):
+        if "error" in r:
+            print(f"{r['model']:20s} {r['tokens']:>4} ERROR {r['error']}")
+            continue
+        print(f"{r['model']:20s} {r['tokens']:>4} {r['rows']:>5} {r['cosine']:>9.6f} {r['processed_diff']:>9.2e} "
+              f"{r['nonfinite']:>6} {r['replays']:>7} {r['mismatched_replays'] + r['eager_after_mismatch']:>4} "
+              f"{r['us_per_replay_with_check']:>7.1f} {r['arrival_errors_added']:>6}  {'PASS' if r['pass'] else 'FAIL'}")
+    if out["bounded"]:
+        b = out["bounded"]
+        print(f"bounded wait (W1 alone, 1 s): exit {b['exit']} after {b['seconds']} s  {'PASS' if b['pass'] else 'FAIL'}")
+    if out["latency"]:
+        print(f"\n{'model':20s} {'T':>4} {'layer us':>9} {'GEMM us':>8} {'overhead':>8}")
+        for r in out["latency"]:
+            g = r["standalone_gemm_us"]
+            print(f"{r['model']:20s} {r['tokens']:>4} {r['layer_us']:>9.1f} {g if g else float('nan'):>8.1f} "
+                  f"{r['layer_us'] - g if g else float('nan'):>8.1f}")
+    print("ALL PASS" if ok else "SOME FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

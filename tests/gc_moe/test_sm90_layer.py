@@ -1,0 +1,251 @@
+"""The sm90 backend and the SM90 layer's host side (CPU): registration, selection, the reasons it gives, the
+token-tile plan, the kernels it loads, weight and option checks, and the harness adapter's backend notes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gc_moe import api
+from gc_moe.kernels.sm90 import backend as sm90_backend
+from gc_moe.kernels.sm90 import grouped_gemm as gg
+from gc_moe.kernels.sm90 import layer as sm90_layer
+from gc_moe.planning import GcMoeConstraintError
+
+GLM = {"num_experts": 32, "num_ranks": 1, "topk": 8, "hidden": 6144, "intermediate": 2048, "capacity": 256}
+DSV = {"num_experts": 48, "num_ranks": 1, "topk": 6, "hidden": 5120, "intermediate": 2304, "capacity": 256}
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def test_registered_for_sm90_with_its_layout_and_above_the_reference():
+    backends = api.registered_backends()
+    b = backends["sm90"]
+    assert b.archs == ("sm90",) and b.weight_layout == "sm90"
+    assert b.priority > backends[api.REFERENCE].priority
+    assert "gc_moe.kernels.sm90.backend" in api._OPTIONAL_BACKEND_MODULES
+
+
+def test_not_picked_on_cpu():
+    assert api.select_backend("cpu").name == api.REFERENCE
+    with pytest.raises(RuntimeError, match=r"serves \('sm90',\), this device is cpu"):
+        api.select_backend("cpu", "sm90")
+    reason = sm90_backend.unavailable_reason(torch.device("cpu"), None)
+    assert reason and "sm_90" in reason and "compute capability 9.0" in reason
+
+
+def test_unavailable_without_cubins_or_dsl_names_the_build_command(tmp_path, monkeypatch):
+    from gc_moe.runtime import jit
+
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))  # an empty cache
+    monkeypatch.setattr(jit, "dsl_available", lambda: False)
+    monkeypatch.setattr(sm90_backend, "_kernel_reason_cache", {})
+    monkeypatch.setattr(sm90_backend.importlib.util, "find_spec", lambda name: object())  # bindings "present"
+    reason = sm90_backend.unavailable_reason(torch.device("cuda", 0), "sm90")
+    assert reason is not None
+    assert f"{len(sm90_layer.kernel_variants())} of its kernels are not in the cubin cache {tmp_path}" in reason
+    assert "gcmoe-bench build --arch sm_90a --profile h200" in reason
+
+
+def test_unavailable_without_the_driver_bindings(monkeypatch):
+    monkeypatch.setattr(sm90_backend.importlib.util, "find_spec", lambda name: None)
+    assert "cuda-bindings" in sm90_backend.unavailable_reason(torch.device("cuda", 0), "sm90")
+
+
+def test_available_when_the_dsl_can_build_what_the_cache_lacks(tmp_path, monkeypatch):
+    from gc_moe.runtime import jit
+
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "dsl_available", lambda: True)
+    monkeypatch.setattr(sm90_backend, "_kernel_reason_cache", {})
+    monkeypatch.setattr(sm90_backend.importlib.util, "find_spec", lambda name: object())
+    assert sm90_backend.unavailable_reason(torch.device("cuda", 0), "sm90") is None
+
+
+# ------------------------------------------------------------------------------------------------ supported shapes
+@pytest.mark.parametrize("shape", [GLM, DSV], ids=["glm", "deepseek"])
+def test_both_model_slices_are_supported(shape):
+    assert sm90_layer.unsupported_reasons(**shape, activation_alpha=1.0, activation_clamp=10.0) == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"hidden": 6144 + 128}, "a multiple of 256"),
+    ({"intermediate": 2048 + 64}, "a multiple of 128"),
+    ({"num_experts": 4096}, "at most 2048"),
+    ({"num_experts": 33, "num_ranks": 2}, "a multiple of the rank count"),
+    ({"topk": 32, "num_shared_experts": 1}, "at most 32 combine lanes"),
+    ({"num_shared_experts": 1}, "backend='reference'"),
+    ({"activation_alpha": 1.5}, "alpha 1; allowed: 1"),
+    ({"activation_clamp": None}, "clamp 10; allowed: 10"),
+    ({"activation_clamp": 7.0}, "activation_clamp 7.0"),
+])
+def test_unsupported_configurations_say_what_is_allowed(change, expected):
+    reasons = sm90_layer.unsupported_reasons(**{**GLM, **change})
+    assert any(expected in r for r in reasons), reasons
+
+
+def test_allocate_refuses_shared_experts_with_a_constraint_error_naming_the_reference():
+    buffer = api.GcMoeBuffer(group=None, num_experts=32, capacity=256, topk=8, hidden=6144, intermediate=2048,
+                             mma_type="fp8xfp4", num_shared_experts=1, device=torch.device("cpu"), rank=0,
+                             world_size=1, backend="sm90", x=None, x_sf=None, topk_idx=None, topk_weights=None)
+    with pytest.raises(GcMoeConstraintError, match="sm90 backend: num_shared_experts 1: .*role4.*backend='reference'"):
+        sm90_backend.allocate(buffer)
+
+
+def test_layer_refuses_a_cpu_device():
+    with pytest.raises(ValueError, match="allowed: an sm_90 CUDA device"):
+        sm90_layer.Sm90Layer(sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256), device="cpu")
+
+
+# ------------------------------------------------------------------------------------------------ plan
+@pytest.mark.parametrize("shape, tokens, block_n", [
+    # DeepSeek slice: m = T 6 / 48; target m + sqrt(m): 0.48, 2, 10.8, 37.7 -> 8, 8, 16, 64
+    (DSV, 1, 8), (DSV, 8, 8), (DSV, 64, 16), (DSV, 256, 64),
+    # GLM slice: m = T 8 / 32; target 0.75, 3.4, 20, 72 (capped at 64) -> 8, 8, 32, 64
+    (GLM, 1, 8), (GLM, 8, 8), (GLM, 64, 32), (GLM, 256, 64),
+])
+def test_token_tile_by_hand(shape, tokens, block_n):
+    s = sm90_layer.layer_shape(1, shape["num_experts"], shape["topk"], shape["hidden"], shape["intermediate"], 256)
+    plan = sm90_layer.plan_call(s, tokens)
+    assert (plan.block_n, plan.expert_rows_bound) == (block_n, tokens)  # P = 1: an expert gets each token once
+
+
+def test_plan_bounds_and_errors():
+    s1 = sm90_layer.layer_shape(1, 16, 4, 1024, 256, 32)
+    assert sm90_layer.plan_call(s1, 0) == sm90_layer.CallPlan(0, 8, 1)  # no tokens: one (empty) token tile
+    s2 = sm90_layer.layer_shape(2, 16, 4, 1024, 256, 32)
+    assert sm90_layer.plan_call(s2, 3).expert_rows_bound == 64  # P > 1: every rank's capacity, C P
+    with pytest.raises(ValueError, match="allowed: 0 to capacity=32"):
+        sm90_layer.plan_call(s1, 33)
+
+
+def test_ring_blocks_of_the_layer_shape():
+    s = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
+    assert s.block_m == sm90_layer.RING_BLOCK_M == 8
+    assert s.max_rows == 256 * 8 and s.ring_blocks == 256 and s.ring_rows == 2048
+
+
+def test_w1_grid_follows_the_plan_not_the_capacity():
+    """At 1 token per rank the W1 grid has one token tile, not capacity / block_n mostly empty CTAs."""
+    cfg = gg.GemmConfig("w1", 8, ring_consumer=True)
+    assert gg.grid(cfg, 2 * 2048, 32, sm90_layer.plan_call(sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256), 1)
+                   .expert_rows_bound) == (1, 16, 32)
+
+
+def test_kernel_variants_are_ring_consumers_at_every_tile():
+    vs = sm90_layer.kernel_variants()
+    names = [v.name for v in vs]
+    assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
+    gemms = [dict(v.params) for v in vs[2:]]
+    assert sorted((p["role"], p["block_n"]) for p in gemms) == sorted(
+        (r, bn) for r in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES)
+    assert all(p["ring_consumer"] for p in gemms)
+    assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in gemms if p["role"] == "w1")
+    from gc_moe.kernels.registry import variants_for_profile  # the profile build makes all of them
+
+    built = {v.describe() for v in variants_for_profile("sm_90a", {})}
+    assert {v.describe() for v in vs} <= built
+
+
+def test_timeout_from_env():
+    assert sm90_layer.timeout_from_env({}) == 3600.0
+    assert sm90_layer.timeout_from_env({sm90_layer.TIMEOUT_ENV: "2.5"}) == 2.5
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(ValueError, match=sm90_layer.TIMEOUT_ENV):
+            sm90_layer.timeout_from_env({sm90_layer.TIMEOUT_ENV: bad})
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def _small_sm90_weights(experts=2, hidden=256, intermediate=128):
+    from gc_moe.cases import random_moe_weights
+    from gc_moe.weights import sm90 as weights_sm90
+
+    l1, l2 = random_moe_weights(experts, hidden, intermediate, seed=1)
+    return l1, l2, weights_sm90.transform(l1, l2)
+
+
+def test_check_weights_accepts_the_layers_experts_and_refuses_others():
+    l1, l2, mats = _small_sm90_weights()
+    shape = sm90_layer.layer_shape(1, 2, 1, 256, 128, 4)
+    sm90_layer.check_weights(shape, mats.l1, mats.l2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"w1: 2 experts of \[256, 256\].*allowed: this rank's 4 experts"):
+        sm90_layer.check_weights(sm90_layer.layer_shape(1, 4, 1, 256, 128, 4), mats.l1, mats.l2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="interleaved"):
+        sm90_layer.check_weights(shape, mats.l2, mats.l2, torch.device("cpu"))
+    with pytest.raises(TypeError, match="Sm90Matrix"):
+        sm90_layer.check_weights(shape, l1, l2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="the layer's device cuda:0"):
+        sm90_layer.check_weights(shape, mats.l1, mats.l2, torch.device("cuda", 0))
+
+
+def test_run_refuses_canonical_weights_and_other_activations():
+    l1, l2, _ = _small_sm90_weights()
+    w1, w2 = api.transform_weights_for_gc_moe(l1, l2, arch="sm90")
+    assert sm90_backend._matrices(w1, w2) == (w1[0], w2[0])
+    with pytest.raises(ValueError, match="the sm90 backend reads 'sm90'"):
+        sm90_backend._matrices(tuple(l1), tuple(l2))
+    buffer = api.GcMoeBuffer(group=None, num_experts=2, capacity=4, topk=1, hidden=256, intermediate=128,
+                             mma_type="fp8xfp4", num_shared_experts=0, device=torch.device("cpu"), rank=0,
+                             world_size=1, backend="sm90", x=None, x_sf=None, topk_idx=None, topk_weights=None)
+    options = {"activation_alpha": 1.0, "activation_clamp": 5.0, "shared_weights": None}
+    with pytest.raises(GcMoeConstraintError, match="activation_clamp 5.0"):
+        sm90_backend.run(None, w1, w2, buffer, 1, options)
+
+
+# ------------------------------------------------------------------------------------------------ the harness adapter
+def _tiny_workload(shared: int):
+    from gcmoe_bench.models import ModelShape
+    from gcmoe_bench.workloads import build_weights, build_workload
+
+    tiny = ModelShape(name="tiny", base="glm-5.2", hidden=256, intermediate=128, num_experts=8, topk=2,
+                      num_shared_experts=1, shared_k_group=128, capacity=8)
+    weights = build_weights(tiny, 1, 0, shared_experts=shared, seed=0)
+    return build_workload(tiny, 3, 1, 0, shared_experts=shared, weights=weights, seed=1)
+
+
+def test_adapter_on_cpu_says_reference_and_is_not_capturable():
+    from gcmoe_bench.operators import get_operator
+
+    inv = get_operator("gc").prepare(_tiny_workload(0), None)
+    assert inv.note == "gc_moe backend: reference" and inv.capturable is False
+
+
+def test_adapter_runs_a_declined_configuration_on_the_reference_and_says_why(monkeypatch):
+    """A kernel backend that declines a configuration: the adapter uses the reference backend, its note names
+    the backend that declined and its reason, and the output is the reference's."""
+    from gcmoe_bench.operators import get_operator
+
+    def refuse(buffer):
+        raise GcMoeConstraintError(["fake backend: shared experts are not built"])
+
+    api.registered_backends()
+    fake = api.Backend(name="fake", archs=(None,), weight_layout="canonical", unavailable_reason=lambda d, a: None,
+                       allocate=refuse, run=lambda *a: None, priority=100)
+    monkeypatch.setitem(api._BACKENDS, "fake", fake)
+    workload = _tiny_workload(1)
+    inv = get_operator("gc").prepare(workload, None)
+    assert inv.capturable is False
+    assert inv.note.startswith("gc_moe backend: reference; fake declined: ")
+    assert "shared experts are not built" in inv.note
+    inv()
+    from gc_moe.reference import moe_reference
+
+    w = workload.weights
+    want = moe_reference(workload.x, workload.x_sf, workload.topk_idx, workload.topk_weights, w.l1, w.l2,
+                         shared_weights=w.shared)
+    assert torch.equal(inv.output, want)
+
+
+def test_adapter_unfused_note_names_the_reference_shared_expert(monkeypatch):
+    from gcmoe_bench.operators import get_operator
+
+    inv = get_operator("gc-unfused").prepare(_tiny_workload(1), None)
+    assert "shared expert: float32 reference" in inv.note and inv.capturable is False
+
+
+def test_adapter_reuses_one_weight_transform_per_weight_set():
+    from gcmoe_bench import operators
+
+    l1, l2, _ = _small_sm90_weights()
+    first = operators._weights_for(api, "sm90", l1, l2)
+    assert operators._weights_for(api, "sm90", l1, l2) is first
+    assert api.weight_layouts.layout_of(first[0]) == "sm90"
+    assert operators._weights_for(api, api.REFERENCE, l1, l2) == (tuple(l1), tuple(l2))

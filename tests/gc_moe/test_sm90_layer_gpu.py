@@ -1,0 +1,94 @@
+"""The SM90 layer through `gc_moe.fp8_fp4_gc_moe` on an sm_90 GPU (the `sm90` backend), at the H200 profile's
+per-rank slices of both models: fresh random weights and inputs, y poisoned with NaN, every element finite,
+cosine and processed difference against the float32 reference; graph replays bit-equal to the eager call; the
+bounded wait. Skipped without an sm_90 GPU or without the layer's cubins (the reason says which)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+OPERATOR_DIR = Path(__file__).resolve().parents[2] / "operator"
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs an sm_90 GPU, this one is {torch.cuda.get_device_capability()}"
+    from gc_moe import api
+
+    backend = api.registered_backends().get("sm90")
+    if backend is None:
+        return "the sm90 backend is not registered"
+    return backend.unavailable_reason(torch.device("cuda"), "sm90")
+
+
+SKIP = _skip_reason()
+needs_sm90 = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+
+
+@pytest.fixture(scope="module", params=["glm-5.2", "deepseek-v4.1-flash"])
+def api_layer(request):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    layer = lc.ApiLayer(lc.SLICES[request.param], torch.device("cuda"), seed=23, backend="sm90")
+    yield layer
+    layer.buffer.destroy()
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+def test_layer_matches_the_float32_reference(api_layer, num_tokens):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    assert api_layer.buffer.backend == "sm90"
+    r = lc.check_point(api_layer, num_tokens, seed=num_tokens * 31 + int(time.time()) % 1000)  # fresh inputs
+    assert r["nonfinite"] == 0, r
+    assert r["cosine"] >= 0.97, r
+    assert r["processed_diff"] <= 0.002, r
+    control = api_layer.control()
+    assert control["arrival_errors"] == 0 and control["ring_overflows"] == 0, control
+
+
+@needs_sm90
+def test_zero_tokens_then_tokens(api_layer):
+    """A call with no tokens still runs the whole protocol (and flips the parity); the next call is exact."""
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    before = api_layer.control()["replays"]
+    y = torch.empty(0, api_layer.slice.hidden, dtype=torch.bfloat16, device="cuda")
+    api_layer.call(y, 0)
+    r = lc.check_point(api_layer, 8, seed=404)
+    assert api_layer.control()["replays"] == before + 2
+    assert r["nonfinite"] == 0 and r["cosine"] >= 0.97 and r["processed_diff"] <= 0.002, r
+
+
+@needs_sm90
+def test_graph_replays_equal_the_eager_call(api_layer):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    r = lc.check_point(api_layer, 64, seed=909)
+    y = r.pop("y")
+    rep = lc.replay_check(api_layer, y, 64, replays=1000)
+    assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0, rep
+    assert rep["replays_added"] == 1001 and rep["arrival_errors_added"] == 0 and rep["ring_overflows_added"] == 0
+
+
+@needs_sm90
+def test_bounded_wait_traps_after_its_timeout():
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from gc_moe.kernels.sm90.layer_checks import bounded_wait_probe as b; b(1.0)"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(OPERATOR_DIR)})
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == lc.BOUNDED_WAIT_EXIT, (proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
+    assert elapsed < 60, elapsed
