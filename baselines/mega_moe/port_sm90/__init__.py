@@ -1,0 +1,117 @@
+"""The SM90 reference port of Mega MoE (baseline ``mega-port``): the whole routed MoE layer as one fused persistent
+kernel on every SM, with GC-MoE's FP8xFP4 numerics (docs/mega-port.md).
+
+Same interface as ``baselines.mega_moe.deepgemm``: ``available(device)`` and ``prepare(inputs, group)`` returning a
+``MegaMoeCall``. Inputs are GC-MoE's (FP8 activations with UE8M0 K32 scales, top-k, MXFP4 weights), the weights
+transformed once with ``gc_moe.weights.sm90`` (the layout GC-MoE's grouped GEMM reads). The kernel is
+``gc_moe.kernels.sm90.mega_port`` (there because the cubin cache hashes kernel sources under gc_moe), built
+offline: ``gcmoe-bench build --arch sm_90a --profile h200``. No fused shared expert: for shared suites the call
+adds a separate shared-expert computation (bf16 torch GEMMs on the dequantized FP8 weights), as its note says.
+World size 1 only (the kernel keeps the peer table; pulls from peers are not written yet): larger groups raise
+``PortUnavailable``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from baselines.mega_moe.deepgemm import MegaMoeCall, MegaMoeInputs, SeparateSharedExpert
+
+from . import host
+
+ARCH = "sm_90a"
+
+
+class PortUnavailable(RuntimeError):
+    """The port cannot run this job for a known reason (world size > 1, cubin not built); the harness records a
+    skip with the message."""
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _missing_cubins(alpha: float = 1.0, clamp: float = 10.0) -> list[str]:
+    from gc_moe.runtime import jit
+
+    return [v.describe() for v in host.all_variants(alpha, clamp) if jit.find_entry(v, ARCH) is None]
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """(True, "") where the port runs: an sm_90 GPU and the port's cubins in the cache; else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the SM90 Mega MoE port needs a CUDA GPU (sm_90a); this run is on {device.type}"
+    major, minor = _capability(device)
+    if (major, minor) != (9, 0):
+        return False, f"the SM90 Mega MoE port needs sm_90a (H20/H200); this GPU is sm_{major}{minor}"
+    try:
+        missing = _missing_cubins()
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be read is a reason, not a crash
+        return False, f"the port's cubin cache cannot be read: {type(exc).__name__}: {exc}"
+    if missing:
+        from gc_moe.runtime.jit import build_command
+
+        return False, f"the port's cubins are not built ({', '.join(missing)}): run {build_command(ARCH, 'h200')}"
+    return True, ""
+
+
+def _world_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAULT_TIMEOUT_S,
+            block_n: int | None = None, cooperative: bool = True) -> MegaMoeCall:
+    """Transform the weights, allocate the workspace, and return one launch of the persistent kernel that writes
+    ``output`` (bf16 [T, H]) in place; graph-capturable."""
+    from gc_moe.runtime import jit
+    from gc_moe.weights import sm90 as weights_sm90
+
+    world = _world_size(group)
+    if world != 1:
+        raise PortUnavailable(f"the SM90 Mega MoE port runs at world size 1 only (its pulls from peers are not "
+                              f"written yet); this group has {world} ranks")
+    ok, reason = available(inputs.x.device)
+    if not ok:
+        raise PortUnavailable(reason)
+    if inputs.activation_clamp is None:
+        raise ValueError("the SM90 Mega MoE port needs a SwiGLU clamp (activation_clamp), got None")
+    device = inputs.x.device
+    t, hidden, topk = inputs.tokens, inputs.hidden, inputs.topk_idx.shape[1]
+    weights = weights_sm90.transform(tuple(inputs.l1_weights), tuple(inputs.l2_weights))
+    local_experts = weights.l1.num_experts
+    host.check_shape(hidden, inputs.intermediate, local_experts, topk)
+    bn = block_n or host.choose_block_n(t, topk, local_experts)
+    kernel = jit.load_kernel(host.variant(bn, host.BUILT_STAGES, float(inputs.activation_alpha),
+                                          float(inputs.activation_clamp)), ARCH)
+    ws = host.PortWorkspace.allocate(inputs.num_max_tokens_per_rank, topk, hidden, inputs.intermediate,
+                                     local_experts, device)
+    x, x_sf = inputs.x.contiguous(), inputs.x_sf.contiguous()
+    topk_idx, topk_weights = inputs.topk_idx.contiguous(), inputs.topk_weights.contiguous()
+    output = torch.empty(t, hidden, dtype=torch.bfloat16, device=device)
+    args = host.kernel_args(ws, x, x_sf, topk_idx, topk_weights, weights, output, timeout_s=timeout_s)
+    grid = host.sm_count(device.index or 0)
+
+    def run() -> None:
+        host.launch(kernel, args, grid, torch.cuda.current_stream(device), cooperative=cooperative)
+
+    note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {host.k.THREADS} threads, block_n {bn}, "
+            f"{host.BUILT_STAGES} stages")
+    keep = (weights, ws, x, x_sf, topk_idx, topk_weights, kernel)
+    if inputs.shared_weights is not None:
+        shared = SeparateSharedExpert(inputs)
+        kernel_run = run
+
+        def run() -> None:  # noqa: F811 - the routed kernel, then the separate shared expert
+            kernel_run()
+            shared.add_to(output)
+
+        note += f", shared expert separate: {SeparateSharedExpert.description}"
+        keep += (shared,)
+    return MegaMoeCall(run=run, output=output, keep_alive=keep, note=note, capturable=True)

@@ -1,0 +1,237 @@
+"""On-GPU check and timing of the SM90 Mega MoE port at the H200 profile's per-rank slices (E/8 local experts, P = 1).
+
+    python -m baselines.mega_moe.port_sm90.device_check --tokens 1,8,64,256 --time
+
+Per point: fresh random MXFP4 weights and FP8 activations, top-k routing uniform over the local experts; the port
+runs on a NaN-poisoned y; every element must be finite; cosine and processed difference against the float32
+reference (gc_moe.reference.moe_reference on the dequantized weights); a CUDA-graph replay must equal the eager
+call bit for bit. With --time: the bandwidth floor (active experts' FP4 codes + scale bytes, read once, over
+the read bandwidth of a large `amax` measured in the same run) against the cold time (a 256 MiB write before
+each call flushes L2; CUDA events around the call alone), median of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+# (hidden, intermediate, local experts = E/8, top-k): gcmoe_bench/data/models.csv with sweeps/h200.toml's slice
+MODELS = {
+    "glm-5.2": (6144, 2048, 32, 8),
+    "deepseek-v4.1-flash": (5120, 2304, 48, 6),
+}
+CAPACITY = 256
+COSINE_MIN = 0.97
+PROCESSED_DIFF_MAX = 0.002
+
+
+@dataclass
+class Point:
+    model: str
+    tokens: int
+    rows: int
+    active: int
+    block_n: int
+    cosine: float = float("nan")
+    processed_diff: float = float("nan")
+    finite: bool = False
+    replay_equal: bool = False
+    megabytes: float = float("nan")
+    floor_us: float = float("nan")
+    cold_us: float = float("nan")
+
+    @property
+    def ok(self) -> bool:
+        return (self.finite and self.replay_equal and self.cosine >= COSINE_MIN
+                and self.processed_diff <= PROCESSED_DIFF_MAX)
+
+
+def random_weights(model: str, seed: int, device):
+    """DeepGEMM-layout MXFP4 (l1, l2) of the model's local experts: random codes, UE8M0 exponents 117..124."""
+    from gc_moe.formats import pack_ue8m0
+
+    hidden, inter, experts, _ = MODELS[model]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def mxfp4(rows, cols):
+        packed = torch.randint(-128, 128, (experts, rows, cols // 2), dtype=torch.int8, generator=gen, device=device)
+        exps = torch.randint(117, 125, (experts, rows, cols // 32), dtype=torch.uint8, generator=gen, device=device)
+        return packed, pack_ue8m0(exps)
+
+    return mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
+
+
+def random_inputs(model: str, tokens: int, seed: int, device, empty_slots: bool = False):
+    """x (E4M3 + UE8M0 K32), top-k over distinct local experts, positive routing weights summing to 1;
+    empty_slots: every other token's last slot routes nowhere (-1)."""
+    from gc_moe.formats import quantize_fp8_ue8m0
+
+    hidden, _, experts, topk = MODELS[model]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, x_sf = quantize_fp8_ue8m0(torch.randn(tokens, hidden, generator=gen, device=device))
+    idx = torch.rand(tokens, experts, generator=gen, device=device).topk(topk, dim=1).indices.to(torch.int64)
+    w = torch.rand(tokens, topk, generator=gen, device=device) + 0.05
+    if empty_slots:
+        idx[::2, -1] = -1
+    return x, x_sf, idx, (w / w.sum(dim=1, keepdim=True)).float()
+
+
+def _active(idx) -> int:
+    return int(torch.unique(idx[idx >= 0]).numel())
+
+
+def _block_n(model: str, tokens: int) -> int:
+    from baselines.mega_moe.port_sm90 import host
+
+    _, _, experts, topk = MODELS[model]
+    return host.choose_block_n(tokens, topk, experts)
+
+
+def _inputs(model, l1, l2, x, x_sf, idx, w):
+    from baselines.mega_moe.deepgemm import MegaMoeInputs
+
+    _, _, experts, _ = MODELS[model]
+    return MegaMoeInputs(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, l1_weights=l1, l2_weights=l2,
+                         num_experts=experts, num_max_tokens_per_rank=CAPACITY)
+
+
+def check_point(model: str, tokens: int, seed: int, weights=None, block_n: int | None = None,
+                empty_slots: bool = False) -> Point:
+    """Run the port once eagerly on a poisoned y and once from a CUDA graph; compare with the float32 reference."""
+    from gc_moe import metrics, reference
+
+    import baselines.mega_moe.port_sm90 as port
+
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)  # the primary context must be current for the driver-level loads
+    l1, l2 = weights if weights is not None else random_weights(model, seed, dev)
+    x, x_sf, idx, w = random_inputs(model, tokens, seed + 1, dev, empty_slots)
+    call = port.prepare(_inputs(model, l1, l2, x, x_sf, idx, w), None, block_n=block_n)
+    call.output.fill_(float("nan"))
+    call.run()
+    torch.cuda.synchronize()
+    y = call.output.clone()
+    ref = reference.moe_reference(x, x_sf, idx, w, l1, l2)
+    point = Point(model, tokens, int((idx >= 0).sum()), _active(idx), block_n or _block_n(model, tokens))
+    point.finite = bool(torch.isfinite(y.float()).all())
+    point.cosine = metrics.cosine(y, ref)
+    point.processed_diff = metrics.processed_diff(y, ref)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                call.run()
+    except Exception as exc:  # noqa: BLE001 - reported, the point fails
+        print(f"graph capture failed: {type(exc).__name__}: {exc}", flush=True)
+        return point
+    torch.cuda.current_stream().wait_stream(stream)
+    call.output.fill_(float("nan"))
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    point.replay_equal = bool(torch.equal(call.output.view(torch.int16), y.view(torch.int16)))
+    return point
+
+
+def read_bandwidth(device) -> float:
+    """Bytes per second of an `amax` over 4 GiB (what streaming the weights once can reach)."""
+    big = torch.empty(1 << 30, dtype=torch.float32, device=device).uniform_()
+    for _ in range(2):
+        big.amax()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        big.amax()
+    end.record()
+    torch.cuda.synchronize()
+    return 5 * big.numel() * 4 / (start.elapsed_time(end) * 1e-3)
+
+
+def expert_bytes(model: str) -> int:
+    """FP4 codes + K32 scale bytes of one expert's W1 and W2 (what the kernel streams per active expert)."""
+    hidden, inter, _, _ = MODELS[model]
+    params = 2 * inter * hidden + hidden * inter
+    return params // 2 + params // 32
+
+
+def time_point(model: str, tokens: int, seed: int, weights, bandwidth: float, repeats: int) -> Point:
+    import baselines.mega_moe.port_sm90 as port
+
+    dev = torch.device("cuda")
+    l1, l2 = weights
+    x, x_sf, idx, w = random_inputs(model, tokens, seed + 1, dev)
+    call = port.prepare(_inputs(model, l1, l2, x, x_sf, idx, w), None)
+    active = _active(idx)
+    point = Point(model, tokens, int((idx >= 0).sum()), active, _block_n(model, tokens))
+    point.megabytes = active * expert_bytes(model) / 1e6
+    point.floor_us = active * expert_bytes(model) / bandwidth * 1e6
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    times = []
+    for i in range(repeats + 2):
+        flush.fill_(i % 251)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call.run()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    point.cold_us = times[len(times) // 2]
+    return point
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
+    parser.add_argument("--tokens", default="1,8,64,256", help="tokens per rank, comma-separated")
+    parser.add_argument("--time", action="store_true", help="also measure the cold time against the floor")
+    parser.add_argument("--no-check", action="store_true", help="timing only")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default="", help="write the points here")
+    args = parser.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)
+    bandwidth = read_bandwidth(dev) if args.time else float("nan")
+    if args.time:
+        print(f"read bandwidth (amax over 4 GiB): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    points, failed = [], False
+    for model in args.models.split(","):
+        weights = random_weights(model, 7, dev)
+        for t in (int(v) for v in args.tokens.split(",")):
+            p = Point(model, t, 0, 0, 0)
+            if not args.no_check:
+                p = check_point(model, t, 100 + t, weights)
+                failed |= not p.ok
+                print(f"{model} T={t}: rows {p.rows} act {p.active} bn {p.block_n} cos {p.cosine:.6f} "
+                      f"pdiff {p.processed_diff:.2e} finite {p.finite} replay-equal {p.replay_equal} "
+                      f"{'ok' if p.ok else 'FAIL'}", flush=True)
+            if args.time:
+                tp = time_point(model, t, 100 + t, weights, bandwidth, args.repeats)
+                for field in ("rows", "active", "block_n", "megabytes", "floor_us", "cold_us"):
+                    setattr(p, field, getattr(tp, field))
+                print(f"{model} T={t}: {p.megabytes:.1f} MB floor {p.floor_us:.1f} us cold {p.cold_us:.1f} us",
+                      flush=True)
+            points.append(p)
+        del weights
+    print("\n| model | tokens | rows | act | bn | cosine | pdiff | MB | floor us | cold us | % bw |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for p in points:
+        bw = 100 * p.floor_us / p.cold_us if p.cold_us == p.cold_us else math.nan
+        print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.block_n} | {p.cosine:.5f} | "
+              f"{p.processed_diff:.1e} | {p.megabytes:.1f} | {p.floor_us:.1f} | {p.cold_us:.1f} | {bw:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([p.__dict__ for p in points], f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Host side of the SM90 Mega MoE port (no CuTe DSL needed): variants, workspace, arguments, launch.
+
+The kernel (gc_moe.kernels.sm90.mega_port) is built offline into the cubin cache (`gcmoe-bench build --arch sm_90a --profile h200`)
+and launched here through gc_moe.runtime: grid = the SM count, one CTA per SM, cooperative (the phases wait
+on each other's counters, so every CTA must be resident).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gc_moe.kernels.sm90 import mega_port as k
+
+MODULE = "gc_moe.kernels.sm90.mega_port"
+DEFAULT_TIMEOUT_S = 10.0
+BUILT_BLOCK_N = k.BLOCK_N_CHOICES
+BUILT_STAGES = 5
+
+
+def variant(block_n: int, stages: int = BUILT_STAGES, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """The runtime KernelVariant of one configuration."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    k.PortConfig(block_n, stages, swiglu_alpha, swiglu_clamp)  # validates
+    params = {"block_n": block_n, "stages": stages, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    return KernelVariant.make("mega_port.sm90", MODULE, "build_port", params, promises=k.PROMISES,
+                              local_bytes_budget=0, extra_sources=("gc_moe.kernels.sm90.ptx",))
+
+
+def all_variants(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """What the registry builds: every block_n at the default stage count (both models: alpha 1, clamp 10)."""
+    return [variant(bn, BUILT_STAGES, swiglu_alpha, swiglu_clamp) for bn in BUILT_BLOCK_N]
+
+
+def choose_block_n(tokens: int, topk: int, local_experts: int) -> int:
+    """Tokens per work item: the smallest built N that holds the mean rows of an active expert (uniform
+    routing: T k / E rows per expert when T k >= E, else 1), so few items are mostly zero fill."""
+    rows = max(1.0, tokens * topk / local_experts)
+    for bn in BUILT_BLOCK_N:
+        if bn >= rows:
+            return bn
+    return BUILT_BLOCK_N[-1]
+
+
+def work_items(expert_counts: list[int], block_n: int, hidden: int, intermediate: int) -> tuple[int, int]:
+    """(W1 items, W2 items) the kernel walks for these per-expert row counts: the host twin of its schedule."""
+    tiles = sum(-(-c // block_n) for c in expert_counts)
+    return (2 * intermediate // k.ROWS_PER_CTA) * tiles, (hidden // k.ROWS_PER_CTA) * tiles
+
+
+def check_shape(hidden: int, intermediate: int, local_experts: int, topk: int) -> None:
+    if hidden % k.ROWS_PER_CTA:
+        raise ValueError(f"hidden {hidden} must be a multiple of {k.ROWS_PER_CTA} (W2 rows per CTA tile)")
+    if intermediate % 128:
+        raise ValueError(f"intermediate {intermediate} must be a multiple of 128 (the requant block)")
+    if not 1 <= local_experts <= k.MAX_LOCAL_EXPERTS:
+        raise ValueError(f"{local_experts} local experts; allowed: 1..{k.MAX_LOCAL_EXPERTS}")
+    if topk < 1:
+        raise ValueError(f"topk {topk}; allowed: >= 1")
+
+
+@dataclass
+class PortWorkspace:
+    """Everything the kernel writes besides y; sized for `capacity` tokens."""
+
+    g_act: object  # fp8 [C k, H]: grouped rows (dispatch output)
+    g_scale: object  # f32 [C k, H/128]
+    g_weight: object  # f32 [C k]
+    g_dest: object  # int32 [C k]: combine row slot * T + token
+    g_src: object  # int32 [C k]: routing entry token * k + slot
+    mid: object  # fp8 [C k, I]
+    mid_scale: object  # f32 [C k, I/128]
+    partials: object  # bf16 [k C, H]
+    expert_offsets: object  # int32 [E + 1]
+    control: object  # int32 [CONTROL_WORDS], zero between launches
+    peers: object  # int64 [P]: peer base - local base of `control`
+
+    @classmethod
+    def allocate(cls, capacity: int, topk: int, hidden: int, intermediate: int, local_experts: int, device,
+                 num_ranks: int = 1):
+        import torch
+
+        rows = capacity * topk
+        fp8 = torch.float8_e4m3fn
+        return cls(
+            g_act=torch.zeros(rows, hidden, dtype=fp8, device=device),
+            g_scale=torch.zeros(rows, hidden // 128, dtype=torch.float32, device=device),
+            g_weight=torch.zeros(rows, dtype=torch.float32, device=device),
+            g_dest=torch.zeros(rows, dtype=torch.int32, device=device),
+            g_src=torch.zeros(rows, dtype=torch.int32, device=device),
+            mid=torch.zeros(rows, intermediate, dtype=fp8, device=device),
+            mid_scale=torch.zeros(rows, intermediate // 128, dtype=torch.float32, device=device),
+            partials=torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device),
+            expert_offsets=torch.zeros(local_experts + 1, dtype=torch.int32, device=device),
+            control=torch.zeros(k.CONTROL_WORDS, dtype=torch.int32, device=device),
+            peers=torch.zeros(num_ranks, dtype=torch.int64, device=device),  # P = 1: the rank itself
+        )
+
+
+def kernel_args(ws: PortWorkspace, x, x_sf, topk_idx, topk_weights, w, y, *, rank: int = 0, num_ranks: int = 1,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Arguments in `kernel.PARAMS` order. w: gc_moe.weights.sm90.Sm90Weights of the rank's local experts."""
+    import torch
+
+    from gc_moe.runtime.launch import i32, i64, ptr
+
+    tokens, hidden = x.shape
+    topk = topk_idx.shape[1]
+    local_experts, intermediate = w.l1.num_experts, w.l1.rows // 2
+    check_shape(hidden, intermediate, local_experts, topk)
+    rows = ws.g_dest.shape[0]
+    if tokens * topk > rows:
+        raise ValueError(f"{tokens} tokens x top-{topk} = {tokens * topk} rows; the workspace holds {rows}")
+    checks = ((x, torch.float8_e4m3fn, (tokens, hidden)), (x_sf, torch.int32, (tokens, hidden // 128)),
+              (topk_idx, torch.int64, (tokens, topk)), (topk_weights, torch.float32, (tokens, topk)),
+              (y, torch.bfloat16, (tokens, hidden)))
+    for t, dtype, shape in checks:
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cuda:
+            raise ValueError(f"expected a contiguous CUDA {dtype} tensor {shape}, got {t.dtype} {tuple(t.shape)}")
+    if w.l2.rows != hidden or w.l2.cols != intermediate or w.l1.cols != hidden:
+        raise ValueError(f"weights (W1 {w.l1.rows}x{w.l1.cols}, W2 {w.l2.rows}x{w.l2.cols}) do not fit H = {hidden}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    pointers = [x, x_sf, topk_idx, topk_weights, w.l1.codes, w.l1.scales, w.l1.factor, w.l2.codes, w.l2.scales,
+                w.l2.factor, ws.g_act, ws.g_scale, ws.g_weight, ws.g_dest, ws.g_src, ws.mid, ws.mid_scale,
+                ws.partials, y, ws.expert_offsets, ws.control, ws.peers]
+    return [ptr(p) for p in pointers] + [
+        i32(tokens), i32(topk), i32(local_experts), i32(rank * local_experts), i32(hidden), i32(intermediate),
+        i32(num_ranks), i64(int(timeout_s * 1e9))]
+
+
+def sm_count(device: int = 0) -> int:
+    from gc_moe.runtime.driver import check, cu
+
+    check(cu.cuInit(0), "cuInit")
+    dev = check(cu.cuDeviceGet(device), "cuDeviceGet")
+    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    return int(check(cu.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute(SM count)"))
+
+
+def launch(kernel, args: list, grid: int, stream, cooperative: bool = True):
+    """One launch of the persistent kernel: `grid` CTAs (the SM count), cooperative so that the driver refuses
+    a grid that cannot be resident at once instead of letting the phase waits time out."""
+    from gc_moe.runtime.driver import check, cu
+    from gc_moe.runtime.launch import stream_handle
+
+    smem = kernel.entry.launch.dynamic_smem_bytes
+    params = kernel.pack(args)
+    kernel.ensure_dynamic_smem(smem)
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = k.THREADS, 1, 1
+    config.sharedMemBytes = smem
+    config.hStream = stream_handle(stream)
+    attrs = []
+    if cooperative:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attr.value.cooperative = 1
+        attrs.append(attr)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
+    check(cu.cuLaunchKernelEx(config, kernel.as_function(), params.address, 0), f"launch {kernel.name}")
+    return params
