@@ -46,6 +46,15 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _report_unreported(exc: BaseException) -> None:
+    """A failure the collective run did not report yet (e.g. raised before the job was joined): its one line on
+    stderr, its traceback after it, so no failure exits silently."""
+    from gcmoe_bench.distributed import report_failure, was_reported
+
+    if not was_reported(exc):
+        report_failure(None, exc)
+
+
 @app.command()
 def sweep(
     gpu: Annotated[str | None, typer.Option(
@@ -111,9 +120,9 @@ def sweep(
         _fail(str(exc))
     try:
         sweep_module.run_sweep(profile, out_root=out, resume=resume, console=console)
-    except Exception:  # noqa: BLE001 - the failing rank already printed its error
-        # the rank's own one-line message is already printed by the sweep; exit non-zero on every rank
-        raise typer.Exit(1)
+    except Exception as exc:  # noqa: BLE001 - every rank exits non-zero, each saying why
+        _report_unreported(exc)
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -158,8 +167,9 @@ def accuracy(
     try:
         passed = accuracy_module.run_accuracy(profile, out_root=out, operators=_split(operators),
                                               case_filter=_split(cases), console=console, into=into)
-    except Exception:  # noqa: BLE001 - the failing rank already printed its error
-        raise typer.Exit(1)
+    except Exception as exc:  # noqa: BLE001 - every rank exits non-zero, each saying why
+        _report_unreported(exc)
+        raise typer.Exit(1) from None
     raise typer.Exit(0 if passed else 1)
 
 

@@ -15,9 +15,11 @@ import contextlib
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -157,17 +159,52 @@ def shutdown() -> None:
             dist.destroy_process_group()
 
 
+REPORTED = "gcmoe_bench_reported"  # attribute set on an exception once its one-line message is printed
+TRACEBACK_LOG = "gcmoe_bench_traceback_log"  # attribute: where its traceback was written, if anywhere
+
+
+def was_reported(exc: BaseException) -> bool:
+    return bool(getattr(exc, REPORTED, False))
+
+
+def write_traceback(exc: BaseException, run_dir: Path, rank: int) -> Path | None:
+    """The traceback into RUN_DIR/error-rank<r>.log (appended: a resumed run keeps the earlier failures); the
+    path is remembered on the exception so the one-line message can name it. None if it cannot be written."""
+    path = Path(run_dir) / f"error-rank{rank}.log"
+    try:
+        with path.open("a") as f:
+            f.write(f"--- {datetime.now(timezone.utc).isoformat(timespec='seconds')} rank {rank}\n")
+            f.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return None
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, TRACEBACK_LOG, str(path))
+    return path
+
+
 def report_failure(ctx: DistContext | None, exc: BaseException) -> None:
-    """One clear line per rank on stderr (every rank, so the failing rank's own error is never hidden)."""
+    """One clear line per rank on stderr (every rank, so the failing rank's own error is never hidden). Where no
+    run directory holds the traceback yet (e.g. the job could not be joined), the traceback follows the line."""
     who = f"rank {ctx.rank}/{ctx.world_size}" if ctx else "gcmoe-bench"
     kind = "" if isinstance(exc, RemoteRankError) else f"{type(exc).__name__}: "
-    print(f"[{who}] error: {kind}{exc}", file=sys.stderr, flush=True)
+    log = getattr(exc, TRACEBACK_LOG, None)
+    where = f" (traceback: {log})" if log else ""
+    print(f"[{who}] error: {kind}{exc}{where}", file=sys.stderr, flush=True)
+    if not log and not isinstance(exc, RemoteRankError):
+        traceback.print_exception(exc, file=sys.stderr)
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, REPORTED, True)
 
 
 def run_collective(device_kind: str, timeout_s: float, body: Callable[[DistContext], T]) -> T:
-    """Join the job, run ``body(ctx)`` on this rank and tear the groups down. A failure is reported on this
-    rank's stderr and re-raised after the teardown, so every rank ends with its own clear line."""
-    ctx = init_distributed(device_kind, timeout_s)
+    """Join the job, run ``body(ctx)`` on this rank and tear the groups down. A failure, joining included, is
+    reported on this rank's stderr and re-raised after the teardown, so every rank ends with its own clear line."""
+    try:
+        ctx = init_distributed(device_kind, timeout_s)
+    except BaseException as exc:
+        report_failure(None, exc)
+        shutdown()
+        raise
     try:
         result = body(ctx)
     except BaseException as exc:

@@ -134,6 +134,36 @@ def run_sweep(profile: Profile, *, out_root: Path, resume: Path | None = None,
 
 def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | None,
          console: Console | None) -> Path:
+    """The sweep on this rank; a failure after the run directory exists leaves its traceback there
+    (error-rank<r>.log) and env.json's status "failed", then propagates to the one-line report."""
+    known: dict[str, Path] = {}
+    try:
+        return _run_points(ctx, profile, out_root=out_root, resume=resume, console=console, known=known)
+    except BaseException as exc:
+        if "run_dir" in known:
+            distributed.write_traceback(exc, known["run_dir"], ctx.rank)
+            if ctx.is_main:
+                _mark_failed(known["run_dir"], exc)
+        raise
+
+
+def _mark_failed(run_dir: Path, exc: BaseException) -> None:
+    writer = results.RunWriter(run_dir)
+    try:
+        env = writer.read_env()
+    except Exception:  # noqa: BLE001 - no env.json yet: nothing to mark
+        return
+    env["status"] = "failed"
+    env["error"] = f"{type(exc).__name__}: {exc}"
+    env["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        writer.write_env(env)
+    except OSError:
+        pass  # the traceback log and the stderr line still say what failed
+
+
+def _run_points(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | None,
+                console: Console | None, known: dict[str, Path]) -> Path:
     console = console or Console(stderr=True)
     quiet = not ctx.is_main
     if profile.num_ranks is not None and profile.num_ranks != ctx.world_size:
@@ -168,6 +198,7 @@ def _run(ctx: DistContext, profile: Profile, *, out_root: Path, resume: Path | N
             error = f"{type(exc).__name__}: {exc}"
     ctx.check_in(error)
     run_dir = Path(ctx.broadcast_from_main(str(run_dir) if run_dir else None))
+    known["run_dir"] = run_dir
     writer = results.RunWriter(run_dir)
     finished = writer.finished() if ctx.is_main else {}
     finished = ctx.broadcast_from_main(finished)

@@ -142,7 +142,9 @@ def test_any_other_prepare_error_still_stops_every_rank(tmp_path):
     assert f"[rank 0/2] error: stopping because another rank failed (rank 1: {failure})" in done.stderr
     (run_dir,) = (out / "tiny").iterdir()
     assert not (run_dir / "points.csv").exists() or not rows(run_dir / "points.csv")
-    assert json.loads((run_dir / "env.json").read_text())["status"] == "running"
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["status"] == "failed" and env["error"].startswith("RemoteRankError: stopping because another rank")
+    assert failure in (run_dir / "error-rank1.log").read_text()  # the failing rank's traceback
 
 
 def test_accuracy_records_an_operator_one_rank_cannot_prepare_as_skipped(tmp_path):

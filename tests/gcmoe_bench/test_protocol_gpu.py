@@ -13,6 +13,10 @@ from gcmoe_bench.profiles import ProtocolSpec
 
 pytestmark = pytest.mark.gpu
 
+# what makes gcmoe_bench (and torch.distributed's env:// rendezvous) believe it is a rank of a running job
+JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID")
+
 
 class MatmulInvocation:
     capturable = True
@@ -37,12 +41,18 @@ def ctx():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    saved = {name: os.environ.get(name) for name in JOB_VARIABLES}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                       LOCAL_WORLD_SIZE="1")
     c = distributed.init_distributed("cuda", 120.0)
     distributed.bind_device(c)
     yield c
     distributed.shutdown()
+    for name, value in saved.items():  # later tests' child processes must not join this finished job
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_graph_windows_time_the_replays(ctx):
@@ -74,12 +84,15 @@ def test_rotation_replays_every_copy(ctx):
 
 def test_h200_profile_sweep_on_one_gpu(tmp_path):
     """The h200 profile at one token count, windows shortened: gc through the public API, baselines skipped."""
-    env = {**os.environ, "COLUMNS": "200"}
+    # a one-rank job of its own: the ctx fixture's job variables (its store's port is still in use while the
+    # module runs) made this child try to host that store again and fail before the sweep began
+    env = {name: value for name, value in os.environ.items() if name not in JOB_VARIABLES}
+    env["COLUMNS"] = "200"
     done = subprocess.run(
         [sys.executable, "-m", "gcmoe_bench", "sweep", "--gpu", "h200", "--skip-gate", "--models",
          "deepseek-v4.1-flash", "--tokens", "4", "--windows", "3", "--warmup", "1", "--replays", "10", "--out",
          str(tmp_path)], capture_output=True, text=True, timeout=500, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-4000:]}"
     (run_dir,) = (tmp_path / "h200").iterdir()
     import csv
 
