@@ -1,0 +1,241 @@
+"""SM90 shared expert (role4): host arithmetic and the host twin (CPU), offline sm_90a builds with their PTX
+promises (CuTe DSL), and on a GPU every output element against the float32 reference at both models' shapes."""
+
+import random
+import re
+
+import pytest
+import torch
+from gc_moe import reference
+from gc_moe.formats import dequantize_fp8_ue8m0
+from gc_moe.kernels import registry
+from gc_moe.kernels.sm90 import shared_expert as se
+
+SM90_SMEM_PER_CTA = 232448  # 227 KB of dynamic + static shared memory per CTA on sm_90
+
+
+def _cos_diff(y, r):
+    y, r = y.double().flatten(), r.double().flatten()
+    dot = (y * r).sum()
+    return float(dot / (y.norm() * r.norm())), float(1 - 2 * dot / (y.square().sum() + r.square().sum()))
+
+
+# --------------------------------------------------------------------------------------------- host arithmetic
+def test_config_errors_name_what_is_allowed():
+    with pytest.raises(ValueError, match="role must be 'w1' or 'w2'"):
+        se.SharedConfig("w3")
+    with pytest.raises(ValueError, match="block_n must be one of"):
+        se.SharedConfig("w1", 12)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        se.SharedConfig("w1", 8, "k64")
+    with pytest.raises(ValueError, match=r"recipe \(1, 1, 64\) is not supported; allowed"):
+        se.recipe_name((1, 1, 64))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        se.plan_launch(4, 5000, 2304)
+
+
+def test_shared_memory_plan_fits_and_regions_do_not_overlap():
+    for bn in se.BLOCK_N_CHOICES:
+        cfg = se.SharedConfig("w1", bn)
+        assert cfg.smem_bytes + 1024 <= SM90_SMEM_PER_CTA  # the DSL adds 1 KB of static shared memory
+        assert cfg.b_offset == 4 * 64 * 128 and cfg.ws_offset == cfg.b_offset + 4 * bn * 128
+        assert cfg.xs_offset == cfg.ws_offset + 4 * 64 * 4 and cfg.stage_bytes % 128 == 0
+        assert cfg.stage_bytes >= cfg.xs_offset + 4 * bn * 4
+        # the epilogue's reduction and amax tables reuse the drained pipeline, below the flag word
+        assert cfg.amax_offset + 16 * bn * 4 <= cfg.flag_offset
+
+
+def test_w1_tile_rows_pair_gate_and_up_of_one_channel_and_cover_every_row():
+    inter = 384
+    seen = []
+    for tile in range(2 * inter // 64):
+        for r in range(64):
+            row = se.w1_tile_row_to_weight_row(tile, r, inter)
+            seen.append(row)
+            v, hi, lo = r // 16, (r // 8) % 2, r % 8
+            channel = 32 * tile + 8 * v + lo  # the epilogue's channel of accumulator rows g and g + 8
+            assert row == channel + hi * inter
+            assert tile // 4 == channel // 128  # 4 tiles = one K128 scale group of the intermediate
+    assert sorted(seen) == list(range(2 * inter))
+
+
+def test_split_ranges_cover_every_k_step_once():
+    rng = random.Random(5)
+    for _ in range(300):
+        k_blocks, splits = rng.randint(1, 60), rng.randint(1, 12)
+        steps = [s for split in range(splits) for s in se.split_range(k_blocks, splits, split)]
+        assert steps == list(range(se.super_steps(k_blocks)))
+        blocks = [4 * s + wg for s in steps for wg in range(4) if 4 * s + wg < k_blocks]
+        assert blocks == list(range(k_blocks))
+
+
+def test_launch_plans_at_the_models_shapes():
+    # (H, Is): W1 2Is/64 tiles, W2 H/64 tiles; splits only where every CTA still fits one wave of 132 SMs
+    dsv = [se.plan_launch(t, 5120, 2304) for t in (1, 8, 9, 64, 65, 256)]
+    assert [(p.block_n, p.token_tiles) for p in dsv] == [(8, 1), (8, 1), (16, 1), (64, 1), (64, 2), (64, 4)]
+    assert {(p.k_splits_w1, p.k_splits_w2) for p in dsv} == {(1, 1)}  # 72 and 80 CTAs
+    glm = se.plan_launch(1, 6144, 2048)
+    assert (glm.k_splits_w1, glm.k_splits_w2) == (2, 1)  # 64 W1 tiles -> 128 CTAs; 96 W2 tiles
+    assert se.grid("w1", glm, 6144, 2048) == (1, 2, 64) and se.grid("w2", glm, 6144, 2048) == (1, 1, 96)
+    assert se.fixup_group_size("w1", glm) == 8 and se.fixup_group_size("w2", glm) == 1
+    assert se.scratch_floats("w2", glm, 6144, 2048) == 0  # W2 without split stores from registers
+    assert se.counter_words("w1", glm, 6144, 2048) == 2048 // 128
+
+
+def test_workspace_sizes_cover_every_plan_up_to_capacity():
+    for hidden, inter in ((5120, 2304), (6144, 2048), (512, 256)):
+        scratch, counters = se.workspace_sizes(hidden, inter, 256)
+        for t in range(1, 257):
+            p = se.plan_launch(t, hidden, inter)
+            assert se.scratch_floats("w1", p, hidden, inter) + se.scratch_floats("w2", p, hidden, inter) <= scratch
+            assert se.counter_words("w1", p, hidden, inter) + se.counter_words("w2", p, hidden, inter) <= counters
+
+
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 128, 128)], ids=["k32", "block128"])
+def test_host_twin_matches_the_float32_reference(recipe):
+    weights, x, x_sf = se.random_inputs(512, 384, recipe, 13, seed=7, device="cpu")
+    act, scale, y = se.emulate(weights, x, x_sf, 11)
+    ref = reference._shared_partial(dequantize_fp8_ue8m0(x[:11], x_sf[:11]), weights, alpha=1.0, clamp=10.0,
+                                    requantize=False)
+    cos, diff = _cos_diff(y, ref)
+    assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+    assert act.shape == (11, 384) and scale.shape == (11, 3)
+
+
+def test_registry_builds_every_variant_of_both_recipes():
+    names = [v for v in registry.variants_for_profile("sm_90a") if v.name == "sm90.shared_expert"]
+    assert len(names) == 2 * 2 * len(se.BLOCK_N_CHOICES)
+    assert {dict(v.params)["recipe"] for v in names} == {"k32", "block128"}
+    assert not [v for v in registry.variants_for_profile("sm_100a") if v.name == "sm90.shared_expert"]
+
+
+# --------------------------------------------------------------------------------------------- offline builds
+@pytest.fixture(scope="module", params=["k32", "block128"])
+def built(request, tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from gc_moe.runtime import jit
+
+    cache = tmp_path_factory.mktemp("cubins")
+    return {v: jit.build_variant(v, "sm_90a", cache_dir=cache) for v in se.all_variants()
+            if dict(v.params)["recipe"] == request.param}
+
+
+def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order(built):
+    assert len(built) == 2 * len(se.BLOCK_N_CHOICES)
+    for variant, entry in built.items():
+        params = dict(variant.params)
+        cfg = se.SharedConfig(params["role"], params["block_n"], params["recipe"])
+        ptx = entry.ptx_path.read_text()
+        # both operands from shared memory (two 64-bit descriptors), E4M3 x E4M3, one K32 per instruction
+        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k32\.f32\.e4m3\.e4m3 "
+                         r"\{[^}]*\}, (%rd\d+), (%rd\d+), fresh, 1, 1;", ptx)
+        assert len(mma) == 4, variant.describe()
+        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 4 // cfg.wgmmas_per_wait
+        res = entry.resources
+        assert res["frame_bytes"] == 0 and res["registers"] <= 128, (variant.describe(), res)
+        assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
+        assert [size for _, size in res["params"]] == [8 if kind == "u64" else 4 for _, kind in cfg.params]
+        assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
+        # copies land, then the proxy fence, then the barrier the WGMMAs follow
+        wait = ptx.index("cp.async.wait_group")
+        assert wait < ptx.index("fence.proxy.async.shared::cta", wait) < ptx.index("bar.sync", wait)
+        # fixup: partials stored, fenced, then one acq_rel arrival; the last CTA fences before reading them
+        store = ptx.index("st.global.cg.f32")
+        fence = ptx.index("fence.acq_rel.gpu", store)
+        atom = ptx.index("atom.acq_rel.gpu.global.add.s32", fence)
+        assert ptx.count("atom.acq_rel.gpu.global.add.s32") == 1
+        assert ptx.index("st.relaxed.gpu.global.b32", atom) > atom  # the last CTA resets the counter
+        assert ptx.index("ld.relaxed.gpu.global.f32") > ptx.index("fence.acq_rel.gpu", atom)
+        assert "ld.global.nc" not in ptx  # nothing this launch's CTAs write is read through the read-only path
+        if cfg.role == "w1":
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "ex2.approx.ftz.f32" in ptx
+        else:
+            assert "cvt.rn.bf16.f32" in ptx
+        scale_mov = len(re.findall(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx))
+        if cfg.recipe == "k32" or cfg.role == "w1":
+            assert scale_mov > 0  # UE8M0 bytes become exponent fields (weights k32, or W1's x_sf)
+
+
+# --------------------------------------------------------------------------------------------- GPU check
+def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, replays=1):
+    """Launch W1 + W2 into combine lane `topk` of a poisoned [topk + 1, C, H] buffer; return everything the
+    checks need. Lanes other than `topk` and rows >= tokens must stay untouched."""
+    dev = torch.device("cuda")
+    capacity = capacity or max(tokens, 1) + 3
+    weights, x, x_sf = se.random_inputs(hidden, inter, recipe, capacity, seed=seed)
+    kernels = se.load("sm_90a", recipe)
+    ws = se.SharedExpertWorkspace.allocate(hidden, inter, capacity, dev)
+    if plan is not None:  # forced splits: scratch and counters for them
+        ws.scratch = torch.empty(se.scratch_floats("w1", plan, hidden, inter)
+                                 + se.scratch_floats("w2", plan, hidden, inter) + 1, device=dev)
+        ws.counters = torch.zeros(se.counter_words("w1", plan, hidden, inter)
+                                  + se.counter_words("w2", plan, hidden, inter), dtype=torch.int32, device=dev)
+    nan_fp8 = torch.tensor(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).item()
+    ws.act.fill_(nan_fp8)
+    ws.act_scale.fill_(float("nan"))
+    combine = torch.full((topk + 1, capacity, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    nodes = se.launch_args(kernels, weights, x, x_sf, combine[topk], hidden, tokens, ws, plan=plan)
+    outs = []
+    for _ in range(replays):
+        se.launch(torch.cuda.current_stream(), nodes)
+        torch.cuda.synchronize()
+        outs.append(combine[topk, :tokens].clone())
+    return weights, x, x_sf, ws, combine, outs
+
+
+def _check(hidden, inter, recipe, tokens, seed, **kw):
+    weights, x, x_sf, ws, combine, outs = _run(hidden, inter, recipe, tokens, seed, **kw)
+    topk = combine.shape[0] - 1
+    assert torch.isnan(combine[:topk].float()).all(), "another combine lane was written"
+    assert torch.isnan(combine[topk, tokens:].float()).all(), "a row past num_tokens was written"
+    y = combine[topk, :tokens].float()
+    assert torch.isfinite(y).all(), "an output element was not written"
+    for again in outs[1:]:
+        assert torch.equal(again, outs[0]), "a replay differs (fixup counters not reset?)"
+    act = ws.act[:tokens].float()
+    scale = ws.act_scale[:tokens]
+    assert torch.isfinite(act).all() and torch.isfinite(scale).all() and (scale > 0).all()
+    # every W1 element: one E4M3 rounding of the float32 SwiGLU, at the kernel's own K128 scale
+    _, twin_scale, _ = se.emulate(weights, x, x_sf, tokens)
+    w1, w2 = weights.dequantize()
+    gu = dequantize_fp8_ue8m0(x[:tokens], x_sf[:tokens]) @ w1.T
+    h = reference.swiglu(gu, alpha=1.0, clamp=10.0)
+    got_h = (act.view(tokens, -1, 128) * scale[..., None]).view(tokens, inter)
+    step = scale.repeat_interleave(128, dim=1)  # the E4M3 value 1 at this scale
+    bad = (got_h - h).abs() > 0.0625 * h.abs() + step * 2.0**-9 + 1e-5 * step * 448
+    assert not bad.any(), f"{int(bad.sum())} W1 elements off, first at {bad.nonzero()[0].tolist()}"
+    assert torch.allclose(scale, twin_scale, rtol=1e-3, atol=0)
+    # every W2 element: float32 W2 on the kernel's own intermediate, one BF16 rounding
+    twin_y = got_h @ w2.T
+    bad = (y - twin_y).abs() > 2.0**-8 * twin_y.abs() + 1e-4 * twin_y.abs().max()
+    assert not bad.any(), f"{int(bad.sum())} output elements off, first at {bad.nonzero()[0].tolist()}"
+    # the whole shared path against the float32 reference
+    ref = reference._shared_partial(dequantize_fp8_ue8m0(x[:tokens], x_sf[:tokens]), weights, alpha=1.0,
+                                    clamp=10.0, requantize=False)
+    cos, diff = _cos_diff(y, ref)
+    assert cos >= 0.99 and diff <= 0.002, (cos, diff)
+    return cos, diff
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 8, 16, 37, 64, 100, 256])
+@pytest.mark.parametrize("model", sorted(se.MODELS))
+def test_shared_expert_matches_float32_reference_at_model_shapes(model, tokens):
+    hidden, inter, recipe = se.MODELS[model]
+    _check(hidden, inter, recipe, tokens, seed=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 128, 128)], ids=["k32", "block128"])
+@pytest.mark.parametrize("block_n,splits", [(8, (3, 2)), (16, (5, 4)), (32, (2, 3)), (64, (1, 2))])
+def test_forced_k_splits_fix_up_across_ctas_and_replay_bit_equal(recipe, block_n, splits):
+    # K = 640 (5 K128 blocks) over 3 splits leaves one split without a whole step; 3 replays reuse the counters
+    tokens = block_n + 3
+    plan = se.LaunchPlan(block_n, 2, *splits)
+    _check(640, 384, recipe, tokens, seed=block_n, plan=plan, capacity=2 * block_n, replays=3)
+
+
+@pytest.mark.gpu
+def test_zero_tokens_write_nothing():
+    *_, combine, _ = _run(512, 256, (1, 1, 32), 0, seed=1, capacity=8)
+    assert torch.isnan(combine.float()).all()
