@@ -88,13 +88,3 @@ def sm90_shared_expert(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
         from gc_moe.kernels.sm90 import shared_expert  # imports without the DSL; kernels are built lazily
 
         yield from shared_expert.all_variants()
-
-
-@family
-def sm90_shared_expert(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
-    """Role4 of the SM90 layer: the FP8 shared expert (W1 + SwiGLU + requant, W2 into a row-strided BF16 output),
-    both roles at every block_n for both shared recipes; one binary each for every token count."""
-    if arch == "sm_90a":
-        from gc_moe.kernels.sm90 import shared_expert  # imports without the DSL; kernels are built lazily
-
-        yield from shared_expert.all_variants()
