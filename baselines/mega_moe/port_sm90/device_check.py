@@ -6,8 +6,8 @@ Per point: fresh random MXFP4 weights and FP8 activations, top-k routing uniform
 runs on a NaN-poisoned y; every element must be finite; cosine and processed difference against the float32
 reference (gc_moe.reference.moe_reference on the dequantized weights); a CUDA-graph replay must equal the eager
 call bit for bit. With --time: the bandwidth floor (active experts' FP4 codes + scale bytes, read once, over
-the read bandwidth of a large `amax` measured in the same run) against the cold time (a 256 MiB write before
-each call flushes L2; CUDA events around the call alone), median of --repeats.
+the read bandwidth of a large `amax` measured in the same run) against the cold time (a 1 GiB write before
+each graph replay of the call flushes L2; CUDA events around the replay alone), median of --repeats.
 """
 
 from __future__ import annotations
@@ -172,13 +172,22 @@ def time_point(model: str, tokens: int, seed: int, weights, bandwidth: float, re
     point = Point(model, tokens, int((idx >= 0).sum()), active, _block_n(model, tokens))
     point.megabytes = active * expert_bytes(model) / 1e6
     point.floor_us = active * expert_bytes(model) / bandwidth * 1e6
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    # the call as a one-kernel graph, replayed right behind a 1 GiB write: the write flushes L2 and keeps the GPU
+    # busy while the host enqueues, so the events time the kernel alone
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            call.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    flush = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     times = []
     for i in range(repeats + 2):
         flush.fill_(i % 251)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call.run()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         if i >= 2:
