@@ -170,8 +170,7 @@ def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, 
                                  + se.scratch_floats("w2", plan, hidden, inter) + 1, device=dev)
         ws.counters = torch.zeros(se.counter_words("w1", plan, hidden, inter)
                                   + se.counter_words("w2", plan, hidden, inter), dtype=torch.int32, device=dev)
-    nan_fp8 = torch.tensor(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).item()
-    ws.act.fill_(nan_fp8)
+    ws.act.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
     ws.act_scale.fill_(float("nan"))
     combine = torch.full((topk + 1, capacity, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     nodes = se.launch_args(kernels, weights, x, x_sf, combine[topk], hidden, tokens, ws, plan=plan)
