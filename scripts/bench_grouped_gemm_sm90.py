@@ -41,10 +41,11 @@ MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
 RANKS = 8
 
 
-def block_n_for(max_rows: int) -> int:
-    """Token tile: the smallest of 8/16/32/64 that covers the busiest expert, else 64 with more N tiles."""
+def block_n_for(max_rows: int, max_block_n: int = 32) -> int:
+    """Token tile: the smallest of 8/16/32/64 (up to max_block_n) that covers the busiest expert, else
+    max_block_n with more token tiles (their CTAs run side by side and share the weights through L2)."""
     for bn in (8, 16, 32, 64):
-        if max_rows <= bn:
+        if max_rows <= bn or bn == max_block_n:
             return bn
     return 64
 
@@ -90,7 +91,7 @@ def metrics(y: torch.Tensor, ref: torch.Tensor) -> dict:
 class Point:
     """One (model, tokens) point: inputs, outputs, launches."""
 
-    def __init__(self, name, model, tokens, weights, canon, kernels, gen, device):
+    def __init__(self, name, model, tokens, weights, canon, kernels, gen, device, max_block_n=32):
         self.name, self.model, self.tokens = name, model, tokens
         self.weights, self.canon = weights, canon
         h, inter = model["hidden"], model["inter"]
@@ -98,7 +99,7 @@ class Point:
         self.rows = int(self.offsets[-1])
         self.active = int((self.counts > 0).sum())
         self.capacity = max(1, int(self.counts.max()))
-        self.block_n = block_n_for(self.capacity)
+        self.block_n = block_n_for(self.capacity, max_block_n)
         x = torch.randn(max(self.rows, 1), h, generator=gen, device=device)
         self.act, self.act_scale = quantize_fp8_k128(x)
         self.mid = torch.empty(max(self.rows, 1), inter, dtype=torch.float8_e4m3fn, device=device)
@@ -209,7 +210,8 @@ def sass_report(gg, jit) -> None:
     import subprocess
 
     tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    print(f"{'variant':60s} {'regs':>4s} {'frame':>5s} {'QGMMA':>5s} {'LDL':>4s} {'STL':>4s} {'LDS.128':>7s}")
+    print(f"{'variant':100s} {'regs':>4s} {'frame':>5s} {'QGMMA':>5s} {'LDL':>4s} {'STL':>4s} {'LDS.128':>7s} "
+          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s}")
     for v in gg.all_variants():
         entry = jit.get_entry(v, "sm_90a")
         lines = subprocess.run([tool, "-sass", str(entry.cubin_path)], capture_output=True, text=True,
@@ -219,8 +221,9 @@ def sass_report(gg, jit) -> None:
             return sum(1 for line in lines if f" {op}" in line)
 
         res = entry.resources.get(entry.entry_name, entry.resources)
-        print(f"{v.describe():60s} {res.get('registers', -1):4} {res.get('frame_bytes', -1):5} "
-              f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d}", flush=True)
+        print(f"{v.describe():100s} {res.get('registers', -1):4} {res.get('frame_bytes', -1):5} "
+              f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d} "
+              f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d}", flush=True)
 
 
 def run_point(pt, row, args, stream, flush, bw) -> bool:
@@ -266,7 +269,12 @@ def main() -> int:
     ap.add_argument("--sass", action="store_true", help="disassemble each cubin (cuobjdump): QGMMA, LDL/STL counts")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after W1 (locates a failing kernel)")
     ap.add_argument("--l2-hint", action="store_true", help="variants with the evict-first L2 policy (see docs)")
-    ap.add_argument("--stages", type=int, default=6, help="cp.async pipeline depth of the variants to run")
+    ap.add_argument("--stages", type=int, default=None,
+                    help="pipeline depth (default: the most that fit for the warp-specialized variants, 6 else)")
+    ap.add_argument("--max-block-n", type=int, default=32, choices=(8, 16, 32, 64),
+                    help="largest token tile; busier experts get more token tiles (default 32)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run the cp.async pipeline (warp_specialized=False, the earlier default) at every point")
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
     ap.add_argument("--fold-scales", action="store_true",
                     help="also run the folded-scale variants (K32 scale in the decode) at every point")
@@ -281,9 +289,13 @@ def main() -> int:
     from gc_moe.runtime import jit
 
     if args.build_only:
-        sets = [{}, {"l2_evict_first": True}, {"token_tiles_fastest": False}, {"fold_scales": True}]
-        sets += [{"stages": st} for st in (4, 8)]
-        for v in [v for knobs in sets for v in gg.variant_set(**knobs)]:
+        sets = [{}, {"fold_scales": True}, {"warp_specialized": False}, {"token_tiles_fastest": False},
+                {"l2_evict_first": True}]
+        seen = set()
+        for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
+            if v.describe() in seen:
+                continue
+            seen.add(v.describe())
             entry = jit.build_variant(v, "sm_90a")
             print(v.describe(), entry.entry_name, entry.resources)
         return 0
@@ -297,8 +309,12 @@ def main() -> int:
     gen.manual_seed(args.seed)
     knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {}),
              **({"token_tiles_fastest": False} if args.experts_fastest else {})}
-    base_tag = args.tag or f"s{args.stages}"
+    base_tag = args.tag or ("ws" if gg.GemmConfig("w1", 8, args.stages, **{k: v for k, v in knobs.items()
+                                                                           if k != "stages"}).warp_specialized
+                            else f"s{args.stages or 6}")
     kernel_sets = {base_tag: knobs, **({f"{base_tag}_fold": {**knobs, "fold_scales": True}} if args.fold_scales else {})}
+    if args.baseline:
+        kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():
         loaded = {}
         for v in gg.variant_set(**set_knobs):
@@ -320,7 +336,7 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:
-            pt = Point(name, model, tokens, weights, canon, kernels, gen, device)
+            pt = Point(name, model, tokens, weights, canon, kernels, gen, device, args.max_block_n)
             for tag, set_kernels in kernel_sets.items():
                 pt.use(set_kernels)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,

@@ -29,9 +29,37 @@ def test_config_errors_name_what_is_allowed():
 
 def test_shared_memory_plan_fits_the_sm():
     for bn in gg.BLOCK_N_CHOICES:
-        cfg = gg.GemmConfig("w1", bn)
-        assert cfg.b_offset % 128 == 0 and cfg.stage_bytes % 128 == 0
-        assert cfg.smem_bytes + 1024 <= 227 * 1024  # the DSL adds 1 KiB of static shared memory
+        for ws in (False, True) if bn <= gg.WS_MAX_BLOCK_N else (False,):
+            cfg = gg.GemmConfig("w1", bn, warp_specialized=ws)
+            assert cfg.b_offset % 128 == 0 and cfg.stage_bytes % 128 == 0
+            assert cfg.smem_bytes + 1024 <= 227 * 1024  # the DSL adds 1 KiB of static shared memory
+            assert cfg.barrier_offset % 8 == 0 and cfg.barrier_offset >= cfg.amax_offset + 16 * bn * 4
+        assert gg.GemmConfig("w1", bn, warp_specialized=False).stages == 6
+    # the warp-specialized ring takes every stage that fits: one more would not
+    for bn in (8, 16, 32):
+        cfg = gg.GemmConfig("w2", bn)
+        assert cfg.warp_specialized and cfg.threads == gg.THREADS + gg.PRODUCER_THREADS
+        assert cfg.stages == cfg.max_stages >= 8
+        with pytest.raises(ValueError, match="shared memory"):
+            gg.GemmConfig("w2", bn, cfg.stages + 1)
+    assert gg.GemmConfig("w2", 8).stages == 12 and gg.GemmConfig("w2", 32).stages == 10
+
+
+def test_pipeline_knob_defaults_and_errors():
+    assert not gg.GemmConfig("w1", 64).warp_specialized  # bn 64 needs more than 96 registers per thread
+    assert not gg.GemmConfig("w1", 8, ring_consumer=True).warp_specialized
+    assert not gg.GemmConfig("w1", 8, l2_evict_first=True).warp_specialized
+    with pytest.raises(ValueError, match="block_n <= 32"):
+        gg.GemmConfig("w1", 64, warp_specialized=True)
+    with pytest.raises(ValueError, match="ring_consumer runs on the cp.async pipeline"):
+        gg.GemmConfig("w1", 8, ring_consumer=True, warp_specialized=True)
+    with pytest.raises(ValueError, match="l2_evict_first"):
+        gg.GemmConfig("w1", 8, l2_evict_first=True, warp_specialized=True)
+    # the parameters a launch rebuilds its config from name the cp.async pipeline when it is used
+    for v in gg.variant_set() + gg.variant_set(ring_consumer=True):
+        p = dict(v.params)
+        assert gg.GemmConfig(**p).warp_specialized == (p["block_n"] <= 32 and not p.get("ring_consumer", False))
+        assert ("warp_specialized" in p) == (not gg.GemmConfig(**p).warp_specialized)
 
 
 # --------------------------------------------------------------------------------------------- folded decode
@@ -137,14 +165,15 @@ def built(tmp_path_factory):
 
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
-    assert len(built) == 6 * len(gg.BLOCK_N_CHOICES)  # default, folded-scale and ring-consumer sets
+    # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default)
+    assert len(built) == 8 * len(gg.BLOCK_N_CHOICES) - 2
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
         bn = params["block_n"]
         fold = params.get("fold_scales", False)
         ring = params.get("ring_consumer", False)
-        cfg = gg.GemmConfig(params["role"], bn, fold_scales=fold, ring_consumer=ring)
+        cfg = gg.GemmConfig(**params)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
@@ -152,12 +181,13 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
         res = entry.resources
         assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
-        assert res["registers"] <= 128  # 512 threads per CTA
+        assert res["registers"] <= (96 if cfg.warp_specialized else 128)  # 640 (544 counted by warpgroups) / 512
+        assert entry.launch.block == (cfg.threads, 1, 1) and res["required_block"][0] == cfg.threads
         expected = [8 if kind in ("u64", "s64") else 4 for _, kind in cfg.params]
         assert [size for _, size in res["params"]] == expected  # folding changes no parameter, the ring appends
         assert len(expected) == len(gg.PARAMS_W1 if params["role"] == "w1" else gg.PARAMS_W2) + (
             len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0)
-        assert entry.launch.dynamic_smem_bytes == gg.GemmConfig(params["role"], bn).smem_bytes
+        assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = ptx.count("wgmma.wait_group.sync.aligned")
         assert waits == (1 if fold else 4 // cfg.wgmmas_per_wait), variant.describe()
@@ -191,10 +221,35 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         assert entry.resources["frame_bytes"] == 0 and entry.resources["registers"] <= 128
 
 
+def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
+    """The warp-specialized variants: one CTA-wide barrier (after the mbarrier init), per stage a full barrier
+    of 33 arrivals (the producer's expect-tx + 32 cp.async arrivals) and an empty barrier of 16 (one per
+    consumer warp), bulk copies of the 4096-byte weight tiles and 256-byte scale blocks completing on it,
+    the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
+    ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
+    assert len(ws) == 4 * 3  # default and folded sets, both roles, bn 8..32
+    for variant, entry in ws.items():
+        params = dict(variant.params)
+        cfg = gg.GemmConfig(**params)
+        ptx = _entry_body(entry)
+        assert ptx.count("bar.sync 0;") == 1, variant.describe()
+        assert ptx.count("bar.sync 1, 512;") == (1 if params["role"] == "w1" else 0)
+        assert ptx.count(f"mbarrier.init.shared::cta.b64 [%r") >= 1
+        assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == ["33", "16"] * cfg.stages
+        bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
+                          r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
+        assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
+        assert f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {gg.STAGE_TX_BYTES};" in ptx
+        assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
+        assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") >= 2  # consumers' full, producer's empty
+        assert "fence.proxy.async.shared::cta;" in ptx and "mbarrier.arrive.shared::cta.b64 _," in ptx
+        assert "cp.async.wait_all;" in ptx and "cp.async.commit_group" not in ptx
+
+
 # --------------------------------------------------------------------------------------------- ring consumer
 def test_ring_consumer_knob_names_params_and_registration():
     cfg = gg.GemmConfig("w1", 16, ring_consumer=True)
-    assert cfg.name == gg.GemmConfig("w1", 16).name + "_ring"
+    assert cfg.name == gg.GemmConfig("w1", 16, warp_specialized=False).name + "_ring"
     assert [n for n, _ in cfg.params][-6:] == ["ring_ready", "l1_full_count", "l1_empty_count", "ring_block_m",
                                                "ring_blocks", "timeout_ns"]
     assert [n for n, _ in gg.GemmConfig("w2", 8, ring_consumer=True).params][-3:] == ["ring_source", "peers",
@@ -301,7 +356,8 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 
 # --------------------------------------------------------------------------------------------- GPU check
-def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False):
+def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
+              return_raw=False):
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -330,13 +386,16 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     mid_sf = torch.full((rows, inter // 128), float("nan"), device=dev)
     out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     dest = torch.randperm(rows, generator=gen, device=dev).to(torch.int32)
-    k1 = jit.load_kernel(gg.variant("w1", block_n, fold_scales=fold_scales), "sm_90a")
-    k2 = jit.load_kernel(gg.variant("w2", block_n, fold_scales=fold_scales), "sm_90a")
+    knobs = {"fold_scales": fold_scales, "warp_specialized": warp_specialized}
+    k1 = jit.load_kernel(gg.variant("w1", block_n, **knobs), "sm_90a")
+    k2 = jit.load_kernel(gg.variant("w2", block_n, **knobs), "sm_90a")
     stream = torch.cuda.current_stream()
     cap = int(counts.max())
     gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream)
     gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream)
     torch.cuda.synchronize()
+    if return_raw:
+        return mid, mid_sf, out
 
     x = dequantize_fp8_k128(act, act_sf)
     got_mid = dequantize_fp8_k128(mid, mid_sf)
@@ -359,13 +418,17 @@ def _cos_diff(y, r):
     return float(dot / (y.norm() * r.norm())), float(1 - 2 * dot / (y.square().sum() + r.square().sum()))
 
 
+PIPELINES = [None, False]  # the default (warp-specialized up to bn 32) and the cp.async pipeline
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold_scales", [False, True], ids=["default", "folded"])
+@pytest.mark.parametrize("warp_specialized", PIPELINES, ids=["default", "cpasync"])
+@pytest.mark.parametrize("fold_scales", [False, True], ids=["unfolded", "folded"])
 @pytest.mark.parametrize("block_n", gg.BLOCK_N_CHOICES)
 @pytest.mark.parametrize("topk,tokens", [(1, 5), (8, 3), (6, 40), (8, 64)])
-def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens, fold_scales):
+def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens, fold_scales, warp_specialized):
     got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 100 + tokens,
-                                           fold_scales=fold_scales)
+                                           fold_scales=fold_scales, warp_specialized=warp_specialized)
     assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
     for y, r in ((got_mid, ref_mid), (got, ref)):
         cos, diff = _cos_diff(y, r)
@@ -373,14 +436,30 @@ def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens, fold_scal
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold_scales", [False, True], ids=["default", "folded"])
+@pytest.mark.parametrize("warp_specialized", PIPELINES, ids=["default", "cpasync"])
+@pytest.mark.parametrize("fold_scales", [False, True], ids=["unfolded", "folded"])
 @pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
-def test_grouped_gemm_model_shapes(hidden, inter, topk, fold_scales):
+def test_grouped_gemm_model_shapes(hidden, inter, topk, fold_scales, warp_specialized):
     # expert 0 is left empty and topk distinct experts are drawn from the others: experts >= topk + 2
-    _, _, got, ref = _run_case(hidden, inter, topk + 2, topk, 9, 16, seed=hidden, fold_scales=fold_scales)
+    _, _, got, ref = _run_case(hidden, inter, topk + 2, topk, 9, 16, seed=hidden, fold_scales=fold_scales,
+                               warp_specialized=warp_specialized)
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", (8, 16, 32))
+def test_folded_pipelines_write_the_same_bytes(block_n):
+    """The folded variants run the same arithmetic on either pipeline: the warp-specialized one (bulk copies,
+    mbarrier ring, 544 threads) must write byte for byte what the cp.async one writes, over experts that
+    need several token tiles (rows past an expert's count zero-filled) and an empty expert."""
+    runs = [_run_case(1024, 512, 6, 4, 3 * block_n, block_n, seed=7 + block_n, fold_scales=True,
+                      warp_specialized=ws, return_raw=True) for ws in (True, False)]
+    (mid_ws, sf_ws, out_ws), (mid_cp, sf_cp, out_cp) = runs
+    assert torch.isfinite(sf_ws).all() and torch.isfinite(out_ws.float()).all()
+    assert torch.equal(mid_ws.view(torch.uint8), mid_cp.view(torch.uint8))
+    assert torch.equal(sf_ws, sf_cp) and torch.equal(out_ws.view(torch.int16), out_cp.view(torch.int16))
 
 
 def test_ring_arguments_follow_the_ring_parameter_tables():
@@ -450,7 +529,8 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n):
     ws.l2_act.view(torch.uint8).fill_(0x7F)
     ws.l2_scale.fill_(float("nan"))
     ws.combine.fill_(float("nan"))
-    k1, k2 = (jit.load_kernel(gg.variant(r, block_n), "sm_90a") for r in ("w1", "w2"))
+    # the ring consumer runs on the cp.async pipeline: compare with that pipeline without the ring
+    k1, k2 = (jit.load_kernel(gg.variant(r, block_n, warp_specialized=False), "sm_90a") for r in ("w1", "w2"))
     r1, r2 = (jit.load_kernel(gg.variant(r, block_n, ring_consumer=True), "sm_90a") for r in ("w1", "w2"))
     gg.launch_w1(k1, w.l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight, mid, mid_sf, cap,
                  stream)

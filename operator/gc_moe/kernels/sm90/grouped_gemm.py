@@ -28,7 +28,12 @@ Kernel parameters (all scalars, in order): see `PARAMS_W1` / `PARAMS_W2`.
 from dataclasses import dataclass
 
 BLOCK_N_CHOICES = (8, 16, 32, 64)
-THREADS = 512
+THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
+PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them
+SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on the H200 once the DSL's 1 KiB static is taken
+STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
+# ptxas budgets a 544-thread CTA as 640 threads (whole warpgroups): 96 registers per thread, enough up to bn 32
+WS_MAX_BLOCK_N = 32
 TILES_PER_CTA = 4
 ROWS_PER_CTA = 64 * TILES_PER_CTA
 TILE_BYTES = 4096  # 64 x 128 FP4 codes
@@ -64,7 +69,7 @@ RING_PARAMS_W2 = (("ring_source", "u64"), ("peers", "u64"), ("source_rows", "s32
 class GemmConfig:
     role: str  # "w1" or "w2"
     block_n: int = 8
-    stages: int = 6
+    stages: int | None = None  # None: 6 for the cp.async pipeline, the most that fit for warp_specialized
     swiglu_alpha: float = 1.0
     swiglu_clamp: float = 10.0
     # evict-first L2 policy on the weight copies: off by default, the DSL-assembled LDGSTS with a cache
@@ -79,14 +84,47 @@ class GemmConfig:
     # a consumer of the layer's token ring (docs/sm90-layer.md): W1 acquires ring blocks as role1 fills them
     # and releases l1_empty_count; W2 scatters to the source ranks through the peer table
     ring_consumer: bool = False
+    # a producer warp streams the stages (bulk copies for weights and scales, cp.async for the tokens) through
+    # mbarrier full/empty rings; the consumer warpgroups never meet at a CTA barrier in the main loop and
+    # apply the activation scale once per K128 step. False: every thread copies and computes (cp.async +
+    # bar.sync per step), the pipeline the ring consumer and the L2-hint variants run on. None: True unless
+    # ring_consumer or l2_evict_first asks for the cp.async pipeline
+    warp_specialized: bool | None = None
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
             raise ValueError(f"role must be 'w1' or 'w2', got {self.role!r}")
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
-        if not 2 <= self.stages <= 10:
-            raise ValueError(f"stages must be in 2..10, got {self.stages}")
+        if self.warp_specialized is None:
+            object.__setattr__(self, "warp_specialized", not (self.ring_consumer or self.l2_evict_first)
+                               and self.block_n <= WS_MAX_BLOCK_N)
+        if self.ring_consumer and self.warp_specialized:
+            raise ValueError("ring_consumer runs on the cp.async pipeline: pass warp_specialized=False")
+        if self.warp_specialized and self.block_n > WS_MAX_BLOCK_N:
+            raise ValueError(f"warp_specialized needs block_n <= {WS_MAX_BLOCK_N}, got {self.block_n}: ptxas gives a "
+                             "544-thread CTA 96 registers per thread and bn 64 spills there")
+        if self.warp_specialized and self.l2_evict_first:
+            raise ValueError("l2_evict_first is a knob of the cp.async pipeline: pass warp_specialized=False")
+        if self.stages is None:
+            object.__setattr__(self, "stages", self.max_stages if self.warp_specialized else 6)
+        if not 2 <= self.stages <= 16:
+            raise ValueError(f"stages must be in 2..16, got {self.stages}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"{self.stages} stages of {self.stage_bytes} B need {self.smem_bytes} B of shared "
+                             f"memory; allowed: <= {SMEM_LIMIT} (at most {self.max_stages} stages at block_n "
+                             f"{self.block_n})")
+
+    @property
+    def threads(self) -> int:
+        return THREADS + (PRODUCER_THREADS if self.warp_specialized else 0)
+
+    @property
+    def max_stages(self) -> int:
+        """The deepest ring that fits the shared memory (capped at 16)."""
+        fixed = 16 * self.block_n * 4
+        per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
+        return min(16, (SMEM_LIMIT - fixed) // per_stage)
 
     # shared-memory plan of one stage: [weights 4 x 4096][scales 4 x 256][B block_n x 128][act scales]
     @property
@@ -110,8 +148,13 @@ class GemmConfig:
         return self.stages * self.stage_bytes
 
     @property
-    def smem_bytes(self) -> int:
+    def barrier_offset(self) -> int:
+        """warp_specialized: the full mbarriers (one per stage), then the empty ones."""
         return self.amax_offset + 16 * self.block_n * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.barrier_offset + (16 * self.stages if self.warp_specialized else 0)
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -138,6 +181,8 @@ class GemmConfig:
             s += "_fold"
         if self.ring_consumer:
             s += "_ring"
+        if self.warp_specialized:
+            s += "_ws"
         return s
 
 
@@ -228,6 +273,7 @@ def _make_kernel(cfg: GemmConfig):
     NP = cfg.wgmmas_per_wait
     W1 = cfg.role == "w1"
     RING = cfg.ring_consumer
+    WS = cfg.warp_specialized
 
     @cute.jit
     def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
@@ -311,7 +357,6 @@ def _make_kernel(cfg: GemmConfig):
         srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
         sc_lo = ptx.lds32(srow)
         sc_hi = ptx.lds32(srow + 32)
-        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
         a_regs = []
         descs = []
         for j in cutlass.range_constexpr(4):
@@ -325,9 +370,143 @@ def _make_kernel(cfg: GemmConfig):
             descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
         ptx.wgmma_fence()
         part = ptx.wgmma_rs_e4m3_chain(BN, a_regs, descs)
+        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(4):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
+
+    @cute.jit
+    def compute_stage_ws(smem, stage, wg, t, warp, g, q, acc):
+        """One K128 step: per K32 block the weight scale goes on the WGMMA partials (t = sum_j P_j s_j),
+        the token's activation scale once per step (acc += t s_x): 4 x bn/2 + bn/2 FP32 ops per thread
+        against 8 x bn/2 when s_w s_x is formed per K32 block."""
+        sbase = smem + stage * cfg.stage_bytes
+        wa = sbase + wg * TILE_BYTES + t * 32
+        words = ptx.lds128(wa) + ptx.lds128(wa + 16)
+        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        sc_lo = ptx.lds32(srow)
+        sc_hi = ptx.lds32(srow + 32)
+        step = [Float32(0.0)] * (BN // 2)
+        for grp in cutlass.range_constexpr(4 // NP):
+            a_regs = []
+            descs = []
+            for jj in cutlass.range_constexpr(NP):
+                j = grp * NP + jj
+                w_k0, w_k16 = words[2 * j], words[2 * j + 1]
+                a_regs += [
+                    ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
+                    ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
+                ]
+                descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+            ptx.wgmma_fence()
+            part = ptx.wgmma_rs_e4m3_batch(BN, a_regs, descs)
+            for jj in cutlass.range_constexpr(NP):
+                j = grp * NP + jj
+                s_lo = ptx.ue8m0_byte_to_f32(sc_lo, j)
+                s_hi = ptx.ue8m0_byte_to_f32(sc_hi, j)
+                for r in cutlass.range_constexpr(BN // 2):
+                    s_row = s_lo if r % 4 < 2 else s_hi  # fragment regs 2, 3 of each 8-token block: row g + 8
+                    if j == 0:
+                        step[r] = part[jj * (BN // 2) + r] * s_row
+                    else:
+                        step[r] = step[r] + part[jj * (BN // 2) + r] * s_row
+        for i in cutlass.range_constexpr(NSUB):
+            xs = ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4)
+            for c in cutlass.range_constexpr(4):
+                acc[4 * i + c] = acc[4 * i + c] + step[4 * i + c] * xs[c % 2]
+
+    @cute.jit
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, lane):
+        """The producer warp: per K128 step wait for the stage to be empty, announce its bulk bytes, copy
+        4 weight tiles + their scale bytes (lanes 0..7, one bulk copy each) and the token tile (all lanes,
+        16-byte cp.async, rows past the expert's count zero-filled), and let the cp.async arrive on full."""
+        w_codes, w_scales, act, act_scale = a
+        wt = lane % TILES_PER_CTA
+        for kb in cutlass.range(k_blocks):
+            stage = kb % STAGES
+            full = smem + cfg.barrier_offset + stage * 8
+            if kb >= STAGES:
+                ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2)
+            if lane == 0:
+                ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
+            ptx.warp_sync()
+            sbase = smem + stage * cfg.stage_bytes
+            tile = Int64((e * m_tiles + bx * TILES_PER_CTA + wt) * k_blocks + kb)
+            if lane < TILES_PER_CTA:
+                ptx.bulk_copy_g2s(sbase + wt * TILE_BYTES, w_codes + tile * TILE_BYTES, TILE_BYTES, full)
+            elif lane < 2 * TILES_PER_CTA:
+                ptx.bulk_copy_g2s(sbase + cfg.scale_offset + wt * TILE_SCALE_BYTES,
+                                  w_scales + tile * TILE_SCALE_BYTES, TILE_SCALE_BYTES, full)
+            for r in cutlass.range_constexpr(BN * 8 // PRODUCER_THREADS):
+                idx = lane + PRODUCER_THREADS * r
+                n_lo = idx % 8
+                c = (idx // 8) % 8
+                ng = idx // 64
+                n = ng * 8 + n_lo
+                nrow = Int64(row0) + Int64(n)
+                nbytes = Int32(16)
+                if n >= count:
+                    nrow = Int64(row0)
+                    nbytes = Int32(0)
+                src_b = act + nrow * Int64(k_blocks * 128) + Int64(kb * 128 + c * 16)
+                ptx.cp_async_16_zfill(sbase + cfg.b_offset + (ng * 8 + c) * 128 + n_lo * 16, src_b, nbytes)
+            for r in cutlass.range_constexpr(-(-BN // PRODUCER_THREADS)):
+                n = lane + PRODUCER_THREADS * r
+                if n < BN:
+                    nrow = Int64(row0) + Int64(n)
+                    nbytes = Int32(4)
+                    if n >= count:
+                        nrow = Int64(row0)
+                        nbytes = Int32(0)
+                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + n * 4,
+                                         act_scale + (nrow * Int64(k_blocks) + Int64(kb)) * 4, nbytes)
+            ptx.cp_async_mbarrier_arrive_noinc(full)
+        ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+
+    @cute.jit
+    def consume(k_blocks, smem, wg, t, warp, g, q, acc):
+        """A consumer warpgroup: per K128 step wait for the stage, compute, release it (one arrival per warp)."""
+        for kb in cutlass.range(k_blocks):
+            stage = kb % STAGES
+            full = smem + cfg.barrier_offset + stage * 8
+            ptx.mbarrier_wait(full, (kb // STAGES) % 2)
+            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+            if cutlass.const_expr(cfg.fold_scales):
+                compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
+            else:
+                compute_stage_ws(smem, stage, wg, t, warp, g, q, acc)
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(full + STAGES * 8)
+
+    @cute.jit
+    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
+        tid = cute.arch.thread_idx()[0]
+        wg = tid // 128
+        t = tid % 128
+        warp = t // 32
+        lane = tid % 32
+        g = lane // 4
+        q = lane % 4
+        if tid == 0:
+            for st in cutlass.range_constexpr(STAGES):
+                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, PRODUCER_THREADS + 1)
+                ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
+            ptx.fence_mbarrier_init()
+        ptx.barrier_sync()
+        if tid >= THREADS:
+            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, lane)
+        else:
+            consume(k_blocks, smem, wg, t, warp, g, q, acc)
+        return tid, wg, warp, g, q
+
+    @cute.jit
+    def consumer_sync():
+        """The epilogue's barrier among the 512 consumer threads (the producer warp is not in it)."""
+        if cutlass.const_expr(WS):
+            ptx.named_barrier_sync(1, THREADS)
+        else:
+            ptx.barrier_sync()
 
     @cute.jit
     def main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
@@ -361,7 +540,10 @@ def _make_kernel(cfg: GemmConfig):
         """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply."""
         for i in cutlass.range_constexpr(BN // 2):
             acc[i] = Float32(0.0)
-        tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
+        if cutlass.const_expr(WS):
+            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
+        else:
+            tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
         factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
         if cutlass.const_expr(cfg.fold_scales):
             factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
@@ -406,55 +588,56 @@ def _make_kernel(cfg: GemmConfig):
                 tid, wg, warp, g, q, factor = tile_product(
                     (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
-                inter = m_tiles * 32
-                channel = bx * 128 + wg * 32 + warp * 8 + g
-                hv = cute.make_rmem_tensor((BN // 4,), Float32)
-                for i in cutlass.range_constexpr(NSUB):
-                    for c in cutlass.range_constexpr(2):
-                        n = 8 * i + 2 * q + c
-                        nrow = Int64(row0) + Int64(n)
-                        if n >= count:
-                            nrow = Int64(row0)
-                        gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
-                        up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
-                                      Float32(-cfg.swiglu_clamp))
-                        if cutlass.const_expr(RING):
-                            rw = ptx.ld_global_f32(routing_weight + nrow * 4)
-                        else:
-                            rw = ptx.ldg_f32(routing_weight + nrow * 4)
-                        h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
-                        hv[2 * i + c] = h
-                        m = ptx.fabs(h)
-                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
-                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
-                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
-                        if g == 0:
-                            ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
-                ptx.barrier_sync()
-                if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
-                    # every read of the tile's ring rows (copies, scales, routing weights) precedes the
-                    # barrier above: release the blocks so role1 may refill them (a later generation)
-                    if tid == 0:
-                        block = row0 // ring_block_m
-                        while block <= (row0 + rows - 1) // ring_block_m:
-                            generation = block // ring_blocks
-                            ring_protocol.atom_add_release_gpu(
-                                l1_empty_count + Int64(block - generation * ring_blocks) * 4, Int32(1))
-                            block = block + 1
-                for i in cutlass.range_constexpr(NSUB):
-                    for c in cutlass.range_constexpr(2):
-                        n = 8 * i + 2 * q + c
-                        amax = Float32(0.0)
-                        for p in cutlass.range_constexpr(16):
-                            amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
-                        amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
-                        inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
-                        if n < count:
+                if tid < THREADS:  # the warp-specialized producer warp has no outputs
+                    inter = m_tiles * 32
+                    channel = bx * 128 + wg * 32 + warp * 8 + g
+                    hv = cute.make_rmem_tensor((BN // 4,), Float32)
+                    for i in cutlass.range_constexpr(NSUB):
+                        for c in cutlass.range_constexpr(2):
+                            n = 8 * i + 2 * q + c
                             nrow = Int64(row0) + Int64(n)
-                            ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
-                            if tid < 4:
-                                ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
-                                            amax * Float32(1.0 / FP8_MAX))
+                            if n >= count:
+                                nrow = Int64(row0)
+                            gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
+                            up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
+                                          Float32(-cfg.swiglu_clamp))
+                            if cutlass.const_expr(RING):
+                                rw = ptx.ld_global_f32(routing_weight + nrow * 4)
+                            else:
+                                rw = ptx.ldg_f32(routing_weight + nrow * 4)
+                            h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
+                            hv[2 * i + c] = h
+                            m = ptx.fabs(h)
+                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
+                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
+                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
+                            if g == 0:
+                                ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
+                    consumer_sync()
+                    if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
+                        # every read of the tile's ring rows (copies, scales, routing weights) precedes the
+                        # barrier above: release the blocks so role1 may refill them (a later generation)
+                        if tid == 0:
+                            block = row0 // ring_block_m
+                            while block <= (row0 + rows - 1) // ring_block_m:
+                                generation = block // ring_blocks
+                                ring_protocol.atom_add_release_gpu(
+                                    l1_empty_count + Int64(block - generation * ring_blocks) * 4, Int32(1))
+                                block = block + 1
+                    for i in cutlass.range_constexpr(NSUB):
+                        for c in cutlass.range_constexpr(2):
+                            n = 8 * i + 2 * q + c
+                            amax = Float32(0.0)
+                            for p in cutlass.range_constexpr(16):
+                                amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
+                            amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
+                            inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
+                            if n < count:
+                                nrow = Int64(row0) + Int64(n)
+                                ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
+                                if tid < 4:
+                                    ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
+                                                amax * Float32(1.0 / FP8_MAX))
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -486,26 +669,27 @@ def _make_kernel(cfg: GemmConfig):
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
-                _, wg, warp, g, q, factor = tile_product(
+                tid, wg, warp, g, q, factor = tile_product(
                     (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc
                 )
-                hidden = m_tiles * 64
-                h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
-                for i in cutlass.range_constexpr(NSUB):
-                    for c in cutlass.range_constexpr(2):
-                        n = 8 * i + 2 * q + c
-                        if n < count:
-                            d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
-                            if cutlass.const_expr(RING):
-                                # the row's source rank owns the combine buffer: its peer offset moves the address
-                                ring_source, peers, source_rows = ring
-                                source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4) // source_rows
-                                base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
-                                    + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
-                            else:
-                                base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
-                            ptx.stg_bf16(base, acc[4 * i + c] * factor)
-                            ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+                if tid < THREADS:  # the warp-specialized producer warp has no outputs
+                    hidden = m_tiles * 64
+                    h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
+                    for i in cutlass.range_constexpr(NSUB):
+                        for c in cutlass.range_constexpr(2):
+                            n = 8 * i + 2 * q + c
+                            if n < count:
+                                d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                                if cutlass.const_expr(RING):
+                                    # the row's source rank owns the combine buffer: its peer offset moves the address
+                                    ring_source, peers, source_rows = ring
+                                    source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4) // source_rows
+                                    base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
+                                        + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                                else:
+                                    base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                                ptx.stg_bf16(base, acc[4 * i + c] * factor)
+                                ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -531,7 +715,7 @@ def _host_launcher(cfg: GemmConfig, kernel):
     the DSL needs each scalar named in the signature)."""
     from cutlass import Int32, Int64, cute
 
-    launch = {"grid": (1, 1, 1), "block": (THREADS, 1, 1), "smem": cfg.smem_bytes}
+    launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
     if cfg.role == "w1" and cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -544,7 +728,7 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles).launch(
-                grid=(1, 1, 1), block=(THREADS, 1, 1), smem=cfg.smem_bytes)
+                **launch)
     elif cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -555,13 +739,14 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles).launch(
-                grid=(1, 1, 1), block=(THREADS, 1, 1), smem=cfg.smem_bytes)
+                **launch)
     return host
 
 
-def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int = 6,
+def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int | None = None,
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
-               token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False):
+               token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
+               warp_specialized: bool | None = None):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -570,20 +755,27 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
-                     fold_scales, ring_consumer)
+                     fold_scales, ring_consumer, warp_specialized)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
-    return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
+    return CompileRequest(host, args, LaunchShape(block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
-def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-            l2_evict_first: bool = False, token_tiles_fastest: bool = True, fold_scales: bool = False,
-            ring_consumer: bool = False):
-    """The runtime KernelVariant of one configuration (what the registry and the benchmark build)."""
+def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: float = 1.0,
+            swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
+            fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None):
+    """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
+
+    Defaults: the warp-specialized pipeline with the deepest ring that fits, except for ring_consumer and
+    l2_evict_first, which run on the cp.async pipeline (6 stages unless `stages` says otherwise)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    params = {"role": role, "block_n": block_n, "stages": stages}
+    cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
+                     ring_consumer=ring_consumer, warp_specialized=warp_specialized)
+    params = {"role": role, "block_n": block_n, "stages": cfg.stages}
+    if not cfg.warp_specialized:  # named when off: a launch rebuilds the config from these parameters
+        params["warp_specialized"] = False
     if l2_evict_first:
         params["l2_evict_first"] = True
     if not token_tiles_fastest:
@@ -591,6 +783,8 @@ def variant(role: str, block_n: int, stages: int = 6, swiglu_alpha: float = 1.0,
     if fold_scales:  # only named when on: the default variants keep their parameters (and cache keys)
         params["fold_scales"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
+    if cfg.warp_specialized:
+        promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -611,9 +805,16 @@ def variant_set(**knobs):
 
 
 def all_variants():
-    """Every variant CI builds (the registry's list): the default set, the opt-in folded-scale set and the
-    ring-consumer set (default numerics, the layer's token ring)."""
-    return variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
+    """Every variant CI builds (the registry's list), each once: the default set (warp-specialized up to bn 32,
+    the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set and the cp.async
+    pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference)."""
+    out, seen = [], set()
+    for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
+              + variant_set(warp_specialized=False)):
+        if v.describe() not in seen:
+            seen.add(v.describe())
+            out.append(v)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- launch

@@ -243,3 +243,69 @@ def fabs(a: Float32) -> Float32:
 def fast_reciprocal(a: Float32) -> Float32:
     """1 / a with the approximate unit (an IEEE division would pull in a slow-path subroutine)."""
     return asm("rcp.approx.ftz.f32 $0, $1;", [Float32], [a])
+
+
+# ------------------------------------------------------------------------------------------ mbarrier pipelines
+# The warp-specialized grouped GEMM: a producer warp fills a ring of shared-memory stages (bulk copies and
+# cp.async, each completing on the stage's "full" mbarrier); consumer warps wait on it, read the stage and
+# arrive on its "empty" mbarrier. Addresses are .shared::cta offsets (Int32).
+def mbarrier_init(addr: Int32, count: int) -> None:
+    asm(f"mbarrier.init.shared::cta.b64 [$0], {count};", [], [addr])
+
+
+def fence_mbarrier_init() -> None:
+    """Make mbarrier.init visible to the async proxy (bulk copies complete on the barriers)."""
+    asm("fence.mbarrier_init.release.cluster;", [], [])
+
+
+def fence_proxy_async_shared() -> None:
+    """Order generic-proxy shared-memory writes (cp.async) before async-proxy reads (WGMMA operands)."""
+    asm("fence.proxy.async.shared::cta;", [], [])
+
+
+def named_barrier_sync(barrier_id: int, threads: int) -> None:
+    """bar.sync on barrier `barrier_id` among `threads` threads (a subset of the CTA, whole warps)."""
+    asm(f"bar.sync {barrier_id}, {threads};", [], [])
+
+
+def warp_sync() -> None:
+    asm("bar.warp.sync -1;", [], [])
+
+
+def mbarrier_arrive(addr: Int32) -> None:
+    asm("mbarrier.arrive.shared::cta.b64 _, [$0];", [], [addr])
+
+
+def mbarrier_arrive_expect_tx(addr: Int32, tx_bytes: int) -> None:
+    """One arrival that also announces `tx_bytes` of bulk copies completing on this phase."""
+    asm(f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {tx_bytes};", [], [addr])
+
+
+def cp_async_mbarrier_arrive_noinc(addr: Int32) -> None:
+    """One arrival on the barrier once every earlier cp.async of this thread has landed (counted at init)."""
+    asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", [], [addr])
+
+
+def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
+    """cp.async.bulk of `size` bytes (multiple of 16, both addresses 16-byte aligned) global -> shared,
+    completing `size` transaction bytes on mbarrier `mbar`."""
+    asm(f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2];", [],
+        [dst, src, mbar])
+
+
+def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> None:
+    """Wait until the phase of parity `parity` of the barrier completed; trap after `max_tries` polls (each
+    try_wait suspends for a hardware time limit), so a broken pipeline fails loudly instead of hanging."""
+    asm(
+        "{\n.reg .pred done, more;\n.reg .b32 tries;\nmov.b32 tries, 0;\n"
+        "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n@done bra.uni DONE;\n"
+        f"add.s32 tries, tries, 1;\nsetp.lt.s32 more, tries, {max_tries};\n@more bra.uni WAIT;\ntrap;\n"
+        "DONE:\n}",
+        [],
+        [addr, parity],
+    )
+
+
+def cp_async_wait_all() -> None:
+    """Wait for every cp.async of this thread, committed to a group or not."""
+    asm("cp.async.wait_all;", [], [])
