@@ -67,7 +67,7 @@ def _world_size(group: Any) -> int:
 
 
 def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAULT_TIMEOUT_S,
-            block_n: int | None = None, cooperative: bool = True) -> MegaMoeCall:
+            block_n: int | None = None, stages: int = host.BUILT_STAGES, cooperative: bool = True) -> MegaMoeCall:
     """Transform the weights, allocate the workspace, and return one launch of the persistent kernel that writes
     ``output`` (bf16 [T, H]) in place; graph-capturable."""
     from gc_moe.runtime import jit
@@ -88,7 +88,7 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
     local_experts = weights.l1.num_experts
     host.check_shape(hidden, inputs.intermediate, local_experts, topk)
     bn = block_n or host.choose_block_n(t, topk, local_experts)
-    kernel = jit.load_kernel(host.variant(bn, host.BUILT_STAGES, float(inputs.activation_alpha),
+    kernel = jit.load_kernel(host.variant(bn, stages, float(inputs.activation_alpha),
                                           float(inputs.activation_clamp)), ARCH)
     ws = host.PortWorkspace.allocate(inputs.num_max_tokens_per_rank, topk, hidden, inputs.intermediate,
                                      local_experts, device)
@@ -102,13 +102,13 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
         host.launch(kernel, args, grid, torch.cuda.current_stream(device), cooperative=cooperative)
 
     note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {host.k.THREADS} threads, block_n {bn}, "
-            f"{host.BUILT_STAGES} stages")
+            f"{stages} stages")
     keep = (weights, ws, x, x_sf, topk_idx, topk_weights, kernel)
     if inputs.shared_weights is not None:
         shared = SeparateSharedExpert(inputs)
         kernel_run = run
 
-        def run() -> None:  # noqa: F811 - the routed kernel, then the separate shared expert
+        def run() -> None:  # the routed kernel, then the separate shared expert
             kernel_run()
             shared.add_to(output)
 

@@ -1,11 +1,11 @@
 """On-GPU check and timing of the SM90 Mega MoE port at the H200 profile's per-rank slices (E/8 local experts, P = 1).
 
-    python -m baselines.mega_moe.port_sm90.device_check --tokens 1,8,64,256 --time
+    python -m baselines.mega_moe.port_sm90.device_check --tokens 1,8,64,256 --time 1,2,4,8,16,32,64,128,256
 
 Per point: fresh random MXFP4 weights and FP8 activations, top-k routing uniform over the local experts; the port
 runs on a NaN-poisoned y; every element must be finite; cosine and processed difference against the float32
 reference (gc_moe.reference.moe_reference on the dequantized weights); a CUDA-graph replay must equal the eager
-call bit for bit. With --time: the bandwidth floor (active experts' FP4 codes + scale bytes, read once, over
+call bit for bit. With --time T,..: the bandwidth floor (active experts' FP4 codes + scale bytes, read once, over
 the read bandwidth of a large `amax` measured in the same run) against the cold time (a 1 GiB write before
 each graph replay of the call flushes L2; CUDA events around the replay alone), median of --repeats.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ class Point:
     megabytes: float = float("nan")
     floor_us: float = float("nan")
     cold_us: float = float("nan")
+    stages: int = 0
 
     @property
     def ok(self) -> bool:
@@ -125,9 +125,8 @@ def check_point(model: str, tokens: int, seed: int, weights=None, block_n: int |
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                call.run()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            call.run()
     except Exception as exc:  # noqa: BLE001 - reported, the point fails
         print(f"graph capture failed: {type(exc).__name__}: {exc}", flush=True)
         return point
@@ -161,15 +160,17 @@ def expert_bytes(model: str) -> int:
     return params // 2 + params // 32
 
 
-def time_point(model: str, tokens: int, seed: int, weights, bandwidth: float, repeats: int) -> Point:
+def time_point(model: str, tokens: int, seed: int, weights, bandwidth: float, repeats: int,
+               block_n: int | None = None, stages: int | None = None) -> Point:
     import baselines.mega_moe.port_sm90 as port
 
     dev = torch.device("cuda")
     l1, l2 = weights
     x, x_sf, idx, w = random_inputs(model, tokens, seed + 1, dev)
-    call = port.prepare(_inputs(model, l1, l2, x, x_sf, idx, w), None)
+    call = port.prepare(_inputs(model, l1, l2, x, x_sf, idx, w), None, block_n=block_n,
+                        stages=stages or port.host.BUILT_STAGES)
     active = _active(idx)
-    point = Point(model, tokens, int((idx >= 0).sum()), active, _block_n(model, tokens))
+    point = Point(model, tokens, int((idx >= 0).sum()), active, block_n or _block_n(model, tokens))
     point.megabytes = active * expert_bytes(model) / 1e6
     point.floor_us = active * expert_bytes(model) / bandwidth * 1e6
     # the call as a one-kernel graph, replayed right behind a 1 GiB write: the write flushes L2 and keeps the GPU
@@ -177,9 +178,8 @@ def time_point(model: str, tokens: int, seed: int, weights, bandwidth: float, re
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            call.run()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        call.run()
     torch.cuda.current_stream().wait_stream(stream)
     flush = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     times = []
@@ -200,45 +200,58 @@ def time_point(model: str, tokens: int, seed: int, weights, bandwidth: float, re
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
-    parser.add_argument("--tokens", default="1,8,64,256", help="tokens per rank, comma-separated")
-    parser.add_argument("--time", action="store_true", help="also measure the cold time against the floor")
-    parser.add_argument("--no-check", action="store_true", help="timing only")
+    parser.add_argument("--tokens", default="1,8,64,256", help="tokens per rank checked, comma-separated")
+    parser.add_argument("--time", default="", help="tokens per rank timed against the floor, comma-separated")
+    parser.add_argument("--all-block-n", action="store_true", help="time every built block_n, not only the chosen")
+    parser.add_argument("--stages", default="", help="also time these stage counts (their cubins built beforehand)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default="", help="write the points here")
     args = parser.parse_args(argv)
+    from baselines.mega_moe.port_sm90 import host
+
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)
-    bandwidth = read_bandwidth(dev) if args.time else float("nan")
-    if args.time:
+    checked = [int(v) for v in args.tokens.split(",") if v]
+    timed = [int(v) for v in args.time.split(",") if v]
+    bandwidth = read_bandwidth(dev) if timed else float("nan")
+    if timed:
         print(f"read bandwidth (amax over 4 GiB): {bandwidth / 1e12:.2f} TB/s", flush=True)
-    points, failed = [], False
+    checks, times, failed = [], [], False
     for model in args.models.split(","):
         weights = random_weights(model, 7, dev)
-        for t in (int(v) for v in args.tokens.split(",")):
-            p = Point(model, t, 0, 0, 0)
-            if not args.no_check:
-                p = check_point(model, t, 100 + t, weights)
-                failed |= not p.ok
-                print(f"{model} T={t}: rows {p.rows} act {p.active} bn {p.block_n} cos {p.cosine:.6f} "
-                      f"pdiff {p.processed_diff:.2e} finite {p.finite} replay-equal {p.replay_equal} "
-                      f"{'ok' if p.ok else 'FAIL'}", flush=True)
-            if args.time:
-                tp = time_point(model, t, 100 + t, weights, bandwidth, args.repeats)
-                for field in ("rows", "active", "block_n", "megabytes", "floor_us", "cold_us"):
-                    setattr(p, field, getattr(tp, field))
-                print(f"{model} T={t}: {p.megabytes:.1f} MB floor {p.floor_us:.1f} us cold {p.cold_us:.1f} us",
-                      flush=True)
-            points.append(p)
+        for t in checked:
+            p = check_point(model, t, 100 + t, weights)
+            failed |= not p.ok
+            checks.append(p)
+            print(f"check {model} T={t}: rows {p.rows} act {p.active} bn {p.block_n} cos {p.cosine:.6f} "
+                  f"pdiff {p.processed_diff:.2e} finite {p.finite} replay-equal {p.replay_equal} "
+                  f"{'ok' if p.ok else 'FAIL'}", flush=True)
+        for t in timed:
+            configs = [(bn, host.BUILT_STAGES) for bn in (host.BUILT_BLOCK_N if args.all_block_n else (None,))]
+            configs += [(None, int(s)) for s in args.stages.split(",") if s]
+            for bn, stages in configs:
+                p = time_point(model, t, 100 + t, weights, bandwidth, args.repeats, bn, stages)
+                p.stages = stages
+                times.append(p)
+                print(f"time {model} T={t} bn {p.block_n} stages {stages}: {p.megabytes:.1f} MB floor "
+                      f"{p.floor_us:.1f} us cold {p.cold_us:.1f} us", flush=True)
         del weights
-    print("\n| model | tokens | rows | act | bn | cosine | pdiff | MB | floor us | cold us | % bw |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for p in points:
-        bw = 100 * p.floor_us / p.cold_us if p.cold_us == p.cold_us else math.nan
-        print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.block_n} | {p.cosine:.5f} | "
-              f"{p.processed_diff:.1e} | {p.megabytes:.1f} | {p.floor_us:.1f} | {p.cold_us:.1f} | {bw:.1f} |")
+    if checks:
+        print("\n| model | tokens | rows | act | bn | cosine | processed diff | finite | replay equal |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for p in checks:
+            print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.block_n} | {p.cosine:.6f} | "
+                  f"{p.processed_diff:.2e} | {p.finite} | {p.replay_equal} |")
+    if times:
+        print("\n| model | tokens | rows | act | bn | stages | MB | floor us | cold us | % of bw |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for p in times:
+            print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.block_n} | {p.stages} | {p.megabytes:.1f} | "
+                  f"{p.floor_us:.1f} | {p.cold_us:.1f} | {100 * p.floor_us / p.cold_us:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([p.__dict__ for p in points], f, indent=1)
+            json.dump({"checks": [p.__dict__ for p in checks], "times": [p.__dict__ for p in times],
+                       "read_bandwidth": bandwidth}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -24,7 +24,7 @@ def variant(block_n: int, stages: int = BUILT_STAGES, swiglu_alpha: float = 1.0,
     k.PortConfig(block_n, stages, swiglu_alpha, swiglu_clamp)  # validates
     params = {"block_n": block_n, "stages": stages, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     return KernelVariant.make("mega_port.sm90", MODULE, "build_port", params, promises=k.PROMISES,
-                              local_bytes_budget=0, extra_sources=("gc_moe.kernels.sm90.ptx",))
+                              local_bytes_budget=0)
 
 
 def all_variants(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
@@ -101,7 +101,6 @@ def kernel_args(ws: PortWorkspace, x, x_sf, topk_idx, topk_weights, w, y, *, ran
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
     """Arguments in `kernel.PARAMS` order. w: gc_moe.weights.sm90.Sm90Weights of the rank's local experts."""
     import torch
-
     from gc_moe.runtime.launch import i32, i64, ptr
 
     tokens, hidden = x.shape

@@ -135,13 +135,103 @@ class PortConfig:
         return f"mega_port_sm90_n{self.block_n}_s{self.stages}_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
 
 
+# ---------------------------------------------------------------------------------------------- PTX helpers
+def _device_helpers():
+    """The inline-PTX pieces this kernel uses, kept in this file: its cubin's cache key then depends on this file
+    alone (plus kernels/common), not on helper modules other kernels change."""
+    from types import SimpleNamespace
+
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    letters = {Int32: "r", Uint32: "r", Float32: "f", Int64: "l"}
+
+    @dsl_user_op
+    def asm(text, outs, ins, *, loc=None, ip=None):
+        """`text` with outputs $0.. of types `outs`, then the inputs; returns None, one value or a list."""
+        values = [v.ir_value(loc=loc, ip=ip) for v in ins]
+        constraints = ",".join(["=" + letters[t] for t in outs] + [letters[type(v)] for v in ins])
+        kw = {"has_side_effects": True, "is_align_stack": False, "asm_dialect": llvm.AsmDialect.AD_ATT,
+              "loc": loc, "ip": ip}
+        if not outs:
+            llvm.inline_asm(None, values, text, constraints, **kw)
+            return None
+        if len(outs) == 1:
+            return outs[0](llvm.inline_asm(outs[0].mlir_type, values, text, constraints, **kw))
+        struct = llvm.StructType.get_literal([t.mlir_type for t in outs])
+        res = llvm.inline_asm(struct, values, text, constraints, **kw)
+        return [t(llvm.extractvalue(t.mlir_type, res, [i], loc=loc, ip=ip)) for i, t in enumerate(outs)]
+
+    h = SimpleNamespace(asm=asm)
+    h.cp_async_16 = lambda dst, src: asm("cp.async.cg.shared.global [$0], [$1], 16;", [], [dst, src])
+    h.cp_async_16_zfill = lambda dst, src, n: asm("cp.async.cg.shared.global [$0], [$1], 16, $2;", [], [dst, src, n])
+    h.cp_async_4_zfill = lambda dst, src, n: asm("cp.async.ca.shared.global [$0], [$1], 4, $2;", [], [dst, src, n])
+    h.cp_async_commit = lambda: asm("cp.async.commit_group;", [], [])
+    h.cp_async_wait = lambda pending: asm(f"cp.async.wait_group {pending};", [], [])
+    h.barrier_sync = lambda: asm("bar.sync 0;", [], [])
+    h.lds128 = lambda a: asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", [Uint32] * 4, [a])
+    h.lds32 = lambda a: asm("ld.shared.b32 $0, [$1];", [Uint32], [a])
+    h.lds_f32x2 = lambda a: asm("ld.shared.v2.f32 {$0, $1}, [$2];", [Float32] * 2, [a])
+    h.lds_f32 = lambda a: asm("ld.shared.f32 $0, [$1];", [Float32], [a])
+    h.sts_f32 = lambda a, v: asm("st.shared.f32 [$0], $1;", [], [a, v])
+    h.ldg_s32 = lambda a: asm("ld.global.nc.b32 $0, [$1];", [Int32], [a])
+    h.ldg_f32 = lambda a: asm("ld.global.nc.f32 $0, [$1];", [Float32], [a])
+    h.stg_f32 = lambda a, v: asm("st.global.f32 [$0], $1;", [], [a, v])
+    h.stg_e4m3 = lambda a, v: asm("{\n.reg .b16 t;\n.reg .f32 z;\nmov.f32 z, 0f00000000;\n"
+                                  "cvt.rn.satfinite.e4m3x2.f32 t, z, $1;\nst.global.b8 [$0], t;\n}", [], [a, v])
+    h.stg_bf16 = lambda a, v: asm("{\n.reg .b16 t;\ncvt.rn.bf16.f32 t, $1;\nst.global.b16 [$0], t;\n}", [], [a, v])
+    h.shfl_xor_f32 = lambda v, m: asm(f"shfl.sync.bfly.b32 $0, $1, {m}, 31, -1;", [Float32], [v])
+    h.fmax = lambda a, b: asm("max.f32 $0, $1, $2;", [Float32], [a, b])
+    h.fmin = lambda a, b: asm("min.f32 $0, $1, $2;", [Float32], [a, b])
+    h.fabs = lambda a: asm("abs.f32 $0, $1;", [Float32], [a])
+    h.fast_reciprocal = lambda a: asm("rcp.approx.ftz.f32 $0, $1;", [Float32], [a])
+    # 1 / (1 + 2^(-x log2 e)) on the approximate units
+    h.fast_sigmoid = lambda x: asm("{\n.reg .f32 t;\nmul.f32 t, $1, 0fBFB8AA3B;\nex2.approx.ftz.f32 t, t;\n"
+                                   "add.f32 t, t, 0f3F800000;\nrcp.approx.ftz.f32 $0, t;\n}", [Float32], [x])
+
+    def ue8m0_byte_to_f32(word, byte):
+        """Byte `byte` of a scale word as 2^(b - 127): the byte becomes the float's exponent field."""
+        return asm("mov.b32 $0, $1;", [Float32], [((word >> (8 * byte)) & Uint32(0xFF)) << 23])
+
+    # E2M1 nibble (s e1 e0 m) -> the E4M3 byte of value / 64: sign to bit 7, the 3 magnitude bits to bits 2..4
+    h.decode_low = lambda w: ((w << 4) & Uint32(0x80808080)) | ((w << 2) & Uint32(0x1C1C1C1C))
+    h.decode_high = lambda w: (w & Uint32(0x80808080)) | ((w >> 2) & Uint32(0x1C1C1C1C))
+    h.ue8m0_byte_to_f32 = ue8m0_byte_to_f32
+
+    def smem_desc(addr, lbo, sbo):
+        """WGMMA descriptor of a K-major operand without swizzle: start, K-direction and N-direction strides."""
+        lo = ((addr >> 4) & Int32(0x3FFF)) | Int32((lbo >> 4) << 16)
+        return Int64(lo) & Int64(0xFFFFFFFF) | Int64((sbo >> 4) << 32)
+
+    h.smem_desc = smem_desc
+    h.wgmma_fence = lambda: asm("wgmma.fence.sync.aligned;", [], [])
+
+    def wgmma_batch(n, a_regs, descs):
+        """len(descs) register-A m64n{n}k32 E4M3 WGMMAs, each into fresh accumulators; one commit, one wait
+        (one asm block, so nothing touches the accumulators between issue and wait)."""
+        per, count = n // 2, len(descs)
+        zero = f"${count * per + 5 * count}"
+        lines = ["{", ".reg .pred fresh;", f"setp.ne.b32 fresh, {zero}, 0;"]
+        for i in range(count):
+            d = ", ".join(f"${i * per + r}" for r in range(per))
+            a = ", ".join(f"${count * per + 4 * i + r}" for r in range(4))
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, "
+                         f"${count * per + 4 * count + i}, fresh, 1, 1;")
+        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+        return asm("\n".join(lines), [Float32] * (per * count), list(a_regs) + list(descs) + [Int32(0)])
+
+    h.wgmma_batch = wgmma_batch
+    return h
+
+
 # ---------------------------------------------------------------------------------------------- device code
 def _make_kernel(cfg: PortConfig):
     import cutlass  # the DSL is needed to build only
     from cutlass import Float32, Int32, Int64, Uint32, cute
 
-    from gc_moe.kernels.sm90 import ptx
-    from gc_moe.kernels.sm90.ptx import asm
+    ptx = _device_helpers()
+    asm = ptx.asm
 
     BN = cfg.block_n
     STAGES = cfg.stages
@@ -260,12 +350,12 @@ def _make_kernel(cfg: PortConfig):
         tile = Int64((tile0 + wg) * k_blocks + kb)
         src = w_codes + tile * TILE_BYTES + Int64(t * 32)
         dst = sbase + wg * TILE_BYTES + t * 32
-        ptx.cp_async_16_weights(dst, src, None)
-        ptx.cp_async_16_weights(dst + 16, src + Int64(16), None)
+        ptx.cp_async_16(dst, src)
+        ptx.cp_async_16(dst + 16, src + Int64(16))
         if tid < TILES_PER_CTA * 16:
             stile = Int64((tile0 + tid // 16) * k_blocks + kb)
-            ptx.cp_async_16_weights(sbase + cfg.scale_offset + tid * 16,
-                                    w_scales + stile * TILE_SCALE_BYTES + Int64((tid % 16) * 16), None)
+            ptx.cp_async_16(sbase + cfg.scale_offset + tid * 16,
+                            w_scales + stile * TILE_SCALE_BYTES + Int64((tid % 16) * 16))
         if tid < BN * 8:
             # B is K-major without swizzle: core matrix (8 tokens x 16 bytes) (n / 8, k / 16) at
             # ((n / 8) * 8 + k / 16) * 128, token n % 8 at 16 (n % 8) inside it
@@ -303,11 +393,11 @@ def _make_kernel(cfg: PortConfig):
             for jj in cutlass.range_constexpr(NP):
                 j = grp * NP + jj  # K32 block
                 lo_word, hi_word = words[2 * j], words[2 * j + 1]  # k 0..15 and 16..31 of the block
-                a_regs += [ptx.decode_fp4x4_low(lo_word), ptx.decode_fp4x4_high(lo_word),
-                           ptx.decode_fp4x4_low(hi_word), ptx.decode_fp4x4_high(hi_word)]
-                descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+                a_regs += [ptx.decode_low(lo_word), ptx.decode_high(lo_word),
+                           ptx.decode_low(hi_word), ptx.decode_high(hi_word)]
+                descs.append(ptx.smem_desc(sbase + cfg.b_offset + j * 256, 128, 1024))
             ptx.wgmma_fence()
-            part = ptx.wgmma_rs_e4m3_batch(BN, a_regs, descs)
+            part = ptx.wgmma_batch(BN, a_regs, descs)
             for jj in cutlass.range_constexpr(NP):
                 j = grp * NP + jj
                 w_lo = ptx.ue8m0_byte_to_f32(sc_lo, j)
@@ -454,12 +544,9 @@ def _make_kernel(cfg: PortConfig):
                 e2 = (word >> 16) & Int32(0xFF)
                 e3 = (word >> 24) & Int32(0xFF)
                 emax = e0
-                if e1 > emax:
-                    emax = e1
-                if e2 > emax:
-                    emax = e2
-                if e3 > emax:
-                    emax = e3
+                emax = max(emax, e1)
+                emax = max(emax, e2)
+                emax = max(emax, e3)
                 ej = (word >> (8 * ((chunk % 8) // 2))) & Int32(0xFF)
                 step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
                 if step < 0:
