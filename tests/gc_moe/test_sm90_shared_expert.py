@@ -156,6 +156,24 @@ def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order
             assert scale_mov > 0  # UE8M0 bytes become exponent fields (weights k32, or W1's x_sf)
 
 
+# --------------------------------------------------------------------------------------------- the GPU checks, on CPU
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 128, 128)], ids=["k32", "block128"])
+def test_gpu_checks_accept_the_twin_and_reject_misplaced_elements(recipe):
+    tokens = 6
+    weights, x, x_sf = se.random_inputs(512, 384, recipe, tokens, seed=11, device="cpu")
+    act, scale, y = se.emulate(weights, x, x_sf, tokens)
+    y = y.bfloat16().float()
+    _verify(weights, x, x_sf, tokens, act.float(), scale, y)
+    swapped = act.float().clone()
+    swapped[:, [5, 6]] = swapped[:, [6, 5]]  # two channels of one K128 group exchanged
+    with pytest.raises(AssertionError, match="W1 elements off"):
+        _verify(weights, x, x_sf, tokens, swapped, scale, y)
+    wrong = y.clone()
+    wrong[3, 100] = -wrong[3, 100] + 0.5
+    with pytest.raises(AssertionError, match="output elements off"):
+        _verify(weights, x, x_sf, tokens, act.float(), scale, wrong)
+
+
 # --------------------------------------------------------------------------------------------- GPU check
 def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, replays=1):
     """Launch W1 + W2 into combine lane `topk` of a poisoned [topk + 1, C, H] buffer; return everything the
@@ -191,23 +209,43 @@ def _check(hidden, inter, recipe, tokens, seed, **kw):
     assert torch.isfinite(y).all(), "an output element was not written"
     for again in outs[1:]:
         assert torch.equal(again, outs[0]), "a replay differs (fixup counters not reset?)"
-    act = ws.act[:tokens].float()
-    scale = ws.act_scale[:tokens]
+    return _verify(weights, x, x_sf, tokens, ws.act[:tokens].float(), ws.act_scale[:tokens], y)
+
+
+def _verify(weights, x, x_sf, tokens, act, scale, y):
+    """Every element of the intermediate (E4M3 values act, K128 scales) and of the output y (float32 [T, H])."""
+    inter = weights.intermediate
     assert torch.isfinite(act).all() and torch.isfinite(scale).all() and (scale > 0).all()
-    # every W1 element: one E4M3 rounding of the float32 SwiGLU, at the kernel's own K128 scale
+    # every W1 element: one E4M3 rounding of the float32 SwiGLU at the kernel's own K128 scale, plus what the
+    # FP8 WGMMA's accumulation may add (fewer mantissa bits than FP32 inside each K32 instruction: on the H200
+    # 1..23 elements per case landed just past the rounding-only bound). That error is bounded by 2^-13 of the
+    # sum of |terms| of each pre-activation, carried through SwiGLU's derivatives; beyond it nothing may land,
+    # and at most 0.1% of the elements may leave the rounding-only bound.
     _, twin_scale, _ = se.emulate(weights, x, x_sf, tokens)
     w1, w2 = weights.dequantize()
-    gu = dequantize_fp8_ue8m0(x[:tokens], x_sf[:tokens]) @ w1.T
+    x32 = dequantize_fp8_ue8m0(x[:tokens], x_sf[:tokens])
+    gu = x32 @ w1.T
     h = reference.swiglu(gu, alpha=1.0, clamp=10.0)
+    terms = x32.abs() @ w1.abs().T * 2.0**-13
+    d_gate, d_up = terms[:, :inter], terms[:, inter:]
+    gate, up = gu[:, :inter].clamp(max=10.0), gu[:, inter:].clamp(-10.0, 10.0)
+    d_h = 1.1 * up.abs() * d_gate + (gate * torch.sigmoid(gate)).abs() * d_up + d_gate * d_up
     got_h = (act.view(tokens, -1, 128) * scale[..., None]).view(tokens, inter)
     step = scale.repeat_interleave(128, dim=1)  # the E4M3 value 1 at this scale
-    bad = (got_h - h).abs() > 0.0625 * h.abs() + step * 2.0**-9 + 1e-5 * step * 448
+    rounding = 0.0625 * h.abs() + step * 2.0**-9 + 1e-5 * step * 448
+    err = (got_h - h).abs()
+    bad = err > rounding + 1.07 * d_h
     assert not bad.any(), f"{int(bad.sum())} W1 elements off, first at {bad.nonzero()[0].tolist()}"
+    assert int((err > rounding).sum()) <= 1e-3 * err.numel(), f"{int((err > rounding).sum())} W1 elements past rounding"
     assert torch.allclose(scale, twin_scale, rtol=1e-3, atol=0)
-    # every W2 element: float32 W2 on the kernel's own intermediate, one BF16 rounding
+    # every W2 element: float32 W2 on the kernel's own intermediate, one BF16 rounding (+ the same accumulation
+    # allowance; at most 0.1% of the elements past the rounding-only bound)
     twin_y = got_h @ w2.T
-    bad = (y - twin_y).abs() > 2.0**-8 * twin_y.abs() + 1e-4 * twin_y.abs().max()
+    rounding = 2.0**-8 * twin_y.abs() + 1e-4 * twin_y.abs().max()
+    err = (y - twin_y).abs()
+    bad = err > rounding + 1.004 * (got_h.abs() @ w2.abs().T) * 2.0**-13
     assert not bad.any(), f"{int(bad.sum())} output elements off, first at {bad.nonzero()[0].tolist()}"
+    assert int((err > rounding).sum()) <= 1e-3 * err.numel(), f"{int((err > rounding).sum())} outputs past rounding"
     # the whole shared path against the float32 reference
     ref = reference._shared_partial(dequantize_fp8_ue8m0(x[:tokens], x_sf[:tokens]), weights, alpha=1.0,
                                     clamp=10.0, requantize=False)
