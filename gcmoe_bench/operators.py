@@ -156,7 +156,7 @@ class GcAdapter(OperatorAdapter):
         fused_shared = bool(workload.shared_experts) and self.fuse_shared
         shape = (group, model.num_experts, model.capacity, model.topk, model.hidden, model.intermediate)
         shared_count = workload.shared_experts if fused_shared else 0
-        declined = ""
+        declined, shared_launch = "", None
         try:
             buffer = gc_moe.get_symm_buffer_for_gc_moe(*shape, mma_type="fp8xfp4", num_shared_experts=shared_count)
         except GcMoeConstraintError as exc:
@@ -183,18 +183,28 @@ class GcAdapter(OperatorAdapter):
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, shared_weights=w.shared, **call_args)
         elif workload.shared_experts:
             # unfused: the routed operator, then the shared expert as its own computation, summed
-            def run() -> None:
-                gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
-                output.add_(_shared_expert_output(workload))
-            note += ("; shared expert: float32 reference, added after the routed call (no SM90 shared-expert "
-                     "kernel is wired yet)")
+            shared_launch, why = _separate_shared_expert(buffer)
+            if shared_launch is not None:
+                shared_out = torch.empty(t, model.hidden, dtype=torch.bfloat16, device=workload.device)
+
+                def run() -> None:
+                    gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
+                    shared_launch(shared_out, w.shared, t)
+                    output.add_(shared_out)
+                note += f"; shared expert: the {backend} shared-expert kernel, launched after the routed call, added"
+            else:
+                def run() -> None:
+                    gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
+                    output.add_(_shared_expert_output(workload))
+                note += f"; shared expert: float32 reference, added after the routed call ({why})"
         else:
             def run() -> None:
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, **call_args)
 
         # the reference (the API's reference backend, or the unfused shared expert) synchronizes with the host;
         # a kernel backend's call is graph-capturable
-        capturable = backend != gc_moe.REFERENCE and not (workload.shared_experts and not fused_shared)
+        capturable = backend != gc_moe.REFERENCE and not (workload.shared_experts and not fused_shared
+                                                          and shared_launch is None)
         return Invocation(run, output, keep_alive=(buffer, w1, w2), capturable=capturable, note=note)
 
 
@@ -202,6 +212,26 @@ class GcUnfusedAdapter(GcAdapter):
     name = "gc-unfused"
     summary = "GC-MoE routed experts, shared expert computed separately and added (the fusion ablation)"
     fuse_shared = False
+
+
+def _separate_shared_expert(buffer) -> tuple[Callable | None, str]:
+    """(run(out, shared_weights, num_tokens), "") when the buffer's kernel backend has a shared-expert kernel
+    to launch on its own (its module's `separate_shared_expert`), else (None, why not)."""
+    from gc_moe.planning import GcMoeConstraintError
+
+    if buffer.backend == "reference":
+        return None, "the reference backend has no shared-expert kernel"
+    try:
+        module = importlib.import_module(f"gc_moe.kernels.{buffer.backend}.backend")
+    except ImportError as exc:
+        return None, f"gc_moe.kernels.{buffer.backend}.backend does not import ({exc})"
+    make = getattr(module, "separate_shared_expert", None)
+    if make is None:
+        return None, f"the {buffer.backend} backend has no separate shared-expert launch"
+    try:
+        return make(buffer), ""
+    except GcMoeConstraintError as exc:
+        return None, str(exc)
 
 
 _TRANSFORMED: dict = {}  # (backend layout, weight tensors' addresses and shapes) -> (w1, w2), one model at a time

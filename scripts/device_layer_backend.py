@@ -10,12 +10,16 @@ Steps (each prints JSON lines; a short table last):
    (`gc_moe.reference.moe_reference`); then the call captured in a torch CUDA graph (as the harness does) and
    replayed --replays times, every replay's y bit-equal to the eager y (counted on the device), one eager call
    after the replays equal too, control words: one finalized replay per call, no arrival errors, no overflow;
+   The same with the shared expert fused (role4 nodes writing combine lane k; the slice's FP8 recipe:
+   GLM-5.2 (1, 128, 128), DeepSeek (1, 1, 32)), and the unfused path's separate shared-expert launch alone
+   against the reference's shared expert (cosine >= 0.99, processed difference <= 0.002);
 2. --long-replays replays of one point (--long-model, --long-tokens) with the same checks (no deadlock: the
    waits are bounded by GC_MOE_WAIT_TIMEOUT_S, and the caller wraps the script in `timeout`);
 3. the bounded wait: the ring-consumer W1 alone (no dispatch) in a child process must trap after 1 s;
 4. latency per token count (--latency-tokens) for both models: a graph of 10 back-to-back calls replayed
    --latency-replays times, microseconds per call, beside the stand-alone grouped GEMM (W1 + W2 only, warm,
-   docs/sm90-grouped-gemm.md, measured 2026-12-02 on the H200).
+   docs/sm90-grouped-gemm.md, measured 2026-12-02 on the H200), and with the shared expert fused at 1, 8,
+   64 and 256 tokens.
 
     gcmoe-bench build --arch sm_90a --profile h200        # on the build machine; copy .cubin-cache over
     PYTHONPATH=operator GC_MOE_WAIT_TIMEOUT_S=30 python scripts/device_layer_backend.py --out device-out
@@ -61,15 +65,15 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=1)
     p.add_argument("--latency-tokens", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--latency-replays", type=int, default=50)
-    p.add_argument("--skip", default="", help="comma-separated steps to skip: points,long,bounded,latency")
+    p.add_argument("--skip", default="", help="comma-separated steps to skip: points,shared,long,bounded,latency")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    out = {"points": [], "long": None, "bounded": None, "latency": [], "backend": None}
+    out = {"points": [], "separate_shared": [], "long": None, "bounded": None, "latency": [], "backend": None}
     ok = True
-    layers = {}
+    layers, shared_layers = {}, {}
     for name in args.models.split(","):
         started = time.perf_counter()
         layers[name] = lc.ApiLayer(lc.SLICES[name], dev, seed=11)
@@ -81,20 +85,40 @@ def main() -> int:
             reason = api.registered_backends()["sm90"].unavailable_reason(dev, api.device_arch(dev))
             print(f"FAIL: the API picked {backend!r}, not 'sm90': {reason}", flush=True)
             return 1
+        if "shared" not in skip:
+            try:
+                shared_layers[name] = lc.ApiLayer(lc.SLICES[name], dev, seed=11, shared=True,
+                                                  weights=(layers[name].l1, layers[name].l2))
+            except Exception as exc:  # noqa: BLE001
+                print(json.dumps({"model": name, "suite": "shared", "error": f"{type(exc).__name__}: {exc}"}))
+                ok = False
         if "points" in skip:
             continue
-        for t in (int(v) for v in args.tokens.split(",")):
-            try:
-                r = lc.check_point(layers[name], t, seed=1000 + t)
-                y = r.pop("y")
-                r.update(lc.replay_check(layers[name], y, t, args.replays))
-                r["pass"] = point_passes(r, args.replays)
-            except Exception as exc:  # noqa: BLE001  (one point's failure is reported, the others still run)
-                r = {"tokens": t, "error": f"{type(exc).__name__}: {exc}", "pass": False}
-            r["model"] = name
-            ok &= r["pass"]
-            out["points"].append(r)
-            print(json.dumps(r), flush=True)
+        suites = [("routed", layers[name])] + ([("shared", shared_layers[name])] if name in shared_layers else [])
+        for suite, layer in suites:
+            for t in (int(v) for v in args.tokens.split(",")):
+                try:
+                    r = lc.check_point(layer, t, seed=1000 + t)
+                    y = r.pop("y")
+                    r.update(lc.replay_check(layer, y, t, args.replays))
+                    r["pass"] = point_passes(r, args.replays)
+                except Exception as exc:  # noqa: BLE001  (one point's failure is reported, the others still run)
+                    r = {"tokens": t, "error": f"{type(exc).__name__}: {exc}", "pass": False}
+                r["model"], r["suite"] = name, suite
+                ok &= r["pass"]
+                out["points"].append(r)
+                print(json.dumps(r), flush=True)
+        if "shared" not in skip:  # the unfused path's shared expert, launched on its own
+            for t in (1, 256):
+                try:
+                    r = lc.check_separate_shared(layers[name], t, seed=3000 + t)
+                    r["pass"] = r["nonfinite"] == 0 and r["cosine"] >= 0.99 and r["processed_diff"] <= 0.002
+                except Exception as exc:  # noqa: BLE001
+                    r = {"tokens": t, "error": f"{type(exc).__name__}: {exc}", "pass": False}
+                r["model"] = name
+                ok &= r["pass"]
+                out["separate_shared"].append(r)
+                print(json.dumps(r), flush=True)
 
     if "long" not in skip:
         layer = layers[args.long_model]
@@ -123,36 +147,45 @@ def main() -> int:
     if "latency" not in skip:
         for name, layer in layers.items():
             for t in (int(v) for v in args.latency_tokens.split(",")):
-                try:
-                    us = lc.time_calls(layer, t, seed=5000 + t, replays=args.latency_replays)
-                except Exception as exc:  # noqa: BLE001
-                    us = float("nan")
-                    print(json.dumps({"model": name, "tokens": t, "error": f"{type(exc).__name__}: {exc}"}))
-                    ok = False
-                gemm = STANDALONE_GEMM_US.get(name, {}).get(t)
-                out["latency"].append({"model": name, "tokens": t, "layer_us": us, "standalone_gemm_us": gemm})
+                row = {"model": name, "tokens": t, "standalone_gemm_us": STANDALONE_GEMM_US.get(name, {}).get(t)}
+                for key, timed in (("layer_us", layer), ("shared_fused_us", shared_layers.get(name))):
+                    if timed is None or (key == "shared_fused_us" and t not in (1, 8, 64, 256)):
+                        row[key] = float("nan")
+                        continue
+                    try:
+                        row[key] = lc.time_calls(timed, t, seed=5000 + t, replays=args.latency_replays)
+                    except Exception as exc:  # noqa: BLE001
+                        row[key] = float("nan")
+                        print(json.dumps({"model": name, "tokens": t, "timed": key,
+                                          "error": f"{type(exc).__name__}: {exc}"}))
+                        ok = False
+                out["latency"].append(row)
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "device_layer_backend.json").write_text(json.dumps(out, indent=1))
-    print(f"\n{'model':20s} {'T':>4} {'rows':>5} {'cosine':>9} {'pdiff':>9} {'nonfin':>6} {'replays':>7} {'bad':>4} "
+    print(f"\n{'model':20s} {'suite':6s} {'T':>4} {'rows':>5} {'cosine':>9} {'pdiff':>9} {'nonfin':>6} {'replays':>7} {'bad':>4} "
           f"{'us/rep':>7} {'arrive':>6}")
     for r in out["points"] + ([out["long"]] if out["long"] else []):
         if "error" in r:
-            print(f"{r['model']:20s} {r['tokens']:>4} ERROR {r['error']}")
+            print(f"{r['model']:20s} {r.get('suite', ''):6s} {r['tokens']:>4} ERROR {r['error']}")
             continue
-        print(f"{r['model']:20s} {r['tokens']:>4} {r['rows']:>5} {r['cosine']:>9.6f} {r['processed_diff']:>9.2e} "
+        print(f"{r['model']:20s} {r.get('suite', 'routed'):6s} {r['tokens']:>4} {r['rows']:>5} {r['cosine']:>9.6f} {r['processed_diff']:>9.2e} "
               f"{r['nonfinite']:>6} {r['replays']:>7} {r['mismatched_replays'] + r['eager_after_mismatch']:>4} "
               f"{r['us_per_replay_with_check']:>7.1f} {r['arrival_errors_added']:>6}  {'PASS' if r['pass'] else 'FAIL'}")
+    for r in out["separate_shared"]:
+        print(f"separate shared expert {r['model']:20s} T {r['tokens']:>4}: " + (
+            f"ERROR {r['error']}" if "error" in r else f"cosine {r['cosine']:.6f} pdiff {r['processed_diff']:.2e} "
+            f"nonfinite {r['nonfinite']}  {'PASS' if r['pass'] else 'FAIL'}"))
     if out["bounded"]:
         b = out["bounded"]
         print(f"bounded wait (W1 alone, 1 s): exit {b['exit']} after {b['seconds']} s  {'PASS' if b['pass'] else 'FAIL'}")
     if out["latency"]:
-        print(f"\n{'model':20s} {'T':>4} {'layer us':>9} {'GEMM us':>8} {'overhead':>8}")
+        print(f"\n{'model':20s} {'T':>4} {'layer us':>9} {'GEMM us':>8} {'overhead':>8} {'+shared':>8}")
         for r in out["latency"]:
-            g = r["standalone_gemm_us"]
-            print(f"{r['model']:20s} {r['tokens']:>4} {r['layer_us']:>9.1f} {g if g else float('nan'):>8.1f} "
-                  f"{r['layer_us'] - g if g else float('nan'):>8.1f}")
+            g = r["standalone_gemm_us"] or float("nan")
+            print(f"{r['model']:20s} {r['tokens']:>4} {r['layer_us']:>9.1f} {g:>8.1f} {r['layer_us'] - g:>8.1f} "
+                  f"{r['shared_fused_us']:>8.1f}")
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

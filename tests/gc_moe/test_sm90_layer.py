@@ -72,7 +72,6 @@ def test_both_model_slices_are_supported(shape):
     ({"num_experts": 4096}, "at most 2048"),
     ({"num_experts": 33, "num_ranks": 2}, "a multiple of the rank count"),
     ({"topk": 32, "num_shared_experts": 1}, "at most 32 combine lanes"),
-    ({"num_shared_experts": 1}, "backend='reference'"),
     ({"activation_alpha": 1.5}, "alpha 1; allowed: 1"),
     ({"activation_clamp": None}, "clamp 10; allowed: 10"),
     ({"activation_clamp": 7.0}, "activation_clamp 7.0"),
@@ -82,11 +81,49 @@ def test_unsupported_configurations_say_what_is_allowed(change, expected):
     assert any(expected in r for r in reasons), reasons
 
 
-def test_allocate_refuses_shared_experts_with_a_constraint_error_naming_the_reference():
+def test_shared_experts_declined_while_their_kernel_cannot_run(monkeypatch):
+    monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason", lambda: "no role4 cubins here")
+    reasons = sm90_layer.unsupported_reasons(**GLM, num_shared_experts=1)
+    assert reasons == ["num_shared_experts 1: no role4 cubins here; allowed: 0 (the reference backend serves shared "
+                       "experts: get_symm_buffer_for_gc_moe(..., backend='reference'))"]
+    monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason", lambda: None)
+    assert sm90_layer.unsupported_reasons(**GLM, num_shared_experts=1) == []
+
+
+def test_shared_expert_reason_names_the_build_command_or_the_missing_module(tmp_path, monkeypatch):
+    from gc_moe.runtime import jit
+
+    monkeypatch.setattr(jit, "dsl_available", lambda: False)
+    monkeypatch.setattr(sm90_layer, "_shared_reason_cache", {})
+    reason = sm90_layer.shared_expert_unavailable_reason(tmp_path)
+    assert "shared-expert kernels are not in the cubin cache" in reason and "gcmoe-bench build --arch sm_90a" in reason
+    monkeypatch.setattr(jit, "dsl_available", lambda: True)
+    monkeypatch.setattr(sm90_layer, "_shared_reason_cache", {})
+    assert sm90_layer.shared_expert_unavailable_reason(tmp_path) is None
+    monkeypatch.setattr(sm90_layer, "SHARED_EXPERT_MODULE", "gc_moe.kernels.sm90.no_such_shared_expert")
+    assert "is not part of this build" in sm90_layer.shared_expert_unavailable_reason(tmp_path)
+
+
+def test_check_shared_weights():
+    from gc_moe.formats import quantize_shared_expert_weights
+
+    shape = sm90_layer.layer_shape(1, 2, 1, 256, 128, 4, num_shared_experts=1)
+    good = quantize_shared_expert_weights(torch.randn(256, 256) / 16, torch.randn(256, 128) / 11)
+    sm90_layer.check_shared_weights(shape, good, torch.device("cpu"))
+    wide = quantize_shared_expert_weights(torch.randn(512, 256) / 16, torch.randn(256, 256) / 16)
+    with pytest.raises(ValueError, match="Is=256; allowed: H=256, Is=128"):
+        sm90_layer.check_shared_weights(shape, wide, torch.device("cpu"))
+    with pytest.raises(TypeError, match="SharedExpertWeights"):
+        sm90_layer.check_shared_weights(shape, (good.w1, good.w2), torch.device("cpu"))
+
+
+def test_allocate_refuses_shared_experts_with_a_constraint_error_naming_the_reference(monkeypatch):
+    monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason", lambda: "role4 cubins missing")
     buffer = api.GcMoeBuffer(group=None, num_experts=32, capacity=256, topk=8, hidden=6144, intermediate=2048,
                              mma_type="fp8xfp4", num_shared_experts=1, device=torch.device("cpu"), rank=0,
                              world_size=1, backend="sm90", x=None, x_sf=None, topk_idx=None, topk_weights=None)
-    with pytest.raises(GcMoeConstraintError, match="sm90 backend: num_shared_experts 1: .*role4.*backend='reference'"):
+    with pytest.raises(GcMoeConstraintError, match="sm90 backend: num_shared_experts 1: role4 cubins missing.*"
+                                                   "backend='reference'"):
         sm90_backend.allocate(buffer)
 
 

@@ -1,6 +1,7 @@
 """The SM90 layer through `gc_moe.fp8_fp4_gc_moe` on an sm_90 GPU (the `sm90` backend), at the H200 profile's
 per-rank slices of both models: fresh random weights and inputs, y poisoned with NaN, every element finite,
-cosine and processed difference against the float32 reference; graph replays bit-equal to the eager call; the
+cosine and processed difference against the float32 reference (routed, and with the shared expert fused as
+role4 nodes); the unfused path's separate shared-expert launch; graph replays bit-equal to the eager call; the
 bounded wait. Skipped without an sm_90 GPU or without the layer's cubins (the reason says which)."""
 
 import os
@@ -92,3 +93,40 @@ def test_bounded_wait_traps_after_its_timeout():
     elapsed = time.perf_counter() - started
     assert proc.returncode == lc.BOUNDED_WAIT_EXIT, (proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
     assert elapsed < 60, elapsed
+
+
+@pytest.fixture(scope="module", params=["glm-5.2", "deepseek-v4.1-flash"])
+def shared_layer(request):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    layer = lc.ApiLayer(lc.SLICES[request.param], torch.device("cuda"), seed=29, backend="sm90", shared=True)
+    yield layer
+    layer.buffer.destroy()
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+def test_fused_shared_expert_matches_the_float32_reference(shared_layer, num_tokens):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    assert shared_layer.buffer.backend == "sm90" and shared_layer.buffer.extras["sm90_layer"].shared is not None
+    r = lc.check_point(shared_layer, num_tokens, seed=num_tokens * 37 + int(time.time()) % 1000)
+    assert r["nonfinite"] == 0 and r["cosine"] >= 0.99 and r["processed_diff"] <= 0.002, r
+
+
+@needs_sm90
+def test_fused_shared_graph_replays_equal_the_eager_call(shared_layer):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    r = lc.check_point(shared_layer, 8, seed=808)
+    rep = lc.replay_check(shared_layer, r.pop("y"), 8, replays=1000)
+    assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0 and rep["replays_added"] == 1001, rep
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_tokens", [1, 256])
+def test_separate_shared_expert_launch(api_layer, num_tokens):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    r = lc.check_separate_shared(api_layer, num_tokens, seed=4242 + num_tokens)
+    assert r["nonfinite"] == 0 and r["cosine"] >= 0.99 and r["processed_diff"] <= 0.002, r

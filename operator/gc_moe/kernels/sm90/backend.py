@@ -5,10 +5,12 @@ nor a GPU. It serves compute capability 9.0 when the driver bindings import and 
 cache (or the DSL is installed to build them); `unavailable_reason` says which of these is missing. Per buffer,
 `allocate` builds one `Sm90Layer` (partition, workspace, kernels; P = 1 in a plain allocation, P > 1 in torch
 symmetric memory over the buffer's group) whose input regions are the buffer's x, x_sf, topk_idx and
-topk_weights; a configuration the layer cannot run raises `GcMoeConstraintError` naming what is allowed (shared
-experts among them until role4 is wired: the reference backend serves those). `run` launches the layer's child
-graph for (token count, y, weights), or attaches it when torch is capturing a CUDA graph: the call is
-capturable and does no host synchronization. Waits are bounded by GC_MOE_WAIT_TIMEOUT_S (default 3600 s).
+topk_weights; a configuration the layer cannot run raises `GcMoeConstraintError` naming what is allowed.
+Shared experts run fused, as role4 nodes of the layer graph writing combine lane k, when the shared-expert
+kernel (`kernels.sm90.shared_expert`) and its cubins are here; otherwise they are declined with the reason
+(the reference backend serves them). `separate_shared_expert` gives the unfused ablation its own launches.
+`run` launches the layer's child graph for (token count, y, weights), or attaches it when torch is capturing
+a CUDA graph: the call is capturable and does no host synchronization. Waits are bounded by GC_MOE_WAIT_TIMEOUT_S (default 3600 s).
 """
 
 from __future__ import annotations
@@ -93,7 +95,35 @@ def run(y_rows, w1, w2, buffer: api.GcMoeBuffer, num_tokens: int, options: dict)
     if problems:
         raise GcMoeConstraintError([f"sm90 backend: {p}" for p in problems])
     l1, l2 = _matrices(w1, w2)
-    buffer.extras["sm90_layer"].run(y_rows, num_tokens, l1, l2)
+    buffer.extras["sm90_layer"].run(y_rows, num_tokens, l1, l2, shared=options.get("shared_weights"))
+
+
+def separate_shared_expert(buffer: api.GcMoeBuffer):
+    """The unfused path's shared expert (the fusion ablation): role4 as launches of its own after the routed
+    call, reading the buffer's x / x_sf in place. Returns run(out, shared_weights, num_tokens), which writes
+    out rows [0, num_tokens) (bf16 [>= T, H], contiguous) on torch's current stream (capturable). Raises
+    GcMoeConstraintError saying why when the shared-expert kernel cannot run here."""
+    import torch
+
+    reason = sm90_layer.shared_expert_unavailable_reason()
+    if reason:
+        raise GcMoeConstraintError([f"sm90 backend: shared expert: {reason}"])
+    layer = buffer.extras["sm90_layer"]
+    if "sm90_shared_expert" not in buffer.extras:
+        buffer.extras["sm90_shared_expert"] = sm90_layer.SharedExpert(
+            buffer.hidden, buffer.intermediate, buffer.capacity, buffer.device, layer.parts.describe()["compute_sms"])
+    shared_expert = buffer.extras["sm90_shared_expert"]
+
+    def run_shared(out, shared_weights, num_tokens: int) -> None:
+        sm90_layer.check_shared_weights(layer.shape, shared_weights, buffer.device)
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape[0] < num_tokens \
+                or out.shape[-1] != buffer.hidden:
+            raise ValueError(f"out: {out.dtype} {list(out.shape)}; allowed: contiguous bfloat16 "
+                             f"[>= {num_tokens}, {buffer.hidden}]")
+        shared_expert.launch(shared_weights, buffer.x, buffer.x_sf, out, num_tokens,
+                             torch.cuda.current_stream(buffer.device))
+
+    return run_shared
 
 
 api.register_backend(

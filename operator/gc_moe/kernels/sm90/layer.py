@@ -84,10 +84,72 @@ def unsupported_reasons(*, num_experts: int, num_ranks: int, topk: int, hidden: 
     return problems
 
 
-def shared_expert_unavailable_reason() -> str | None:
-    """Why shared experts cannot run as a node of the layer graph (None once they can)."""
-    return ("the SM90 shared-expert kernel (role4, gc_moe.kernels.sm90.shared_expert) is not wired into the layer "
-            "graph yet")
+_shared_reason_cache: dict = {}
+
+
+def shared_expert_unavailable_reason(cache_dir=None) -> str | None:
+    """Why the shared expert (role4, `kernels.sm90.shared_expert`) cannot run here: its module is absent, or
+    its cubins are neither in the cache nor buildable (no DSL). None when it can."""
+    import importlib
+
+    from gc_moe.runtime import jit
+
+    try:
+        se = importlib.import_module(SHARED_EXPERT_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name and SHARED_EXPERT_MODULE.startswith(exc.name):
+            return f"the SM90 shared-expert kernel ({SHARED_EXPERT_MODULE}) is not part of this build"
+        raise
+    cache_dir = cache_dir or jit.default_cache_dir()
+    if cache_dir not in _shared_reason_cache:
+        missing = [v.describe() for v in se.all_variants() if jit.find_entry(v, ARCH, cache_dir) is None]
+        _shared_reason_cache[cache_dir] = None if not missing or jit.dsl_available() else (
+            f"{len(missing)} shared-expert kernels are not in the cubin cache {cache_dir} (e.g. {missing[0]}): run "
+            f"`{jit.build_command(ARCH, 'h200')}`")
+    return _shared_reason_cache[cache_dir]
+
+
+def check_shared_weights(shape: ll.LayerShape, shared, device) -> None:
+    """Shared-expert weights (formats.SharedExpertWeights) at the layer's H and I, on its device."""
+    if not all(hasattr(shared, a) for a in ("w1", "w1_sf", "w2", "w2_sf", "recipe", "hidden", "intermediate")):
+        raise TypeError(f"shared_weights: got {type(shared).__name__}; allowed: formats.SharedExpertWeights")
+    if (shared.hidden, shared.intermediate) != (shape.hidden, shape.intermediate):
+        raise ValueError(f"shared_weights: H={shared.hidden}, Is={shared.intermediate}; allowed: H={shape.hidden}, "
+                         f"Is={shape.intermediate} (one shared expert of the routed experts' size)")
+    if shared.w1.device != device:
+        raise ValueError(f"shared_weights: on {shared.w1.device}; allowed: the layer's device {device}")
+
+
+class SharedExpert:
+    """Role4 on one rank: the shared expert's workspace and kernels (both recipes), and its two launches
+    (W1 then W2) for a token count, an output and weights, as graph nodes or as eager launches. The output
+    is combine lane k of the layer (fused) or any BF16 [T, H] rows (the unfused path)."""
+
+    def __init__(self, hidden: int, intermediate: int, capacity: int, device, num_sms: int):
+        import importlib
+
+        reason = shared_expert_unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        self.se = importlib.import_module(SHARED_EXPERT_MODULE)
+        self.hidden, self.intermediate, self.capacity = hidden, intermediate, capacity
+        self.ws = self.se.SharedExpertWorkspace.allocate(hidden, intermediate, capacity, device, num_sms)
+        self.kernels = {}
+        for recipe in self.se.RECIPES:  # loaded now: a graph first built inside a capture loads nothing
+            self.kernels[recipe] = {key: _load(self.se.variant(key[0], key[1], self.se.recipe_name(recipe)))
+                                    for key in ((r, bn) for r in ("w1", "w2") for bn in self.se.BLOCK_N_CHOICES)}
+            for k in self.kernels[recipe].values():
+                k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
+
+    def nodes(self, shared, x, x_sf, out, out_row_stride: int, num_tokens: int) -> list:
+        plan = self.se.plan_launch(max(1, num_tokens), self.hidden, self.intermediate, self.ws.num_sms)
+        return self.se.launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out, out_row_stride,
+                                   num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA, clamp=SWIGLU_CLAMP)
+
+    def launch(self, shared, x, x_sf, out, num_tokens: int, stream) -> None:
+        """Eager W1 then W2 on `stream` into out rows [0, num_tokens) (stride H); captured when it captures."""
+        if num_tokens:
+            self.se.launch(stream, self.nodes(shared, x, x_sf, out, self.hidden, num_tokens))
 
 
 def layer_shape(num_ranks: int, num_experts: int, topk: int, hidden: int, intermediate: int, capacity: int,
@@ -226,6 +288,10 @@ class Sm90Layer:
         for bn in gg.BLOCK_N_CHOICES:
             for k in self.gemm_kernels(bn):
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
+        self.shared = None
+        if shape.num_shared_experts:
+            self.shared = SharedExpert(shape.hidden, shape.intermediate, shape.capacity, device,
+                                       described["compute_sms"])
         self._stage = None  # output rows for a non-contiguous or empty y
         self._graphs: OrderedDict = OrderedDict()
 
@@ -239,8 +305,9 @@ class Sm90Layer:
         w2 = _load(gg.variant("w2", block_n, ring_consumer=True))
         return w1, w2
 
-    def build_graph(self, y, num_tokens: int, l1, l2):
-        """The child graph of one call: [dispatch || W1] -> W2 -> finalize (finalize also after dispatch)."""
+    def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
+        """The child graph of one call: [dispatch || W1] -> W2 -> finalize (finalize also after dispatch); with
+        shared experts also the shared W1 -> W2 (role4, a third root) into combine lane k, before finalize."""
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
@@ -257,9 +324,13 @@ class Sm90Layer:
                                   ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
                                   gg.ring_args_w2(ws, shape))
         w2 = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
+        before_finalize = [d, w2]
+        if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
+            nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens)
+            before_finalize.append(self.shared.se.add_to_graph(g, self.parts.compute_context, nodes)[-1])
         g.add_kernel("finalize", self.k_finalize, self.finalize_ctas,
                      finalize.finalize_args(ws, shape, y, num_tokens, self.dispatch_ctas, self.timeout_s),
-                     self.parts.compute_context, depends_on=[d, w2])
+                     self.parts.compute_context, depends_on=before_finalize)
         return g
 
     def _output_rows(self, y, num_tokens: int):
@@ -273,25 +344,35 @@ class Sm90Layer:
                                       device=self.device)
         return self._stage, True
 
-    def graph(self, y, num_tokens: int, l1, l2):
+    def graph(self, y, num_tokens: int, l1, l2, shared=None):
         """The cached child graph for (token count, output rows, weights); built on first use."""
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
                l2.factor.data_ptr())
+        if shared is not None:
+            key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self.build_graph(target, num_tokens, l1, l2)
+            g = self._graphs[key] = self.build_graph(target, num_tokens, l1, l2, shared)
             while len(self._graphs) > GRAPH_CACHE_SIZE:  # captured copies of an evicted graph stay valid
                 self._graphs.popitem(last=False)[1].destroy()
         else:
             self._graphs.move_to_end(key)
         return g, target, staged
 
-    def run(self, y, num_tokens: int, l1, l2, stream=None) -> None:
+    def run(self, y, num_tokens: int, l1, l2, stream=None, shared=None) -> None:
         """One layer call into y[:num_tokens] (bf16 [>= num_tokens, H]) on `stream` (default: torch's current
-        stream). Inside a torch CUDA graph capture the child graph is attached to the capture; otherwise it is
-        launched. No host synchronization either way."""
+        stream); `shared`: the shared expert's weights (formats.SharedExpertWeights), required iff the layer
+        was made with a shared expert. Inside a torch CUDA graph capture the child graph is attached to the
+        capture; otherwise it is launched. No host synchronization either way."""
         import torch
+
+        if (shared is None) != (self.shared is None):
+            raise ValueError(f"shared: {'given' if shared is not None else 'None'}; allowed: "
+                             f"{'formats.SharedExpertWeights' if self.shared else 'None'} (the layer has "
+                             f"{self.shape.num_shared_experts} shared experts)")
+        if shared is not None:
+            check_shared_weights(self.shape, shared, self.device)
 
         if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != self.shape.hidden or y.shape[0] < num_tokens:
             raise ValueError(f"y: {y.dtype} {list(y.shape)}; allowed: bfloat16 [>= {num_tokens}, "
@@ -299,7 +380,7 @@ class Sm90Layer:
         if y.device != self.device:
             raise ValueError(f"y: on {y.device}; allowed: the layer's device {self.device}")
         check_weights(self.shape, l1, l2, self.device)
-        g, target, staged = self.graph(y[:num_tokens] if num_tokens else y, num_tokens, l1, l2)
+        g, target, staged = self.graph(y[:num_tokens] if num_tokens else y, num_tokens, l1, l2, shared)
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         if torch.cuda.is_current_stream_capturing():
             g.attach_to_capture(stream)

@@ -20,11 +20,12 @@ class Slice:
     hidden: int
     intermediate: int
     capacity: int = 256
+    shared_recipe: tuple = (1, 1, 32)  # the shared expert's FP8 recipe (models.csv shared_k_group)
 
 
 SLICES = {
-    "glm-5.2": Slice("glm-5.2", 32, 8, 6144, 2048),
-    "deepseek-v4.1-flash": Slice("deepseek-v4.1-flash", 48, 6, 5120, 2304),
+    "glm-5.2": Slice("glm-5.2", 32, 8, 6144, 2048, shared_recipe=(1, 128, 128)),
+    "deepseek-v4.1-flash": Slice("deepseek-v4.1-flash", 48, 6, 5120, 2304, shared_recipe=(1, 1, 32)),
 }
 
 
@@ -40,6 +41,18 @@ def random_weights(s: Slice, device, seed: int):
     l1, l2 = quantize_moe_weights(w1, w2)
     del w1, w2
     return l1, l2
+
+
+def random_shared_weights(s: Slice, device, seed: int):
+    """Fresh FP8 shared-expert weights in the slice's recipe, N(0, 1/fan_in)."""
+    import torch
+
+    from gc_moe.formats import quantize_shared_expert_weights
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    w1 = torch.randn(2 * s.intermediate, s.hidden, device=device, generator=g) / math.sqrt(s.hidden)
+    w2 = torch.randn(s.hidden, s.intermediate, device=device, generator=g) / math.sqrt(s.intermediate)
+    return quantize_shared_expert_weights(w1, w2, s.shared_recipe)
 
 
 def random_inputs(s: Slice, num_tokens: int, device, seed: int):
@@ -58,13 +71,16 @@ def random_inputs(s: Slice, num_tokens: int, device, seed: int):
 class ApiLayer:
     """One slice's buffer and weights through the public API (`gc_moe.api`), on the backend it picks."""
 
-    def __init__(self, s: Slice, device, seed: int = 7, backend: str | None = None):
+    def __init__(self, s: Slice, device, seed: int = 7, backend: str | None = None, shared: bool = False,
+                 weights=None):
         from gc_moe import api
 
         self.slice, self.device = s, device
-        self.l1, self.l2 = random_weights(s, device, seed)
+        self.l1, self.l2 = weights if weights is not None else random_weights(s, device, seed)
+        self.shared_weights = random_shared_weights(s, device, seed + 1) if shared else None
         self.buffer = api.get_symm_buffer_for_gc_moe(None, s.num_experts, s.capacity, s.topk, s.hidden,
-                                                     s.intermediate, device=device, backend=backend)
+                                                     s.intermediate, num_shared_experts=int(shared), device=device,
+                                                     backend=backend)
         self.w1, self.w2 = api.transform_weights_for_gc_moe(self.l1, self.l2)
 
     def stage(self, x, x_sf, idx, wts) -> None:
@@ -78,7 +94,7 @@ class ApiLayer:
         from gc_moe import api
 
         api.fp8_fp4_gc_moe(y, self.w1, self.w2, self.buffer, activation_alpha=ALPHA, activation_clamp=CLAMP,
-                           num_tokens=num_tokens)
+                           num_tokens=num_tokens, shared_weights=self.shared_weights)
 
     def control(self) -> dict:
         layer = self.buffer.extras.get("sm90_layer")
@@ -99,10 +115,34 @@ def check_point(layer: ApiLayer, num_tokens: int, seed: int) -> dict:
     y = torch.full((num_tokens, layer.slice.hidden), float("nan"), dtype=torch.bfloat16, device=layer.device)
     layer.call(y, num_tokens)
     torch.cuda.synchronize(layer.device)
-    ref = moe_reference(x, x_sf, idx, wts, layer.l1, layer.l2, activation_alpha=ALPHA, activation_clamp=CLAMP)
+    ref = moe_reference(x, x_sf, idx, wts, layer.l1, layer.l2, activation_alpha=ALPHA, activation_clamp=CLAMP,
+                        shared_weights=layer.shared_weights)
     yf, rf = y.float().cpu(), ref.float().cpu()
     return {"tokens": num_tokens, "rows": int((idx >= 0).sum()), "nonfinite": int((~torch.isfinite(yf)).sum()),
             "cosine": metrics.cosine(yf, rf), "processed_diff": metrics.processed_diff(yf, rf), "y": y}
+
+
+def check_separate_shared(layer: ApiLayer, num_tokens: int, seed: int) -> dict:
+    """The unfused path's shared expert (`backend.separate_shared_expert`) alone on fresh inputs into poisoned
+    rows, against the float32 reference with every routed slot empty (the shared expert only)."""
+    import torch
+
+    from gc_moe import metrics
+    from gc_moe.kernels.sm90 import backend as sm90_backend
+    from gc_moe.reference import moe_reference
+
+    x, x_sf, idx, wts = random_inputs(layer.slice, num_tokens, layer.device, seed)
+    layer.stage(x, x_sf, idx, wts)
+    shared = random_shared_weights(layer.slice, layer.device, seed + 1)
+    out = torch.full((num_tokens, layer.slice.hidden), float("nan"), dtype=torch.bfloat16, device=layer.device)
+    sm90_backend.separate_shared_expert(layer.buffer)(out, shared, num_tokens)
+    torch.cuda.synchronize(layer.device)
+    none = torch.full_like(idx, -1)
+    ref = moe_reference(x, x_sf, none, torch.zeros_like(wts), layer.l1, layer.l2, activation_alpha=ALPHA,
+                        activation_clamp=CLAMP, shared_weights=shared)
+    of, rf = out.float().cpu(), ref.float().cpu()
+    return {"tokens": num_tokens, "nonfinite": int((~torch.isfinite(of)).sum()), "cosine": metrics.cosine(of, rf),
+            "processed_diff": metrics.processed_diff(of, rf)}
 
 
 def capture(layer: ApiLayer, y, num_tokens: int, calls: int = 1):
