@@ -136,15 +136,17 @@ def w1_float32_parts(ring_act, ring_scale, expert_offsets, routing_weight, w1f, 
     return parts
 
 
-# the kernel's float result h differs from the float32 `a` by its own arithmetic: fast sigmoid, reciprocal and
+# The kernel's float result h differs from the float32 `a` by its own arithmetic: fast sigmoid, reciprocal and
 # the scale's 448 * rcp(amax) against amax / 448 (a few 2^-22 relative, covered by 2^-10 |a|), and the FP8
-# tensor core's sums: each m64nNk32 WGMMA adds its 32 exact products in a narrower accumulator than FP32
-# (Hopper keeps ~13-14 mantissa bits, why DeepGEMM promotes to FP32 every K128), an error that scales with
-# the products' magnitudes, so with `conditioning`, not with |a|. 2^-11 of it bounds a truncation of every
-# product below ~2^-13 of the largest one in a 32-product sum (the biased worst case ~2^-8.5 of the
-# conditioning, typical ~2^-13).
+# tensor core's sums: each m64nNk32 WGMMA adds its 32 exact products in an accumulator narrower than FP32
+# (why DeepGEMM promotes to FP32 every K128). That error scales with the products' magnitudes, so with the
+# conditioning, not with |a|: where gate or up nearly cancel (|up| = 6e-5 against sum |x w| ~ 1), h may sit a
+# few percent from a and its byte one or two E4M3 steps (subnormal ones included) from a's own rounding.
+# On the H200 (2026-12-02, T = 64 and 256, 327,680 elements) the largest distance was 2^-18.4 of the
+# conditioning; 2^-16 leaves a factor ~5 and still flags any element more than ~2^-11 of |a| off for a
+# typical element (conditioning ~ 32 |a|).
 W1_RELATIVE_SLACK = 2.0 ** -10
-W1_SUM_SLACK = 2.0 ** -11
+W1_SUM_SLACK = 2.0 ** -16
 
 
 def e4m3_rounding_bounds(codes):

@@ -169,7 +169,14 @@ def allocate_buffer(allocate: Callable | None, function: str, module: Any, *args
         return allocate(*args, **kwargs)
     except Exception as exc:
         name = getattr(allocate, "__name__", "the buffer allocator")
-        raise BufferSetupFailed(f"{version} {name} failed: {type(exc).__name__}: {exc}") from exc
+        raise BufferSetupFailed(f"{version} {name} failed: {error_line(exc)}") from exc
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: message`` with the message's first line only: errors raised inside torch's C++ (through the
+    package's native module) carry a C++ stack after it, which a results row should not."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 # ----------------------------------------------------------------------------------------------- the kernels
@@ -293,7 +300,7 @@ class Fp8MegaMoeSm90(MegaMoeKernel):
                 buffer = Sm90PlainBuffer(dg, group, *sizes, device=inputs.x.device)
             except Exception as exc:
                 raise BufferSetupFailed(f"{symmetric_failure}; the world-size-1 plain buffer failed too: "
-                                        f"{type(exc).__name__}: {exc}") from exc
+                                        f"{error_line(exc)}") from exc
             buffer_note = f"plain world-size-1 buffer ({symmetric_failure})"
         l1, l2 = dg.transform_weights_for_mega_moe_sm90(fp8_block128_weights(inputs.l1_weights),
                                                         fp8_block128_weights(inputs.l2_weights))
