@@ -4,10 +4,10 @@ import re
 
 import pytest
 import torch
+from gc_moe.kernels.sm90 import mega_port as mp
 
 from baselines.mega_moe import port_sm90
 from baselines.mega_moe.port_sm90 import device_check, host
-from gc_moe.kernels.sm90 import mega_port as mp
 
 
 # --------------------------------------------------------------------------------------------- host arithmetic
@@ -35,9 +35,11 @@ def test_shared_memory_plan_fits_the_sm_and_keeps_wgmma_alignment():
 
 def test_block_n_follows_rows_per_expert():
     assert host.choose_block_n(1, 8, 32) == 8  # 0.25 rows per expert
-    assert host.choose_block_n(8, 8, 32) == 8  # 2
-    assert host.choose_block_n(64, 8, 32) == 16  # 16
+    assert host.choose_block_n(8, 8, 32) == 8  # 2: N 8 measured faster
+    assert host.choose_block_n(16, 8, 32) == 8  # 4
+    assert host.choose_block_n(64, 6, 48) == 16  # 8: N 16 measured faster
     assert host.choose_block_n(256, 6, 48) == 16  # 32: the largest built N
+    assert all(host.choose_block_n(t, 8, 32) in mp.BLOCK_N_CHOICES for t in range(1, 257))
 
 
 def test_work_items_by_hand():
