@@ -278,6 +278,8 @@ class MegaPortAdapter(OperatorAdapter):
     summary = "SM90 port of Mega MoE (one fused persistent kernel); unfused shared expert beside it"
 
     def available(self, device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, f"{self.name} needs a CUDA GPU (sm_90a); this run is on {device.type}"
         try:
             from baselines.mega_moe import port_sm90
         except ImportError as exc:
