@@ -84,8 +84,8 @@ def test_unsupported_configurations_say_what_is_allowed(change, expected):
 def test_shared_experts_declined_while_their_kernel_cannot_run(monkeypatch):
     monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason", lambda: "no role4 cubins here")
     reasons = sm90_layer.unsupported_reasons(**GLM, num_shared_experts=1)
-    assert reasons == ["num_shared_experts 1: no role4 cubins here; allowed: 0 (the reference backend serves shared "
-                       "experts: get_symm_buffer_for_gc_moe(..., backend='reference'))"]
+    assert reasons == [("num_shared_experts 1: no role4 cubins here; allowed: 0 (the reference backend serves shared "
+                        "experts: get_symm_buffer_for_gc_moe(..., backend='reference'))")]
     monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason", lambda: None)
     assert sm90_layer.unsupported_reasons(**GLM, num_shared_experts=1) == []
 

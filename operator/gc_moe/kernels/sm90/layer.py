@@ -406,5 +406,5 @@ class Sm90Layer:
     def __del__(self):
         try:
             self.release()
-        except Exception:  # noqa: BLE001  (the driver may already be gone at interpreter exit)
+        except Exception:  # noqa: BLE001, S110  (the driver may already be gone at interpreter exit)
             pass
