@@ -68,11 +68,15 @@ def test_unavailable_on_cpu_says_why():
     assert not ok and "needs a CUDA GPU" in reason
 
 
-def test_adapter_reports_the_port_reason():
+def test_adapter_reports_the_port_reason(monkeypatch):
     from gcmoe_bench.operators import get_operator
 
     ok, reason = get_operator("mega-port").available(torch.device("cpu"))
-    assert not ok and reason.startswith("mega-port: ") and "needs a CUDA GPU" in reason
+    assert not ok and reason == "mega-port needs a CUDA GPU (sm_90a); this run is on cpu"
+    # on a GPU the port's own reason, prefixed
+    monkeypatch.setattr(port_sm90, "_capability", lambda device: (10, 3))
+    ok, reason = get_operator("mega-port").available(torch.device("cuda", 0))
+    assert not ok and reason == "mega-port: the SM90 Mega MoE port needs sm_90a (H20/H200); this GPU is sm_103"
 
 
 # --------------------------------------------------------------------------------------------- offline build

@@ -88,8 +88,11 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
     local_experts = weights.l1.num_experts
     host.check_shape(hidden, inputs.intermediate, local_experts, topk)
     bn = block_n or host.choose_block_n(t, topk, local_experts)
-    kernel = jit.load_kernel(host.variant(bn, stages, float(inputs.activation_alpha),
-                                          float(inputs.activation_clamp)), ARCH)
+    try:
+        kernel = jit.load_kernel(host.variant(bn, stages, float(inputs.activation_alpha),
+                                              float(inputs.activation_clamp)), ARCH)
+    except jit.KernelNotBuiltError as exc:  # e.g. a SwiGLU alpha / clamp the registry does not build
+        raise PortUnavailable(str(exc)) from exc
     ws = host.PortWorkspace.allocate(inputs.num_max_tokens_per_rank, topk, hidden, inputs.intermediate,
                                      local_experts, device)
     x, x_sf = inputs.x.contiguous(), inputs.x_sf.contiguous()
