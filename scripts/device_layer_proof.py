@@ -210,8 +210,11 @@ def w1_report(l2_act, l2_scale, parts, limit=12):
     ratio = torch.where(off_rounding, distance / conditioning.double().cpu().clamp_min(1e-30), 0.0)
     scale = l2_scale.double().cpu().repeat_interleave(128, dim=1)
     own = (a.double().cpu() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    index = lambda codes: torch.where((codes.view(torch.uint8) >> 7).bool(),  # noqa: E731
-                                      -(codes.view(torch.uint8) & 0x7F).long(), (codes.view(torch.uint8) & 0x7F).long())
+
+    def index(codes):  # signed position on the E4M3 number line: neighbours differ by one
+        raw = codes.view(torch.uint8)
+        return torch.where((raw >> 7).bool(), -(raw & 0x7F).long(), (raw & 0x7F).long())
+
     got_codes = l2_act.contiguous().cpu()
     steps = (index(got_codes) - index(own)).abs()
     lo, hi = e4m3_rounding_bounds(got_codes)
