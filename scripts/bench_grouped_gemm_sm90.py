@@ -226,6 +226,24 @@ def sass_report(gg, jit) -> None:
               f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d}", flush=True)
 
 
+def occupancy_report(kernel_sets) -> None:
+    """CTAs per SM the driver would keep resident for each loaded kernel (its block and shared memory)."""
+    from gc_moe.runtime.driver import cu
+
+    for tag, kernels in kernel_sets.items():
+        cells = []
+        for (role, bn), k in sorted(kernels.items()):
+            shape = k.entry.launch
+            try:
+                k.ensure_dynamic_smem(shape.dynamic_smem_bytes)
+                err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.as_function(), shape.block[0],
+                                                                         shape.dynamic_smem_bytes)
+                cells.append(f"{role}/{bn}:{n if int(err) == 0 else err}")
+            except Exception as exc:  # a diagnostic only: never stop the benchmark
+                cells.append(f"{role}/{bn}:? ({type(exc).__name__})")
+        print(f"# CTAs per SM, {tag}: " + " ".join(cells), flush=True)
+
+
 def run_point(pt, row, args, stream, flush, bw) -> bool:
     """Check and/or time one point with the kernels `pt` uses now; fills `row`, returns whether the check passed."""
     if pt.rows == 0:
@@ -273,6 +291,8 @@ def main() -> int:
                     help="pipeline depth (default: the most that fit for the warp-specialized variants, 6 else)")
     ap.add_argument("--max-block-n", type=int, default=32, choices=(8, 16, 32, 64),
                     help="largest token tile; busier experts get more token tiles (default 32)")
+    ap.add_argument("--one-cta", action="store_true",
+                    help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--baseline", action="store_true",
                     help="also run the cp.async pipeline (warp_specialized=False, the earlier default) at every point")
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
@@ -289,8 +309,8 @@ def main() -> int:
     from gc_moe.runtime import jit
 
     if args.build_only:
-        sets = [{}, {"fold_scales": True}, {"warp_specialized": False}, {"token_tiles_fastest": False},
-                {"l2_evict_first": True}]
+        sets = [{}, {"fold_scales": True}, {"ctas_per_sm": 1}, {"warp_specialized": False},
+                {"warp_specialized": False, "fold_scales": True}, {"token_tiles_fastest": False}, {"l2_evict_first": True}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -313,6 +333,8 @@ def main() -> int:
                                                                            if k != "stages"}).warp_specialized
                             else f"s{args.stages or 6}")
     kernel_sets = {base_tag: knobs, **({f"{base_tag}_fold": {**knobs, "fold_scales": True}} if args.fold_scales else {})}
+    if args.one_cta:
+        kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():
@@ -322,6 +344,7 @@ def main() -> int:
             loaded[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
         kernel_sets[tag] = loaded
     kernels = kernel_sets[base_tag]
+    occupancy_report(kernel_sets)
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)

@@ -35,14 +35,18 @@ def test_shared_memory_plan_fits_the_sm():
             assert cfg.smem_bytes + 1024 <= 227 * 1024  # the DSL adds 1 KiB of static shared memory
             assert cfg.barrier_offset % 8 == 0 and cfg.barrier_offset >= cfg.amax_offset + 16 * bn * 4
         assert gg.GemmConfig("w1", bn, warp_specialized=False).stages == 6
-    # the warp-specialized ring takes every stage that fits: one more would not
-    for bn in (8, 16, 32):
-        cfg = gg.GemmConfig("w2", bn)
+    # the warp-specialized ring takes every stage that fits (the SM's share of ctas_per_sm): one more would not
+    for bn, ctas in ((8, 1), (8, 2), (16, 1), (32, 1)):
+        cfg = gg.GemmConfig("w2", bn, ctas_per_sm=ctas)
         assert cfg.warp_specialized and cfg.threads == gg.THREADS + gg.PRODUCER_THREADS
-        assert cfg.stages == cfg.max_stages >= 8
+        assert cfg.stages == cfg.max_stages >= (8 if ctas == 1 else 6)
+        assert ctas * (cfg.smem_bytes + 2 * 1024) <= gg.SMEM_PER_SM  # per CTA: 1 KiB static, 1 KiB reserved
         with pytest.raises(ValueError, match="shared memory"):
-            gg.GemmConfig("w2", bn, cfg.stages + 1)
-    assert gg.GemmConfig("w2", 8).stages == 12 and gg.GemmConfig("w2", 32).stages == 10
+            gg.GemmConfig("w2", bn, cfg.stages + 1, ctas_per_sm=ctas)
+    assert gg.GemmConfig("w2", 8).ctas_per_sm == 2 and gg.GemmConfig("w2", 8).stages == 6
+    assert gg.GemmConfig("w2", 8, ctas_per_sm=1).stages == 12 and gg.GemmConfig("w2", 32).stages == 10
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        gg.GemmConfig("w2", 8, warp_specialized=False, ctas_per_sm=2)
 
 
 def test_pipeline_knob_defaults_and_errors():
@@ -177,11 +181,14 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
-        assert len(mma) == 4 and all(len(a.split(",")) == 4 for a in mma), variant.describe()
+        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's)
+        assert len(mma) == (8 if cfg.pipelined else 4) and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
         res = entry.resources
         assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
-        assert res["registers"] <= (96 if cfg.warp_specialized else 128)  # 640 (544 counted by warpgroups) / 512
+        # ptxas's budget: 96 per thread for one 544-thread CTA per SM, 56 for two, 128 for 512 threads
+        assert res["registers"] <= ({1: 96, 2: 56}[cfg.ctas_per_sm] if cfg.warp_specialized else 128)
+        assert (".minnctapersm 2" in ptx) == (cfg.ctas_per_sm == 2)
         assert entry.launch.block == (cfg.threads, 1, 1) and res["required_block"][0] == cfg.threads
         expected = [8 if kind in ("u64", "s64") else 4 for _, kind in cfg.params]
         assert [size for _, size in res["params"]] == expected  # folding changes no parameter, the ring appends
@@ -189,8 +196,12 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
-        waits = ptx.count("wgmma.wait_group.sync.aligned")
-        assert waits == (1 if fold else 4 // cfg.wgmmas_per_wait), variant.describe()
+        waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
+        if cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
+            groups = 4 // cfg.wgmmas_per_group
+            assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
+        else:
+            assert waits == ["0"] * (1 if fold else 4 // cfg.wgmmas_per_wait), variant.describe()
 
 
 def test_default_variants_do_not_name_the_fold_knob():

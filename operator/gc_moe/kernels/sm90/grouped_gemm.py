@@ -31,6 +31,7 @@ BLOCK_N_CHOICES = (8, 16, 32, 64)
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them
 SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on the H200 once the DSL's 1 KiB static is taken
+SMEM_PER_SM = 228 * 1024  # of which the driver reserves 1 KiB per resident CTA
 STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
 # ptxas budgets a 544-thread CTA as 640 threads (whole warpgroups): 96 registers per thread, enough up to bn 32
 WS_MAX_BLOCK_N = 32
@@ -90,6 +91,10 @@ class GemmConfig:
     # bar.sync per step), the pipeline the ring consumer and the L2-hint variants run on. None: True unless
     # ring_consumer or l2_evict_first asks for the cp.async pipeline
     warp_specialized: bool | None = None
+    # warp_specialized: CTAs that must fit one SM together (2: half the shared memory each and ptxas keeps the
+    # registers near 56 per thread); more CTAs in flight per SM, and small grids spread over every SM.
+    # None: 2 at bn 8 (the only token tile whose consumer fits those registers), else 1
+    ctas_per_sm: int | None = None
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -106,14 +111,25 @@ class GemmConfig:
                              "544-thread CTA 96 registers per thread and bn 64 spills there")
         if self.warp_specialized and self.l2_evict_first:
             raise ValueError("l2_evict_first is a knob of the cp.async pipeline: pass warp_specialized=False")
+        if self.ctas_per_sm is None:
+            object.__setattr__(self, "ctas_per_sm", 2 if self.warp_specialized and self.block_n == 8 else 1)
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and not self.warp_specialized):
+            raise ValueError(f"ctas_per_sm must be 1, or 2 with warp_specialized; got {self.ctas_per_sm}")
         if self.stages is None:
             object.__setattr__(self, "stages", self.max_stages if self.warp_specialized else 6)
         if not 2 <= self.stages <= 16:
             raise ValueError(f"stages must be in 2..16, got {self.stages}")
-        if self.smem_bytes > SMEM_LIMIT:
+        if self.smem_bytes > self.smem_limit:
             raise ValueError(f"{self.stages} stages of {self.stage_bytes} B need {self.smem_bytes} B of shared "
-                             f"memory; allowed: <= {SMEM_LIMIT} (at most {self.max_stages} stages at block_n "
-                             f"{self.block_n})")
+                             f"memory; allowed: <= {self.smem_limit} (at most {self.max_stages} stages at block_n "
+                             f"{self.block_n}, {self.ctas_per_sm} CTA(s) per SM)")
+
+    @property
+    def smem_limit(self) -> int:
+        """Dynamic shared memory one CTA may take so that ctas_per_sm of them fit an SM."""
+        if self.ctas_per_sm == 1:
+            return SMEM_LIMIT
+        return SMEM_PER_SM // self.ctas_per_sm - 2 * 1024  # the driver's 1 KiB and the DSL's static 1 KiB
 
     @property
     def threads(self) -> int:
@@ -124,7 +140,7 @@ class GemmConfig:
         """The deepest ring that fits the shared memory (capped at 16)."""
         fixed = 16 * self.block_n * 4
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
-        return min(16, (SMEM_LIMIT - fixed) // per_stage)
+        return min(16, (self.smem_limit - fixed) // per_stage)
 
     # shared-memory plan of one stage: [weights 4 x 4096][scales 4 x 256][B block_n x 128][act scales]
     @property
@@ -167,6 +183,16 @@ class GemmConfig:
         return {8: 4, 16: 4, 32: 2, 64: 1}[self.block_n]
 
     @property
+    def pipelined(self) -> bool:
+        """The consumers keep one WGMMA group in flight across scale FMAs (warp-specialized, unfolded)."""
+        return self.warp_specialized and not self.fold_scales
+
+    @property
+    def wgmmas_per_group(self) -> int:
+        """pipelined: K32 WGMMAs per group, so that a group's fresh partials take 32 registers at every bn."""
+        return {8: 2, 16: 2, 32: 1, 64: 1}[self.block_n]
+
+    @property
     def params(self):
         if self.role == "w1":
             return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ())
@@ -182,7 +208,7 @@ class GemmConfig:
         if self.ring_consumer:
             s += "_ring"
         if self.warp_specialized:
-            s += "_ws"
+            s += "_ws" if self.ctas_per_sm == 1 else f"_ws{self.ctas_per_sm}"
         return s
 
 
@@ -463,6 +489,101 @@ def _make_kernel(cfg: GemmConfig):
             ptx.cp_async_mbarrier_arrive_noinc(full)
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
 
+    # pipelined consumer (warp_specialized, unfolded): the K32 blocks of a step go out in groups of PNP
+    # WGMMAs whose fresh partials (32 registers per group at every bn) alternate between two buffers; group i
+    # is issued before the scale FMAs of group i - 1 (wait_group 1), so the tensor core runs while the
+    # warpgroup decodes and scales, also across K128 steps
+    PNP = cfg.wgmmas_per_group
+    GROUPS = 4 // PNP
+    PER = PNP * (BN // 2)
+
+    @cute.jit
+    def issue_group(sbase, wa, grp, buf):
+        # the group's own 8 x PNP bytes of the thread's A fragment (fewer live registers than the whole step)
+        words = ptx.lds128(wa + 16 * grp) if PNP == 2 else ptx.lds64(wa + 8 * grp)
+        a_regs = []
+        descs = []
+        for jj in cutlass.range_constexpr(PNP):
+            j = grp * PNP + jj
+            w_k0, w_k16 = words[2 * jj], words[2 * jj + 1]
+            a_regs += [
+                ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
+                ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
+            ]
+            descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+        ptx.wgmma_fence()
+        out = ptx.wgmma_rs_e4m3_issue(BN, a_regs, descs, [buf[r] for r in range(PER)], 1)
+        for r in cutlass.range_constexpr(PER):
+            buf[r] = out[r]
+
+    @cute.jit
+    def finish_group(sbase, wg, warp, g, grp, buf, tsum):
+        """tsum (+)= P_j s_j for the K32 blocks of group `grp` (their WGMMAs have completed)."""
+        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        sc_lo = ptx.lds32(srow)
+        sc_hi = ptx.lds32(srow + 32)
+        for jj in cutlass.range_constexpr(PNP):
+            j = grp * PNP + jj
+            s_lo = ptx.ue8m0_byte_to_f32(sc_lo, j)
+            s_hi = ptx.ue8m0_byte_to_f32(sc_hi, j)
+            for r in cutlass.range_constexpr(BN // 2):
+                s_row = s_lo if r % 4 < 2 else s_hi  # fragment regs 2, 3 of each 8-token block: row g + 8
+                if j == 0:
+                    tsum[r] = buf[jj * (BN // 2) + r] * s_row
+                else:
+                    tsum[r] = tsum[r] + buf[jj * (BN // 2) + r] * s_row
+
+    @cute.jit
+    def finish_step(sbase, q, tsum, acc):
+        for i in cutlass.range_constexpr(NSUB):
+            xs = ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4)
+            for c in cutlass.range_constexpr(4):
+                acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xs[c % 2]
+
+    @cute.jit
+    def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc):
+        bufs = (cute.make_rmem_tensor((PER,), Float32), cute.make_rmem_tensor((PER,), Float32))
+        tsum = cute.make_rmem_tensor((BN // 2,), Float32)
+        for r in cutlass.range_constexpr(PER):
+            bufs[0][r] = Float32(0.0)
+            bufs[1][r] = Float32(0.0)
+        for r in cutlass.range_constexpr(BN // 2):
+            tsum[r] = Float32(0.0)
+        bar0 = smem + cfg.barrier_offset
+        ptx.mbarrier_wait(bar0, Int32(0))
+        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        wa = smem + wg * TILE_BYTES + t * 32
+        for grp in cutlass.range_constexpr(GROUPS):
+            issue_group(smem, wa, grp, bufs[grp % 2])
+            if cutlass.const_expr(grp > 0):
+                finish_group(smem, wg, warp, g, grp - 1, bufs[(grp - 1) % 2], tsum)
+        for kb in cutlass.range(1, k_blocks):
+            stage = kb % STAGES
+            prev = (kb - 1) % STAGES
+            sbase = smem + stage * cfg.stage_bytes
+            pbase = smem + prev * cfg.stage_bytes
+            ptx.mbarrier_wait(bar0 + stage * 8, (kb // STAGES) % 2)
+            ptx.fence_proxy_async_shared()
+            wa = sbase + wg * TILE_BYTES + t * 32
+            for grp in cutlass.range_constexpr(GROUPS):
+                issue_group(sbase, wa, grp, bufs[grp % 2])
+                if cutlass.const_expr(grp == 0):
+                    # step kb - 1 is complete: its last group, its activation scales, then its stage goes back
+                    finish_group(pbase, wg, warp, g, GROUPS - 1, bufs[(GROUPS - 1) % 2], tsum)
+                    finish_step(pbase, q, tsum, acc)
+                    ptx.warp_sync()
+                    if t % 32 == 0:
+                        ptx.mbarrier_arrive(bar0 + (STAGES + prev) * 8)
+                else:
+                    finish_group(sbase, wg, warp, g, grp - 1, bufs[(grp - 1) % 2], tsum)
+        last = bufs[(GROUPS - 1) % 2]
+        out = ptx.wgmma_wait_tied([last[r] for r in range(PER)], 0)
+        for r in cutlass.range_constexpr(PER):
+            last[r] = out[r]
+        lbase = smem + ((k_blocks - 1) % STAGES) * cfg.stage_bytes
+        finish_group(lbase, wg, warp, g, GROUPS - 1, last, tsum)
+        finish_step(lbase, q, tsum, acc)
+
     @cute.jit
     def consume(k_blocks, smem, wg, t, warp, g, q, acc):
         """A consumer warpgroup: per K128 step wait for the stage, compute, release it (one arrival per warp)."""
@@ -496,6 +617,8 @@ def _make_kernel(cfg: GemmConfig):
         ptx.barrier_sync()
         if tid >= THREADS:
             produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, lane)
+        elif cutlass.const_expr(cfg.pipelined):
+            consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
         else:
             consume(k_blocks, smem, wg, t, warp, g, q, acc)
         return tid, wg, warp, g, q
@@ -716,6 +839,8 @@ def _host_launcher(cfg: GemmConfig, kernel):
     from cutlass import Int32, Int64, cute
 
     launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
+    if cfg.ctas_per_sm > 1:  # .minnctapersm: ptxas budgets the registers for that many CTAs per SM
+        launch.update(min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
     if cfg.role == "w1" and cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -746,7 +871,7 @@ def _host_launcher(cfg: GemmConfig, kernel):
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int | None = None,
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
-               warp_specialized: bool | None = None):
+               warp_specialized: bool | None = None, ctas_per_sm: int | None = None):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -755,7 +880,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
-                     fold_scales, ring_consumer, warp_specialized)
+                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -764,7 +889,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 
 def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: float = 1.0,
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
-            fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None):
+            fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
+            ctas_per_sm: int | None = None):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits, except for ring_consumer and
@@ -772,8 +898,12 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     from gc_moe.runtime.jit import KernelVariant
 
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
-                     ring_consumer=ring_consumer, warp_specialized=warp_specialized)
+                     ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
+    if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
+                                                            ring_consumer=ring_consumer,
+                                                            warp_specialized=warp_specialized).ctas_per_sm:
+        params["ctas_per_sm"] = ctas_per_sm  # named when it is not the default for the configuration
     if not cfg.warp_specialized:  # named when off: a launch rebuilds the config from these parameters
         params["warp_specialized"] = False
     if l2_evict_first:

@@ -309,3 +309,43 @@ def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> None:
 def cp_async_wait_all() -> None:
     """Wait for every cp.async of this thread, committed to a group or not."""
     asm("cp.async.wait_all;", [], [])
+
+
+# ------------------------------------------------------------------------------------------ pipelined WGMMA
+@dsl_user_op
+def _asm_tied(ptx: str, n_out: int, ins: list, tied: list, *, loc=None, ip=None) -> list:
+    """`ptx` with Float32 outputs $0..$(n_out-1), then inputs `ins`, then `tied` Float32 inputs bound to the
+    outputs' registers (in/out operands: the compiler keeps each output in its input's register, so a WGMMA
+    may still write it after the asm block ends)."""
+    in_vals = [v.ir_value(loc=loc, ip=ip) for v in list(ins) + list(tied)]
+    constraints = ",".join(["=f"] * n_out + [_CONSTRAINT[type(v)] for v in ins] + [str(i) for i in range(len(tied))])
+    struct = llvm.StructType.get_literal([Float32.mlir_type] * n_out)
+    res = llvm.inline_asm(struct, in_vals, ptx, constraints, has_side_effects=True, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(Float32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(n_out)]
+
+
+def wgmma_rs_e4m3_issue(n: int, a_regs: list, descs: list, acc: list, pending: int) -> list:
+    """Issue len(descs) register-A `m64n{n}k32` E4M3 WGMMAs into fresh accumulators `acc` (n/2 floats each,
+    in/out operands), commit them as one group and wait until at most `pending` groups are in flight: with
+    pending = 1 the group just issued keeps running while the caller works on the one before it."""
+    per = n // 2
+    count = len(descs)
+    lines = ["{", ".reg .pred fresh;", "setp.ne.b32 fresh, 0, 0;"]
+    for i in range(count):
+        d = ", ".join(f"${i * per + r}" for r in range(per))
+        a0 = count * per + 4 * i
+        a = ", ".join(f"${a0 + r}" for r in range(4))
+        desc = f"${count * per + 4 * count + i}"
+        lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, {desc}, fresh, 1, 1;")
+    lines += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {pending};", "}"]
+    return _asm_tied("\n".join(lines), per * count, list(a_regs) + list(descs), list(acc))
+
+
+def wgmma_wait_tied(acc: list, pending: int = 0) -> list:
+    """wgmma.wait_group `pending` with `acc` as in/out operands (the registers a group in flight writes)."""
+    return _asm_tied(f"wgmma.wait_group.sync.aligned {pending};", len(acc), [], list(acc))
+
+
+def lds64(addr: Int32) -> list:
+    return asm("ld.shared.v2.b32 {$0, $1}, [$2];", [Uint32] * 2, [addr])
