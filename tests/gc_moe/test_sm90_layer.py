@@ -271,11 +271,23 @@ def test_adapter_runs_a_declined_configuration_on_the_reference_and_says_why(mon
     assert torch.equal(inv.output, want)
 
 
-def test_adapter_unfused_note_names_the_reference_shared_expert(monkeypatch):
+def test_adapter_unfused_note_names_the_reference_shared_expert_under_a_kernel_backend(monkeypatch):
+    """Under a kernel backend without a separate shared-expert launch, the unfused note says the shared expert
+    is the float32 reference and why; under the reference backend the note stays the backend's."""
     from gcmoe_bench.operators import get_operator
 
     inv = get_operator("gc-unfused").prepare(_tiny_workload(1), None)
-    assert "shared expert: float32 reference" in inv.note and inv.capturable is False
+    assert inv.note == "gc_moe backend: reference" and inv.capturable is False
+
+    def allocate(buffer):
+        return {**api._reference_allocate(buffer), "extras": {}}
+
+    fake = api.Backend(name="fake", archs=(None,), weight_layout="canonical", unavailable_reason=lambda d, a: None,
+                       allocate=allocate, run=api._reference_run, priority=100)
+    monkeypatch.setitem(api._BACKENDS, "fake", fake)
+    inv = get_operator("gc-unfused").prepare(_tiny_workload(1), None)
+    assert inv.note.startswith("gc_moe backend: fake; shared expert: float32 reference, added after the routed call")
+    assert "gc_moe.kernels.fake.backend does not import" in inv.note and inv.capturable is False
 
 
 def test_adapter_reuses_one_weight_transform_per_weight_set():
