@@ -443,49 +443,64 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, lane):
-        """The producer warp: per K128 step wait for the stage to be empty, announce its bulk bytes, copy
-        4 weight tiles + their scale bytes (lanes 0..7, one bulk copy each) and the token tile (all lanes,
-        16-byte cp.async, rows past the expert's count zero-filled), and let the cp.async arrive on full."""
+        """The producer warp: per K128 step wait for the stage to be empty; lane 0 announces the bulk bytes and
+        issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
+        ptxas issues them without a per-lane loop); every lane copies its 16-byte pieces of the token tile
+        (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
+        Everything that does not change along K (row pointers, byte counts, offsets) is computed once."""
         w_codes, w_scales, act, act_scale = a
-        wt = lane % TILES_PER_CTA
+        first_tile = Int64((e * m_tiles + bx * TILES_PER_CTA) * k_blocks)
+        w_src = w_codes + first_tile * TILE_BYTES
+        s_src = w_scales + first_tile * TILE_SCALE_BYTES
+        tile_stride = Int64(k_blocks) * TILE_BYTES  # between the CTA's 4 weight tiles at one K step
+        scale_stride = Int64(k_blocks) * TILE_SCALE_BYTES
+        row_bytes = Int64(k_blocks * 128)
+        b_src, b_bytes, b_dst = [], [], []
+        for r in cutlass.range_constexpr(BN * 8 // PRODUCER_THREADS):
+            idx = lane + PRODUCER_THREADS * r
+            n_lo = idx % 8
+            c = (idx // 8) % 8
+            ng = idx // 64
+            n = ng * 8 + n_lo
+            nrow = Int64(row0) + Int64(n)
+            nbytes = Int32(16)
+            if n >= count:
+                nrow = Int64(row0)
+                nbytes = Int32(0)
+            b_src.append(act + nrow * row_bytes + Int64(c * 16))
+            b_bytes.append(nbytes)
+            b_dst.append(cfg.b_offset + (ng * 8 + c) * 128 + n_lo * 16)
+        x_src, x_bytes = [], []
+        for r in cutlass.range_constexpr(-(-BN // PRODUCER_THREADS)):
+            n = lane + PRODUCER_THREADS * r
+            nrow = Int64(row0) + Int64(n)
+            nbytes = Int32(4)
+            if n >= count:
+                nrow = Int64(row0)
+                nbytes = Int32(0)
+            x_src.append(act_scale + nrow * Int64(k_blocks) * 4)
+            x_bytes.append(nbytes)
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             if kb >= STAGES:
                 ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2)
+            sbase = smem + stage * cfg.stage_bytes
             if lane == 0:
                 ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
-            ptx.warp_sync()
-            sbase = smem + stage * cfg.stage_bytes
-            tile = Int64((e * m_tiles + bx * TILES_PER_CTA + wt) * k_blocks + kb)
-            if lane < TILES_PER_CTA:
-                ptx.bulk_copy_g2s(sbase + wt * TILE_BYTES, w_codes + tile * TILE_BYTES, TILE_BYTES, full)
-            elif lane < 2 * TILES_PER_CTA:
-                ptx.bulk_copy_g2s(sbase + cfg.scale_offset + wt * TILE_SCALE_BYTES,
-                                  w_scales + tile * TILE_SCALE_BYTES, TILE_SCALE_BYTES, full)
+                w_k = w_src + Int64(kb) * TILE_BYTES
+                s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
+                for i in cutlass.range_constexpr(TILES_PER_CTA):
+                    ptx.bulk_copy_g2s(sbase + i * TILE_BYTES, w_k + Int64(i) * tile_stride, TILE_BYTES, full)
+                    ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
+                                      TILE_SCALE_BYTES, full)
+            k_off = Int64(kb * 128)
             for r in cutlass.range_constexpr(BN * 8 // PRODUCER_THREADS):
-                idx = lane + PRODUCER_THREADS * r
-                n_lo = idx % 8
-                c = (idx // 8) % 8
-                ng = idx // 64
-                n = ng * 8 + n_lo
-                nrow = Int64(row0) + Int64(n)
-                nbytes = Int32(16)
-                if n >= count:
-                    nrow = Int64(row0)
-                    nbytes = Int32(0)
-                src_b = act + nrow * Int64(k_blocks * 128) + Int64(kb * 128 + c * 16)
-                ptx.cp_async_16_zfill(sbase + cfg.b_offset + (ng * 8 + c) * 128 + n_lo * 16, src_b, nbytes)
+                ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
             for r in cutlass.range_constexpr(-(-BN // PRODUCER_THREADS)):
-                n = lane + PRODUCER_THREADS * r
-                if n < BN:
-                    nrow = Int64(row0) + Int64(n)
-                    nbytes = Int32(4)
-                    if n >= count:
-                        nrow = Int64(row0)
-                        nbytes = Int32(0)
-                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + n * 4,
-                                         act_scale + (nrow * Int64(k_blocks) + Int64(kb)) * 4, nbytes)
+                if lane + PRODUCER_THREADS * r < BN:
+                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (lane + PRODUCER_THREADS * r) * 4,
+                                         x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
 
