@@ -277,6 +277,28 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
     return ok
 
 
+def markdown_tables(path: str) -> str:
+    """The rows of a benchmark JSON as one markdown table per (variant set, model)."""
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    groups = {}
+    for r in data["rows"]:
+        groups.setdefault((r.get("tag", ""), r["model"]), []).append(r)
+    for (tag, model), rows in groups.items():
+        out.append(f"{model}, `{tag}` (read bandwidth {data['read_bw_bytes_per_s'] / 1e12:.2f} TB/s):\n")
+        out.append("| tokens/rank | rows | act | bn | MB | floor us | cold us | warm us | % of bw | TFLOP/s | cos | diff |")
+        out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            out.append(f"| {r['tokens']} | {r['rows']} | {r['active']} | {r['block_n']} | {r['bytes'] / 1e6:.1f} | "
+                       f"{r.get('floor_us', math.nan):.1f} | {r.get('cold_us', math.nan):.1f} | "
+                       f"{r.get('warm_us', math.nan):.1f} | {r.get('bw_pct', math.nan):.1f} | "
+                       f"{r.get('tflops', math.nan):.1f} | {r.get('cos_out', math.nan):.5f} | "
+                       f"{r.get('diff_out', math.nan):.5f} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="deepseek-v4.1-flash,glm-5.2")
@@ -302,8 +324,13 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--markdown", default=None, metavar="JSON",
+                    help="print the rows of an earlier run's JSON as markdown tables and exit (no GPU)")
     ap.add_argument("--json", default=None, help="where the rows go (default: ./bench_grouped_gemm_sm90_<tag>.json)")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown_tables(args.markdown))
+        return 0
 
     from gc_moe.kernels.sm90 import grouped_gemm as gg
     from gc_moe.runtime import jit
