@@ -313,6 +313,8 @@ def main() -> int:
                     help="pipeline depth (default: the most that fit for the warp-specialized variants, 6 else)")
     ap.add_argument("--max-block-n", type=int, default=32, choices=(8, 16, 32, 64),
                     help="largest token tile; busier experts get more token tiles (default 32)")
+    ap.add_argument("--producer-warps", type=int, default=1, choices=(1, 2),
+                    help="producer warps of the warp-specialized variants (default 1)")
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--baseline", action="store_true",
@@ -337,7 +339,8 @@ def main() -> int:
 
     if args.build_only:
         sets = [{}, {"fold_scales": True}, {"ctas_per_sm": 1}, {"warp_specialized": False},
-                {"warp_specialized": False, "fold_scales": True}, {"token_tiles_fastest": False}, {"l2_evict_first": True}]
+                {"warp_specialized": False, "fold_scales": True}, {"token_tiles_fastest": False}, {"l2_evict_first": True},
+                {"producer_warps": 2}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -355,7 +358,8 @@ def main() -> int:
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
     knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {}),
-             **({"token_tiles_fastest": False} if args.experts_fastest else {})}
+             **({"token_tiles_fastest": False} if args.experts_fastest else {}),
+             **({"producer_warps": args.producer_warps} if args.producer_warps != 1 else {})}
     base_tag = args.tag or ("ws" if gg.GemmConfig("w1", 8, args.stages, **{k: v for k, v in knobs.items()
                                                                            if k != "stages"}).warp_specialized
                             else f"s{args.stages or 6}")

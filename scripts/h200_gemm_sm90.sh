@@ -3,6 +3,7 @@
 #   tests   the GPU-marked tests of tests/gc_moe/test_kernels_sm90_grouped_gemm.py (every pipeline, bn, k)
 #   bench   scripts/bench_grouped_gemm_sm90.py --sass --check --time, default variants beside the cp.async
 #           pipeline (--baseline), token tiles up to bn 32 ($GEMM_TOKENS, $GEMM_ARGS add options)
+#   bench2  the default set with two producer warps (separate process: tag ws_p2)
 #   bench64 the same default set with token tiles up to bn 64 at $GEMM64_TOKENS (time only)
 # Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) carried along.
 set -u
@@ -28,6 +29,8 @@ for s in $steps; do
              tests/gc_moe/test_kernels_sm90_grouped_gemm.py ;;
     bench) step bench "${BENCH_LIMIT:-150}" python scripts/bench_grouped_gemm_sm90.py --sass --check --time --baseline \
              --tokens "${GEMM_TOKENS:-1,4,16,64,128,256}" --windows 3 --replays 10 --json "$OUT/gemm.json" ${GEMM_ARGS:-} ;;
+    bench2) step bench2 "${BENCH2_LIMIT:-90}" python scripts/bench_grouped_gemm_sm90.py --check --time --producer-warps 2 \
+             --tag ws_p2 --tokens "${GEMM_TOKENS:-1,4,16,64,128,256}" --windows 3 --replays 10 --json "$OUT/gemm_p2.json" ;;
     bench64) step bench64 "${BENCH64_LIMIT:-60}" python scripts/bench_grouped_gemm_sm90.py --time --max-block-n 64 \
              --tokens "${GEMM64_TOKENS:-64,128,256}" --windows 3 --replays 10 --json "$OUT/gemm64.json" ;;
     *) echo "unknown step $s"; exit 2 ;;

@@ -59,6 +59,11 @@ def test_pipeline_knob_defaults_and_errors():
         gg.GemmConfig("w1", 8, ring_consumer=True, warp_specialized=True)
     with pytest.raises(ValueError, match="l2_evict_first"):
         gg.GemmConfig("w1", 8, l2_evict_first=True, warp_specialized=True)
+    assert gg.GemmConfig("w1", 16, producer_warps=2).threads == gg.THREADS + 2 * gg.PRODUCER_THREADS
+    with pytest.raises(ValueError, match="producer_warps"):
+        gg.GemmConfig("w1", 16, warp_specialized=False, producer_warps=2)
+    assert "producer_warps" not in dict(gg.variant("w2", 64, producer_warps=2).params)  # bn 64: cp.async
+    assert dict(gg.variant("w2", 16, producer_warps=2).params)["producer_warps"] == 2
     # the parameters a launch rebuilds its config from name the cp.async pipeline when it is used
     for v in gg.variant_set() + gg.variant_set(ring_consumer=True):
         p = dict(v.params)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 BLOCK_N_CHOICES = (8, 16, 32, 64)
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
-PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them
+PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
 SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on the H200 once the DSL's 1 KiB static is taken
 SMEM_PER_SM = 228 * 1024  # of which the driver reserves 1 KiB per resident CTA
 STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
@@ -95,6 +95,8 @@ class GemmConfig:
     # registers near 56 per thread); more CTAs in flight per SM, and small grids spread over every SM.
     # None: 2 at bn 8 (the only token tile whose consumer fits those registers), else 1
     ctas_per_sm: int | None = None
+    # warp_specialized: producer warps (2 halves the token-tile copies per lane)
+    producer_warps: int = 1
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -113,6 +115,8 @@ class GemmConfig:
             raise ValueError("l2_evict_first is a knob of the cp.async pipeline: pass warp_specialized=False")
         if self.ctas_per_sm is None:
             object.__setattr__(self, "ctas_per_sm", 2 if self.warp_specialized and self.block_n == 8 else 1)
+        if self.producer_warps not in (1, 2) or (self.producer_warps == 2 and not self.warp_specialized):
+            raise ValueError(f"producer_warps must be 1, or 2 with warp_specialized; got {self.producer_warps}")
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and not self.warp_specialized):
             raise ValueError(f"ctas_per_sm must be 1, or 2 with warp_specialized; got {self.ctas_per_sm}")
         if self.stages is None:
@@ -133,7 +137,11 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return THREADS + (PRODUCER_THREADS if self.warp_specialized else 0)
+        return THREADS + (self.producer_threads if self.warp_specialized else 0)
+
+    @property
+    def producer_threads(self) -> int:
+        return PRODUCER_THREADS * self.producer_warps
 
     @property
     def max_stages(self) -> int:
@@ -209,6 +217,8 @@ class GemmConfig:
             s += "_ring"
         if self.warp_specialized:
             s += "_ws" if self.ctas_per_sm == 1 else f"_ws{self.ctas_per_sm}"
+            if self.producer_warps != 1:
+                s += f"_p{self.producer_warps}"
         return s
 
 
@@ -300,6 +310,7 @@ def _make_kernel(cfg: GemmConfig):
     W1 = cfg.role == "w1"
     RING = cfg.ring_consumer
     WS = cfg.warp_specialized
+    PT = cfg.producer_threads
 
     @cute.jit
     def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
@@ -442,11 +453,12 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + step[4 * i + c] * xs[c % 2]
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, lane):
-        """The producer warp: per K128 step wait for the stage to be empty; lane 0 announces the bulk bytes and
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx):
+        """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
-        ptxas issues them without a per-lane loop); every lane copies its 16-byte pieces of the token tile
+        ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
         (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
+        pidx: the thread's index among the producer threads (one or two warps).
         Everything that does not change along K (row pointers, byte counts, offsets) is computed once."""
         w_codes, w_scales, act, act_scale = a
         first_tile = Int64((e * m_tiles + bx * TILES_PER_CTA) * k_blocks)
@@ -456,8 +468,8 @@ def _make_kernel(cfg: GemmConfig):
         scale_stride = Int64(k_blocks) * TILE_SCALE_BYTES
         row_bytes = Int64(k_blocks * 128)
         b_src, b_bytes, b_dst = [], [], []
-        for r in cutlass.range_constexpr(BN * 8 // PRODUCER_THREADS):
-            idx = lane + PRODUCER_THREADS * r
+        for r in cutlass.range_constexpr(BN * 8 // PT):
+            idx = pidx + PT * r
             n_lo = idx % 8
             c = (idx // 8) % 8
             ng = idx // 64
@@ -471,8 +483,8 @@ def _make_kernel(cfg: GemmConfig):
             b_bytes.append(nbytes)
             b_dst.append(cfg.b_offset + (ng * 8 + c) * 128 + n_lo * 16)
         x_src, x_bytes = [], []
-        for r in cutlass.range_constexpr(-(-BN // PRODUCER_THREADS)):
-            n = lane + PRODUCER_THREADS * r
+        for r in cutlass.range_constexpr(-(-BN // PT)):
+            n = pidx + PT * r
             nrow = Int64(row0) + Int64(n)
             nbytes = Int32(4)
             if n >= count:
@@ -486,7 +498,7 @@ def _make_kernel(cfg: GemmConfig):
             if kb >= STAGES:
                 ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2)
             sbase = smem + stage * cfg.stage_bytes
-            if lane == 0:
+            if pidx == 0:
                 ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
                 w_k = w_src + Int64(kb) * TILE_BYTES
                 s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
@@ -495,11 +507,11 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
                                       TILE_SCALE_BYTES, full)
             k_off = Int64(kb * 128)
-            for r in cutlass.range_constexpr(BN * 8 // PRODUCER_THREADS):
+            for r in cutlass.range_constexpr(BN * 8 // PT):
                 ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
-            for r in cutlass.range_constexpr(-(-BN // PRODUCER_THREADS)):
-                if lane + PRODUCER_THREADS * r < BN:
-                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (lane + PRODUCER_THREADS * r) * 4,
+            for r in cutlass.range_constexpr(-(-BN // PT)):
+                if pidx + PT * r < BN:
+                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
                                          x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
@@ -626,12 +638,12 @@ def _make_kernel(cfg: GemmConfig):
         q = lane % 4
         if tid == 0:
             for st in cutlass.range_constexpr(STAGES):
-                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, PRODUCER_THREADS + 1)
+                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, PT + 1)
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             ptx.fence_mbarrier_init()
         ptx.barrier_sync()
         if tid >= THREADS:
-            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, lane)
+            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS)
         elif cutlass.const_expr(cfg.pipelined):
             consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
         else:
@@ -886,7 +898,7 @@ def _host_launcher(cfg: GemmConfig, kernel):
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int | None = None,
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
-               warp_specialized: bool | None = None, ctas_per_sm: int | None = None):
+               warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -895,7 +907,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
-                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm)
+                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -905,20 +917,26 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: float = 1.0,
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
-            ctas_per_sm: int | None = None):
+            ctas_per_sm: int | None = None, producer_warps: int = 1):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits, except for ring_consumer and
     l2_evict_first, which run on the cp.async pipeline (6 stages unless `stages` says otherwise)."""
     from gc_moe.runtime.jit import KernelVariant
 
+    if not GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
+                      warp_specialized=warp_specialized).warp_specialized:
+        producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
-                     ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm)
+                     ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
+                     producer_warps=producer_warps)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
                                                             warp_specialized=warp_specialized).ctas_per_sm:
         params["ctas_per_sm"] = ctas_per_sm  # named when it is not the default for the configuration
+    if producer_warps != 1:
+        params["producer_warps"] = producer_warps
     if not cfg.warp_specialized:  # named when off: a launch rebuilds the config from these parameters
         params["warp_specialized"] = False
     if l2_evict_first:
