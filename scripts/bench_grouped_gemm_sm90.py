@@ -239,7 +239,7 @@ def occupancy_report(kernel_sets) -> None:
                 err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.as_function(), shape.block[0],
                                                                          shape.dynamic_smem_bytes)
                 cells.append(f"{role}/{bn}:{n if int(err) == 0 else err}")
-            except Exception as exc:  # a diagnostic only: never stop the benchmark
+            except (RuntimeError, AttributeError, TypeError, ValueError) as exc:  # a diagnostic only
                 cells.append(f"{role}/{bn}:? ({type(exc).__name__})")
         print(f"# CTAs per SM, {tag}: " + " ".join(cells), flush=True)
 

@@ -250,12 +250,12 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         ptx = _entry_body(entry)
         assert ptx.count("bar.sync 0;") == 1, variant.describe()
         assert ptx.count("bar.sync 1, 512;") == (1 if params["role"] == "w1" else 0)
-        assert ptx.count(f"mbarrier.init.shared::cta.b64 [%r") >= 1
+        assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == ["33", "16"] * cfg.stages
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
         assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
-        assert f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {gg.STAGE_TX_BYTES};" in ptx
+        assert "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {gg.STAGE_TX_BYTES};" in ptx
         assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
         assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") >= 2  # consumers' full, producer's empty
         assert "fence.proxy.async.shared::cta;" in ptx and "mbarrier.arrive.shared::cta.b64 _," in ptx

@@ -16,11 +16,18 @@ fills it (waits for RING_READY, acquires every ring block its token tile touches
 after its last read of the ring) and W2 scatters each row to its source rank's combine buffer through the
 peer table. Default off: the default and folded variants are unchanged.
 
+Pipelines (`warp_specialized`, the default up to bn 32): a producer warp streams each K128 step into a
+ring of shared-memory stages (bulk copies of the weight tiles and scales, cp.async for the token tile,
+completing on the stage's full mbarrier) while four consumer warpgroups wait on it, compute with one WGMMA
+group in flight (wait_group 1) and release the stage on its empty mbarrier; no CTA barrier in the K loop.
+The cp.async pipeline (bn 64, ring consumer, L2 hint) has every thread copy and compute, with a CTA
+barrier per step. docs/sm90-grouped-gemm.md has the measurements behind the defaults.
+
 Tuning knobs: `block_n` (tokens per CTA tile, 8/16/32/64: the token-bound BM of the paper's swapped
-orientation), `stages` (K128 steps in flight through cp.async; each step moves 17 KB of weights per CTA).
-One CTA = 4 warpgroups = 4 tiles of 64 weight rows (256 rows: 128 intermediate channels of W1, or 256
-output channels of W2); grid = (M / 256, local experts, ceil(capacity / block_n)); a CTA past its expert's
-token count exits at once.
+orientation), `stages` (K128 steps in flight; each step moves 17 KB of weights per CTA; default: the
+deepest ring that fits), `ctas_per_sm`, `producer_warps`. One CTA = 4 consumer warpgroups = 4 tiles of 64
+weight rows (256 rows: 128 intermediate channels of W1, or 256 output channels of W2);
+grid = (token tiles, M / 256, local experts); a CTA past its expert's token count exits at once.
 
 Kernel parameters (all scalars, in order): see `PARAMS_W1` / `PARAMS_W2`.
 """
@@ -413,46 +420,6 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
     @cute.jit
-    def compute_stage_ws(smem, stage, wg, t, warp, g, q, acc):
-        """One K128 step: per K32 block the weight scale goes on the WGMMA partials (t = sum_j P_j s_j),
-        the token's activation scale once per step (acc += t s_x): 4 x bn/2 + bn/2 FP32 ops per thread
-        against 8 x bn/2 when s_w s_x is formed per K32 block."""
-        sbase = smem + stage * cfg.stage_bytes
-        wa = sbase + wg * TILE_BYTES + t * 32
-        words = ptx.lds128(wa) + ptx.lds128(wa + 16)
-        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
-        sc_lo = ptx.lds32(srow)
-        sc_hi = ptx.lds32(srow + 32)
-        step = [Float32(0.0)] * (BN // 2)
-        for grp in cutlass.range_constexpr(4 // NP):
-            a_regs = []
-            descs = []
-            for jj in cutlass.range_constexpr(NP):
-                j = grp * NP + jj
-                w_k0, w_k16 = words[2 * j], words[2 * j + 1]
-                a_regs += [
-                    ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
-                    ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
-                ]
-                descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
-            ptx.wgmma_fence()
-            part = ptx.wgmma_rs_e4m3_batch(BN, a_regs, descs)
-            for jj in cutlass.range_constexpr(NP):
-                j = grp * NP + jj
-                s_lo = ptx.ue8m0_byte_to_f32(sc_lo, j)
-                s_hi = ptx.ue8m0_byte_to_f32(sc_hi, j)
-                for r in cutlass.range_constexpr(BN // 2):
-                    s_row = s_lo if r % 4 < 2 else s_hi  # fragment regs 2, 3 of each 8-token block: row g + 8
-                    if j == 0:
-                        step[r] = part[jj * (BN // 2) + r] * s_row
-                    else:
-                        step[r] = step[r] + part[jj * (BN // 2) + r] * s_row
-        for i in cutlass.range_constexpr(NSUB):
-            xs = ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4)
-            for c in cutlass.range_constexpr(4):
-                acc[4 * i + c] = acc[4 * i + c] + step[4 * i + c] * xs[c % 2]
-
-    @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
@@ -612,17 +579,15 @@ def _make_kernel(cfg: GemmConfig):
         finish_step(lbase, q, tsum, acc)
 
     @cute.jit
-    def consume(k_blocks, smem, wg, t, warp, g, q, acc):
-        """A consumer warpgroup: per K128 step wait for the stage, compute, release it (one arrival per warp)."""
+    def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc):
+        """A folded-scale consumer warpgroup: per K128 step wait for the stage, compute (one chained WGMMA
+        group, waited at once), release it (one arrival per warp)."""
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             ptx.mbarrier_wait(full, (kb // STAGES) % 2)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-            if cutlass.const_expr(cfg.fold_scales):
-                compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
-            else:
-                compute_stage_ws(smem, stage, wg, t, warp, g, q, acc)
+            compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(full + STAGES * 8)
@@ -647,7 +612,7 @@ def _make_kernel(cfg: GemmConfig):
         elif cutlass.const_expr(cfg.pipelined):
             consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
         else:
-            consume(k_blocks, smem, wg, t, warp, g, q, acc)
+            consume_folded(k_blocks, smem, wg, t, warp, g, q, acc)
         return tid, wg, warp, g, q
 
     @cute.jit
