@@ -178,6 +178,10 @@ class GcAdapter(OperatorAdapter):
             "activation_clamp": model.activation_clamp, "num_tokens": t,
         }
         note = f"gc_moe backend: {backend}{declined}"
+        if backend == "sm90":  # the partition and the overlap switch this measurement ran with
+            from gc_moe.kernels.sm90.backend import settings_note
+
+            note += f"; {settings_note(buffer)}"
         if fused_shared:
             def run() -> None:
                 gc_moe.fp8_fp4_gc_moe(output, w1, w2, buffer, shared_weights=w.shared, **call_args)

@@ -190,6 +190,90 @@ def test_timeout_from_env():
             sm90_layer.timeout_from_env({sm90_layer.TIMEOUT_ENV: bad})
 
 
+# ------------------------------------------------------------------------------------------------ overlap switch
+def test_overlap_from_env():
+    assert sm90_layer.overlap_from_env({}) is True
+    assert sm90_layer.overlap_from_env({sm90_layer.OVERLAP_ENV: ""}) is True
+    assert sm90_layer.overlap_from_env({sm90_layer.OVERLAP_ENV: "1"}) is True
+    assert sm90_layer.overlap_from_env({sm90_layer.OVERLAP_ENV: "0"}) is False
+    for bad in ("on", "off", "true", "2", " 1"):
+        with pytest.raises(ValueError, match=r"GC_MOE_OVERLAP_ROOTS=.*allowed: 1 .* or 0 "):
+            sm90_layer.overlap_from_env({sm90_layer.OVERLAP_ENV: bad})
+
+
+def test_layer_checks_the_overlap_switch_before_touching_a_device(monkeypatch):
+    shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
+    with pytest.raises(TypeError, match="overlap_roots 'no'; allowed: True, False or None"):
+        sm90_layer.Sm90Layer(shape, device="cpu", overlap_roots="no")
+    monkeypatch.setenv(sm90_layer.OVERLAP_ENV, "yes")
+    with pytest.raises(ValueError, match="GC_MOE_OVERLAP_ROOTS='yes'"):
+        sm90_layer.Sm90Layer(shape, device="cpu")
+    monkeypatch.setenv(sm90_layer.OVERLAP_ENV, "0")  # a valid switch: the next check (the device) speaks
+    with pytest.raises(ValueError, match="allowed: an sm_90 CUDA device"):
+        sm90_layer.Sm90Layer(shape, device="cpu")
+
+
+def test_w1_dependencies():
+    dispatch_node = object()
+    assert sm90_layer.w1_dependencies(dispatch_node, True) == []
+    assert sm90_layer.w1_dependencies(dispatch_node, False) == [dispatch_node]
+
+
+class _RecordingGraph:
+    """Stands in for runtime.graph.ChildGraph: records each node's context and dependencies."""
+
+    def __init__(self):
+        self.nodes = {}
+
+    def add_kernel(self, name, kernel, grid, args, context, depends_on=()):
+        self.nodes[name] = (context, [n for n in depends_on])
+        return name
+
+
+def _graph_of(monkeypatch, overlap_roots: bool) -> dict:
+    """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from gc_moe.kernels.sm90 import dispatch, finalize
+    from gc_moe.runtime import graph
+
+    monkeypatch.setattr(graph, "ChildGraph", _RecordingGraph)
+    for module, names in ((dispatch, ("dispatch_args",)), (finalize, ("finalize_args",)),
+                          (gg, ("ring_args_w1", "ring_args_w2"))):
+        for name in names:
+            monkeypatch.setattr(module, name, lambda *a, **k: ())
+    monkeypatch.setattr(gg, "w1_launch", lambda *a, **k: (1, ()))
+    monkeypatch.setattr(gg, "w2_launch", lambda *a, **k: (1, ()))
+    layer = object.__new__(sm90_layer.Sm90Layer)
+    layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
+    layer.ws, layer.rank, layer.timeout_s, layer.shared = mock.MagicMock(), 0, 1.0, None
+    layer.parts = SimpleNamespace(comm_context="comm", compute_context="compute")
+    layer.k_dispatch = layer.k_finalize = "kernel"
+    layer.dispatch_ctas, layer.finalize_ctas = 4, 64
+    layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
+    layer.overlap_roots = overlap_roots
+    return layer.build_graph(None, 8, None, None).nodes
+
+
+def test_graph_edges_follow_the_overlap_switch(monkeypatch):
+    on = _graph_of(monkeypatch, True)
+    assert on == {"dispatch": ("comm", []), "w1": ("compute", []), "w2": ("compute", ["w1"]),
+                  "finalize": ("compute", ["dispatch", "w2"])}
+    off = _graph_of(monkeypatch, False)
+    assert off == {**on, "w1": ("compute", ["dispatch"])}  # the only change: W1 after dispatch
+
+
+def test_settings_note():
+    from types import SimpleNamespace
+
+    assert sm90_layer.settings_note(4, 128, True) == "partition comm/compute 4/128 SMs; overlap on"
+    layer = object.__new__(sm90_layer.Sm90Layer)
+    layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
+    layer.overlap_roots = False
+    assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off"
+
+
 # ------------------------------------------------------------------------------------------------ weights
 def _small_sm90_weights(experts=2, hidden=256, intermediate=128):
     from gc_moe.cases import random_moe_weights
@@ -288,6 +372,26 @@ def test_adapter_unfused_note_names_the_reference_shared_expert_under_a_kernel_b
     inv = get_operator("gc-unfused").prepare(_tiny_workload(1), None)
     assert inv.note.startswith("gc_moe backend: fake; shared expert: float32 reference, added after the routed call")
     assert "gc_moe.kernels.fake.backend does not import" in inv.note and inv.capturable is False
+
+
+def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend(monkeypatch):
+    """Under the sm90 backend the gc note ends with the layer's partition and overlap switch."""
+    from types import SimpleNamespace
+
+    from gcmoe_bench.operators import get_operator
+
+    layer = object.__new__(sm90_layer.Sm90Layer)
+    layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
+    layer.overlap_roots = True
+
+    def allocate(buffer):
+        return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}
+
+    fake = api.Backend(name="sm90", archs=(None,), weight_layout="canonical", unavailable_reason=lambda d, a: None,
+                       allocate=allocate, run=api._reference_run, priority=100)
+    monkeypatch.setitem(api._BACKENDS, "sm90", fake)
+    inv = get_operator("gc").prepare(_tiny_workload(0), None)
+    assert inv.note == "gc_moe backend: sm90; partition comm/compute 4/128 SMs; overlap on"
 
 
 def test_adapter_reuses_one_weight_transform_per_weight_set():

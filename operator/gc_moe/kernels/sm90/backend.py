@@ -11,6 +11,8 @@ kernel (`kernels.sm90.shared_expert`) and its cubins are here; otherwise they ar
 (the reference backend serves them). `separate_shared_expert` gives the unfused ablation its own launches.
 `run` launches the layer's child graph for (token count, y, weights), or attaches it when torch is capturing
 a CUDA graph: the call is capturable and does no host synchronization. Waits are bounded by GC_MOE_WAIT_TIMEOUT_S (default 3600 s).
+GC_MOE_OVERLAP_ROOTS ("1" default, "0") says whether dispatch and W1 overlap (`Sm90Layer.overlap_roots`);
+`settings_note(buffer)` gives the partition and that switch as one line.
 """
 
 from __future__ import annotations
@@ -72,10 +74,16 @@ def allocate(buffer: api.GcMoeBuffer) -> dict:
     shape = sm90_layer.layer_shape(buffer.world_size, buffer.num_experts, buffer.topk, buffer.hidden,
                                    buffer.intermediate, buffer.capacity, buffer.num_shared_experts)
     layer = sm90_layer.Sm90Layer(shape, group=buffer.group, device=buffer.device,
-                                 timeout_s=sm90_layer.timeout_from_env())
+                                 timeout_s=sm90_layer.timeout_from_env(),
+                                 overlap_roots=sm90_layer.overlap_from_env())
     views = layer.input_views()
     views["topk_idx"].fill_(-1)
     return {**views, "extras": {"sm90_layer": layer, "release": layer.release}}
+
+
+def settings_note(buffer: api.GcMoeBuffer) -> str:
+    """The buffer's layer settings: "partition comm/compute 4/128 SMs; overlap on"."""
+    return buffer.extras["sm90_layer"].settings_note()
 
 
 def _matrices(w1, w2):

@@ -12,6 +12,9 @@
   context) as concurrent roots, W2 after W1, finalize after dispatch and W2. Every replay leaves the state
   ready for the next (role3 resets the ring signals and flips the parity), so a graph replays, eagerly or
   inside an outer torch CUDA graph capture, without host work in between.
+- the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, W1 depends on dispatch, so the
+  two roots run one after the other (the ablation of the overlap; the ring holds the whole pool, so dispatch
+  finishes without W1 consuming anything).
 
 Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
 Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only
@@ -34,6 +37,8 @@ from gc_moe.planning import choose_block_m
 ARCH = "sm_90a"
 DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
+OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
+OVERLAP_VALUES = {"1": True, "0": False}
 # Ring block rows: the smallest token tile, so the first ring block is full after as few pulled rows as possible
 # (W1 of any token tile acquires every block its rows touch, so the GEMM's tile need not equal it).
 RING_BLOCK_M = 8
@@ -210,6 +215,29 @@ def timeout_from_env(environ=os.environ) -> float:
     return value
 
 
+def overlap_from_env(environ=os.environ) -> bool:
+    """Whether dispatch and W1 run as concurrent roots: GC_MOE_OVERLAP_ROOTS "1" (the default when unset or
+    empty) or "0" (W1 after dispatch)."""
+    raw = environ.get(OVERLAP_ENV, "")
+    if raw == "":
+        return True
+    if raw not in OVERLAP_VALUES:
+        raise ValueError(f"{OVERLAP_ENV}={raw!r}; allowed: 1 (dispatch and W1 overlap, the default) or 0 (W1 "
+                         f"after dispatch)")
+    return OVERLAP_VALUES[raw]
+
+
+def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
+    """The nodes W1 waits for: none when the roots overlap (W1 acquires ring blocks as dispatch fills them),
+    the dispatch node when they do not (W1 starts once dispatch has finished)."""
+    return [] if overlap_roots else [dispatch_node]
+
+
+def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool) -> str:
+    """How a layer runs, as the harness records it beside each measurement."""
+    return f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}"
+
+
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
     """The SM90 matrices (`weights.sm90.Sm90Matrix`) must be this rank's experts at the layer's H and I."""
     e, h, i = shape.local_experts, shape.hidden, shape.intermediate
@@ -241,11 +269,17 @@ def _load(variant):
 class Sm90Layer:
     """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
 
-    def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 overlap_roots: bool | None = None):
         import torch
 
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s {timeout_s!r}; allowed: a finite number of seconds > 0")
+        if overlap_roots is None:
+            overlap_roots = overlap_from_env()
+        if not isinstance(overlap_roots, bool):
+            raise TypeError(f"overlap_roots {overlap_roots!r}; allowed: True, False or None ({OVERLAP_ENV})")
+        self.overlap_roots = overlap_roots
         device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         if device.type != "cuda":
             raise ValueError(f"device {device}; allowed: an sm_90 CUDA device")
@@ -299,6 +333,11 @@ class Sm90Layer:
     def input_views(self) -> dict:
         return {name: getattr(self.ws, name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
 
+    def settings_note(self) -> str:
+        """The partition and the overlap switch, e.g. "partition comm/compute 4/128 SMs; overlap on"."""
+        described = self.parts.describe()
+        return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots)
+
     def gemm_kernels(self, block_n: int):
         w1 = _load(gg.variant("w1", block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP,
                               ring_consumer=True))
@@ -307,7 +346,8 @@ class Sm90Layer:
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
         """The child graph of one call: [dispatch || W1] -> W2 -> finalize (finalize also after dispatch); with
-        shared experts also the shared W1 -> W2 (role4, a third root) into combine lane k, before finalize."""
+        shared experts also the shared W1 -> W2 (role4, a third root) into combine lane k, before finalize.
+        With the overlap off, dispatch -> W1 (`w1_dependencies`)."""
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
@@ -319,7 +359,8 @@ class Sm90Layer:
         grid, args = gg.w1_launch(k_w1, l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight,
                                   ws.l2_act, ws.l2_scale, plan.expert_rows_bound,
                                   gg.ring_args_w1(ws, shape, self.timeout_s))
-        w1 = g.add_kernel("w1", k_w1, grid, args, self.parts.compute_context)
+        w1 = g.add_kernel("w1", k_w1, grid, args, self.parts.compute_context,
+                          depends_on=w1_dependencies(d, self.overlap_roots))
         grid, args = gg.w2_launch(k_w2, l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row,
                                   ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
                                   gg.ring_args_w2(ws, shape))
