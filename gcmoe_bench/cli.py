@@ -82,6 +82,16 @@ def sweep(
         help="Warmup windows per point (profile default: 10). For quick runs only.")] = None,
     replays: Annotated[int | None, typer.Option(
         help="Invocations per window (profile default: 100). For quick runs only.")] = None,
+    dispatch_sms: Annotated[int | None, typer.Option(
+        help="GC-MoE's dispatch-partition request in SMs (>= 1) instead of the profile's dispatch_sm_request: "
+             "the partition-size ablation. Recorded in env.json and in every row.")] = None,
+    overlap: Annotated[str | None, typer.Option(
+        metavar="on|off",
+        help="on: GC-MoE's dispatch and W1 run as concurrent graph roots (the default); off: W1 after dispatch "
+             "(GC_MOE_OVERLAP_ROOTS=0), the overlap ablation. Recorded in env.json and in every row.")] = None,
+    operators: Annotated[list[str] | None, typer.Option(
+        help="Measure only these operators of each suite, comma-separated or repeated; the suite's baseline only "
+             "if named (then rows have no speedup). E.g. --operators gc.")] = None,
 ) -> None:
     """Measure every point of a sweep profile under the Section 6.1 protocol and write a new run directory.
 
@@ -93,10 +103,12 @@ def sweep(
 
     try:
         if resume is not None:
-            if any(v is not None for v in (gpu, layout, models, tokens, suite, l2, windows, warmup, replays)):
+            if any(v is not None for v in (gpu, layout, models, tokens, suite, l2, windows, warmup, replays,
+                                           dispatch_sms, overlap, operators)):
                 raise profiles.ProfileError(
                     "--resume continues a run with the profile recorded in its env.json; leave out --gpu, --layout, "
-                    "--models, --tokens, --suite, --l2, --windows, --warmup and --replays")
+                    "--models, --tokens, --suite, --l2, --windows, --warmup, --replays, --dispatch-sms, --overlap "
+                    "and --operators")
             from gcmoe_bench.results import RunDirError, open_for_resume
 
             try:
@@ -115,7 +127,8 @@ def sweep(
             profile = profiles.load_profile(gpu, layout=layout)
             profile = profiles.apply_overrides(
                 profile, models=_split(models), tokens=_tokens(tokens), suites=_split(suite), l2=l2,
-                windows=windows, warmup=warmup, replays=replays, skip_gate=skip_gate)
+                windows=windows, warmup=warmup, replays=replays, skip_gate=skip_gate, dispatch_sms=dispatch_sms,
+                overlap=overlap, operators=_split(operators))
     except (profiles.ProfileError, FileNotFoundError, KeyError) as exc:
         _fail(str(exc))
     try:
@@ -193,6 +206,29 @@ def report(
     except (FileNotFoundError, ValueError) as exc:  # a missing or malformed run: say which, no traceback
         _fail(str(exc))
     console.print(f"report written: {files.index}")
+
+
+@app.command()
+def ablation(
+    run_dirs: Annotated[list[Path], typer.Argument(
+        metavar="RUN_DIR...", help="Sweep run directories of one GPU kind and the same models, e.g. one per "
+                                   "--dispatch-sms value and one with --overlap off.")],
+    out: Annotated[Path, typer.Option(
+        help="Output directory: partition.{md,csv}, overlap.{md,csv}, partition-latency.{png,pdf}. Files already "
+             "there are never overwritten (the command stops before writing anything).")],
+) -> None:
+    """The partition-size and overlap ablations of GC-MoE: mean latency per dispatch request (with the actual
+    communication / compute SMs) and speedup against request 4, overlap on against off, and latency against
+    communication SMs per model and token count."""
+    from gcmoe_bench.ablation import run_ablation
+    from gcmoe_bench.results import RunDirError
+
+    try:
+        files = run_ablation(list(run_dirs), out)
+    except (FileNotFoundError, FileExistsError, ValueError, RunDirError) as exc:
+        _fail(str(exc))
+    for path in files.all_paths():
+        console.print(f"written: {path}", highlight=False)
 
 
 @app.command()

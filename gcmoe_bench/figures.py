@@ -174,14 +174,21 @@ def _finish(figure, latency_axes, speedup_axes, tokens: list[int]):
     return figure
 
 
-def _save(figure: Figure, directory: Path, name: str, formats: tuple[str, ...]) -> list[Path]:
+def _save(figure: Figure, directory: Path, name: str, formats: tuple[str, ...],
+          exclusive: bool = False) -> list[Path]:
+    """Write `name`.<fmt> for each format; `exclusive`: a file that already exists is an error (FileExistsError),
+    never overwritten."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for fmt in formats:
         path = directory / f"{name}.{fmt}"
         # No timestamps in the files, so regenerated figures only differ when the data do.
         metadata = {"CreationDate": None} if fmt == "pdf" else {"Software": None} if fmt == "png" else None
-        figure.savefig(path, dpi=150, metadata=metadata)
+        if exclusive:
+            with path.open("xb") as f:
+                figure.savefig(f, format=fmt, dpi=150, metadata=metadata)
+        else:
+            figure.savefig(path, dpi=150, metadata=metadata)
         paths.append(path)
     return paths
 

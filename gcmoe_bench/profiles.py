@@ -17,6 +17,7 @@ import tomllib
 from gcmoe_bench.models import ModelShape, table4_models
 
 L2_MODES = ("flush", "rotate")
+OVERLAP_MODES = ("on", "off")  # GC-MoE's dispatch and W1 graph roots: concurrent (the operator's default) or serialized
 DEVICES = ("cuda", "cpu")
 SCALE_GRANULE = 128  # H and I must hold whole packed UE8M0 words (4 scales x 32 values)
 
@@ -73,14 +74,23 @@ class Profile:
     timeout_s: float = 600.0
     layout: str = "default"
     skip_gate: bool = False
+    overlap: str = "on"  # GC-MoE's overlap of dispatch and W1 (handed to the runtime as GC_MOE_OVERLAP_ROOTS)
+    only_operators: tuple[str, ...] | None = None  # measure only these operators of each suite (None: all)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def operators_of(self, suite: SuiteSpec) -> tuple[str, ...]:
+        """The operators measured in `suite`, baseline first: all of them, or those `only_operators` names (the
+        baseline too only when named)."""
+        if self.only_operators is None:
+            return suite.all_operators
+        return tuple(op for op in suite.all_operators if op in self.only_operators)
+
 
 _TOP_KEYS = {
     "gpu", "description", "device", "ranks", "tokens_per_rank", "capacity", "routing", "seed",
-    "dispatch_sm_request", "timeout_s", "protocol", "gate", "models", "suites", "layouts",
+    "dispatch_sm_request", "timeout_s", "protocol", "gate", "models", "suites", "layouts", "overlap",
 }
 _MODEL_KEYS = {
     "base", "name", "hidden", "intermediate", "experts", "topk", "shared_experts", "shared_k_group",
@@ -161,6 +171,7 @@ def profile_from_dict(raw: dict[str, Any], *, layout: str | None = None, source:
         dispatch_sm_request=merged.get("dispatch_sm_request"),
         timeout_s=float(merged.get("timeout_s", 600.0)),
         layout=layout or "default",
+        overlap=merged.get("overlap", "on"),
     )
     validate(profile, where)
     return profile
@@ -195,6 +206,20 @@ def validate(profile: Profile, where: str = "profile") -> None:
         raise ProfileError(f"{where}: dispatch_sm_request = {profile.dispatch_sm_request!r}; allowed: >= 1")
     if profile.timeout_s <= 0:
         raise ProfileError(f"{where}: timeout_s = {profile.timeout_s}; allowed: > 0 seconds")
+    if profile.overlap not in OVERLAP_MODES:
+        raise ProfileError(f"{where}: overlap = {profile.overlap!r}; allowed: {', '.join(OVERLAP_MODES)}")
+    if profile.only_operators is not None:
+        offered = list(dict.fromkeys(op for suite in profile.suites for op in suite.all_operators))
+        unknown = [op for op in profile.only_operators if op not in offered]
+        if unknown or not profile.only_operators:
+            raise ProfileError(f"{where}: --operators {', '.join(unknown) or '(none)'} not in the suites "
+                               f"{', '.join(s.name for s in profile.suites)} of profile {profile.gpu!r}; allowed: "
+                               f"{', '.join(offered)}")
+        for suite in profile.suites:
+            if not profile.operators_of(suite):
+                raise ProfileError(f"{where}: --operators {', '.join(profile.only_operators)}: suite {suite.name!r} "
+                                   f"has none of them (it has {', '.join(suite.all_operators)}); leave it out "
+                                   f"with --suite")
 
 
 def apply_overrides(
@@ -208,6 +233,9 @@ def apply_overrides(
     warmup: int | None = None,
     replays: int | None = None,
     skip_gate: bool | None = None,
+    dispatch_sms: int | None = None,
+    overlap: str | None = None,
+    operators: list[str] | None = None,
 ) -> Profile:
     """The profile with command-line overrides applied (each one validated like the file's own fields)."""
     changes: dict[str, Any] = {}
@@ -244,6 +272,17 @@ def apply_overrides(
         changes["protocol"] = _protocol(merged, "command line")
     if skip_gate is not None:
         changes["skip_gate"] = skip_gate
+    if dispatch_sms is not None:
+        if isinstance(dispatch_sms, bool) or not isinstance(dispatch_sms, int) or dispatch_sms < 1:
+            raise ProfileError(f"--dispatch-sms {dispatch_sms!r}; allowed: an integer >= 1 (the SMs GC-MoE "
+                               f"requests for its dispatch partition)")
+        changes["dispatch_sm_request"] = dispatch_sms
+    if overlap is not None:
+        if overlap not in OVERLAP_MODES:
+            raise ProfileError(f"--overlap {overlap!r}; allowed: {', '.join(OVERLAP_MODES)}")
+        changes["overlap"] = overlap
+    if operators:
+        changes["only_operators"] = tuple(dict.fromkeys(operators))
     result = dataclasses.replace(profile, **changes)
     validate(result, "command line")
     return result
@@ -259,6 +298,7 @@ def profile_from_resolved(data: dict[str, Any]) -> Profile:
             "suites": tuple(SuiteSpec(**{**s, "operators": tuple(s["operators"])}) for s in data["suites"]),
             "protocol": ProtocolSpec(**data["protocol"]),
             "gate": GateSpec(**data["gate"]),
+            "only_operators": None if data.get("only_operators") is None else tuple(data["only_operators"]),
         }
     )
 

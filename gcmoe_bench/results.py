@@ -3,7 +3,7 @@
 | file          | rows                                                                                     |
 | ------------- | ---------------------------------------------------------------------------------------- |
 | raw.csv       | one per rank x window x point x operator (``rank``, ``window``, ``phase`` = warmup/measured) |
-| points.csv    | one per point and operator, columns POINT_COLUMNS (docs/ARCHITECTURE.md)                 |
+| points.csv    | one per point and operator, columns POINT_COLUMNS (docs/ARCHITECTURE.md), run settings last |
 | accuracy.csv  | one per accuracy case and operator, when ``accuracy`` ran                                |
 | env.json      | GPUs, driver, CUDA, torch and package versions, git commit + dirty flag, host, profile, command |
 
@@ -18,6 +18,7 @@ import csv
 import json
 import math
 import os
+import re
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,16 +29,30 @@ POINT_COLUMNS = (
     "gpu", "model", "suite", "tokens_per_rank", "total_tokens", "num_ranks", "hidden", "intermediate",
     "num_experts", "topk", "num_shared_experts", "operator", "baseline", "latency_us", "rank_medians_us",
     "spread_us", "speedup", "assignments", "remote_assignments", "hbm_working_set_bytes", "l2_mode", "status",
-    "reason",
+    "reason", "dispatch_sm_request", "overlap", "comm_sms", "compute_sms",
 )
 RAW_COLUMNS = (
     "gpu", "model", "suite", "tokens_per_rank", "operator", "rank", "window", "phase", "latency_us",
-    "replays_per_window", "timing", "l2_mode", "copies",
+    "replays_per_window", "timing", "l2_mode", "copies", "dispatch_sm_request", "overlap", "comm_sms",
+    "compute_sms",
 )
+# The run settings every points and raw row ends with: the dispatch request and the overlap switch of the run,
+# and the partition (communication / compute SMs) where the operator's note names it.
+SETTING_COLUMNS = ("dispatch_sm_request", "overlap", "comm_sms", "compute_sms")
 ACCURACY_COLUMNS = (
     "case", "category", "model", "num_ranks", "tokens_per_rank", "shared_experts", "operator", "reference",
     "cosine", "processed_diff", "max_abs_err", "rel_l2", "passed", "status", "reason",
 )
+
+
+_PARTITION_NOTE = re.compile(r"partition comm/compute (\d+)/(\d+) SMs")
+
+
+def partition_from_note(note: str) -> tuple[int, int] | None:
+    """(communication SMs, compute SMs) from an invocation note that names them (the sm90 backend's
+    "partition comm/compute 4/128 SMs"), else None."""
+    match = _PARTITION_NOTE.search(note or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 class RunDirError(RuntimeError):
@@ -68,9 +83,25 @@ def _key(row: dict[str, Any]) -> tuple[str, str, int, str]:
     return (str(row["model"]), str(row["suite"]), int(row["tokens_per_rank"]), str(row["operator"]))
 
 
+def _header(path: Path) -> list[str]:
+    """The column names of an existing CSV file (empty when it is missing or empty)."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return next(csv.reader(f), [])
+
+
 def _append_rows(path: Path, columns: Iterable[str], rows: list[dict[str, Any]]) -> None:
+    """Append rows; a file that already has a header keeps it: a run written before columns were added (the
+    run settings at the end) goes on in its own layout when resumed, never a row out of step with its header."""
     columns = list(columns)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        header = _header(path)
+        if header != columns:
+            if not set(header) <= set(columns):
+                raise RunDirError(f"{path}: its columns {header} are not ones this tool writes ({columns})")
+            columns = header
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="raise")
         if new:
@@ -121,7 +152,7 @@ class RunWriter:
         if len(kept) != len(rows):
             tmp = self.raw_path.with_suffix(".csv.tmp")
             tmp.unlink(missing_ok=True)
-            _append_rows(tmp, RAW_COLUMNS, kept)
+            _append_rows(tmp, _header(self.raw_path) or RAW_COLUMNS, kept)
             tmp.replace(self.raw_path)
         return len(rows) - len(kept)
 

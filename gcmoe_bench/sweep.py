@@ -1,8 +1,8 @@
 """The sweep driver: profile -> workloads -> operators -> protocol -> results, on every rank of the job.
 
 Every rank walks the same plan in the same order (models, suites, tokens per rank, the suite's baseline first and
-then its operators), so the collectives inside the protocol line up. Rank 0 owns the run directory and the
-progress display; the other ranks are quiet.
+then its operators; with `--operators` only those named), so the collectives inside the protocol line up. Rank 0
+owns the run directory and the progress display; the other ranks are quiet.
 
 An operator that is not available, or whose ``prepare`` raises ``OperatorUnavailable``, on any rank is skipped at
 that point on every rank (its row says why, naming the rank); the sweep goes on. Any other error stops every rank.
@@ -26,6 +26,7 @@ from gcmoe_bench.gate import GateError, run_gate
 from gcmoe_bench.models import ModelShape
 from gcmoe_bench.operators import OperatorUnavailable, get_operator
 from gcmoe_bench.profiles import Profile, SuiteSpec
+from gcmoe_bench.results import partition_from_note
 from gcmoe_bench.workloads import Weights, Workload, build_weights, build_workload
 
 
@@ -59,6 +60,23 @@ def apply_dispatch_request(profile: Profile) -> None:
             os.environ[name] = str(profile.dispatch_sm_request)
 
 
+# the GC-MoE SM90 layer reads whether its dispatch and W1 graph roots overlap from this ("1" or "0")
+OVERLAP_ENV_VAR = "GC_MOE_OVERLAP_ROOTS"
+
+
+def apply_overlap(profile: Profile) -> None:
+    """Hand the profile's overlap switch (on / off) to the GC-MoE runtime for this run."""
+    os.environ[OVERLAP_ENV_VAR] = "1" if profile.overlap == "on" else "0"
+
+
+def _settings(profile: Profile, note: str = "") -> dict[str, Any]:
+    """The run settings each points and raw row carries: the dispatch request and the overlap switch of the
+    run, and the partition the operator actually ran on where its note says (empty otherwise)."""
+    parts = partition_from_note(note)
+    return {"dispatch_sm_request": profile.dispatch_sm_request, "overlap": profile.overlap,
+            "comm_sms": parts[0] if parts else None, "compute_sms": parts[1] if parts else None}
+
+
 def _point_row(profile: Profile, model: ModelShape, suite: SuiteSpec, workload: Workload, operator: str,
                **fields: Any) -> dict[str, Any]:
     return {
@@ -79,6 +97,7 @@ def _point_row(profile: Profile, model: ModelShape, suite: SuiteSpec, workload: 
         "remote_assignments": workload.counts.remote_assignments,
         "hbm_working_set_bytes": workload.counts.hbm_working_set_bytes,
         "l2_mode": profile.protocol.l2,
+        **_settings(profile, fields.get("reason", "") if fields.get("status") == "ok" else ""),
         **fields,
     }
 
@@ -93,7 +112,7 @@ def _raw_rows(profile: Profile, model: ModelShape, suite: SuiteSpec, tokens: int
                 "operator": operator, "rank": rank, "window": window,
                 "phase": "warmup" if window < m.warmup_windows else "measured", "latency_us": latency,
                 "replays_per_window": profile.protocol.replays_per_window, "timing": m.timing,
-                "l2_mode": profile.protocol.l2, "copies": m.copies,
+                "l2_mode": profile.protocol.l2, "copies": m.copies, **_settings(profile, m.note),
             })
     return rows
 
@@ -103,7 +122,8 @@ def _plan(profile: Profile, finished: set[tuple[str, str, int, str]]) -> list[tu
     for model in profile.models:
         for suite in profile.suites:
             for tokens in profile.tokens_per_rank:
-                todo = [op for op in suite.all_operators if (model.name, suite.name, tokens, op) not in finished]
+                todo = [op for op in profile.operators_of(suite)
+                        if (model.name, suite.name, tokens, op) not in finished]
                 if todo:
                     plan.append((model, suite, tokens, todo))
     return plan
@@ -119,8 +139,8 @@ def _availability(ctx: DistContext, operator: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _without_speedup(note: str, baseline: str, baseline_reason: str) -> str:
-    why = f"no speedup: baseline {baseline} skipped ({baseline_reason})"
+def _without_speedup(note: str, baseline: str, baseline_reason: str, verb: str = "skipped") -> str:
+    why = f"no speedup: baseline {baseline} {verb} ({baseline_reason})"
     return f"{note}; {why}" if note else why
 
 
@@ -176,6 +196,7 @@ def _run_points(ctx: DistContext, profile: Profile, *, out_root: Path, resume: P
     gate_record = gate_step(ctx, profile)
     distributed.bind_device(ctx)
     apply_dispatch_request(profile)
+    apply_overlap(profile)
 
     # ---- the run directory: rank 0 creates (or reopens) it, everyone learns its path
     error = None
@@ -279,6 +300,8 @@ def _run_points(ctx: DistContext, profile: Profile, *, out_root: Path, resume: P
                 note = m.note
                 if key in baseline_skipped and operator != suite.baseline:
                     note = _without_speedup(note, suite.baseline, baseline_skipped[key])
+                elif suite.baseline not in profile.operators_of(suite):
+                    note = _without_speedup(note, suite.baseline, "not among --operators", verb="not measured")
                 row = _point_row(
                     profile, model, suite, workload, operator, status="ok", reason=note,
                     latency_us=m.latency_us, rank_medians_us=";".join(f"{v:.3f}" for v in m.rank_medians_us),

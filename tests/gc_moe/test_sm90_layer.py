@@ -375,10 +375,12 @@ def test_adapter_unfused_note_names_the_reference_shared_expert_under_a_kernel_b
 
 
 def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend(monkeypatch):
-    """Under the sm90 backend the gc note ends with the layer's partition and overlap switch."""
+    """Under the sm90 backend the gc note ends with the layer's partition and overlap switch, which the sweep
+    turns into its comm_sms / compute_sms / overlap columns."""
     from types import SimpleNamespace
 
     from gcmoe_bench.operators import get_operator
+    from gcmoe_bench.results import partition_from_note
 
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
@@ -392,6 +394,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     monkeypatch.setitem(api._BACKENDS, "sm90", fake)
     inv = get_operator("gc").prepare(_tiny_workload(0), None)
     assert inv.note == "gc_moe backend: sm90; partition comm/compute 4/128 SMs; overlap on"
+    assert partition_from_note(inv.note) == (4, 128)
 
 
 def test_adapter_reuses_one_weight_transform_per_weight_set():

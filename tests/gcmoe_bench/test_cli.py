@@ -13,7 +13,8 @@ from gcmoe_bench.cli import app
 
 COMMANDS = {
     "sweep": ["--gpu", "--layout", "--models", "--tokens", "--suite", "--out", "--skip-gate", "--l2", "--resume",
-              "--windows", "--warmup", "--replays"],
+              "--windows", "--warmup", "--replays", "--dispatch-sms", "--overlap", "--operators"],
+    "ablation": ["RUN_DIR...", "--out"],
     "accuracy": ["--gpu", "--models", "--operators", "--cases", "--out", "--into"],
     "report": ["RUN_DIR...", "--out", "--figures-out", "--format", "--no-figures"],
     "compare": ["RUN_DIR", "--baseline", "--tolerance", "--json", "--allow-missing", "--write-baseline"],
@@ -56,6 +57,27 @@ def test_sweep_errors_are_clear():
     assert result.exit_code == 2 and "l2 = 'warm'; allowed: flush, rotate" in result.output
 
 
+def test_sweep_ablation_options_are_checked_before_anything_runs(tmp_path):
+    for args, message in (
+        (["--dispatch-sms", "0"], "--dispatch-sms 0; allowed: an integer >= 1"),
+        (["--overlap", "maybe"], "--overlap 'maybe'; allowed: on, off"),
+        (["--operators", "gc,mega"], ("--operators mega not in the suites routed, shared of profile 'cpu'; "
+                                      "allowed: reference, gc, gc-unfused")),
+        (["--suite", "routed", "--operators", "gc-unfused"], "--operators gc-unfused not in the suites routed"),
+        (["--operators", "gc-unfused"], "suite 'routed' has none of them"),
+    ):
+        result = invoke(["sweep", "--gpu", "cpu", "--out", str(tmp_path), *args])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+        assert "Traceback" not in result.output
+    result = invoke(["sweep", "--gpu", "cpu", "--dispatch-sms", "two"])
+    assert result.exit_code == 2 and "Invalid value for '--dispatch-sms'" in result.output
+    assert not any(tmp_path.iterdir())  # nothing was measured or written
+    for flag in (["--dispatch-sms", "8"], ["--overlap", "off"], ["--operators", "gc"]):
+        result = invoke(["sweep", "--resume", str(tmp_path), *flag])
+        assert result.exit_code == 2 and "leave out" in result.output and "--dispatch-sms, --overlap" in " ".join(
+            result.output.split()), result.output
+
+
 def test_bad_paths_and_arch_exit_2_with_one_line(tmp_path):
     missing = tmp_path / "no-such-run"
     baseline = tmp_path / "no-such-baseline.csv"
@@ -66,6 +88,7 @@ def test_bad_paths_and_arch_exit_2_with_one_line(tmp_path):
         (["sweep", "--resume", str(missing)], f"--resume {missing}: no such directory"),
         (["sweep", "--resume", str(tmp_path)], f"--resume {tmp_path} has no env.json"),
         (["accuracy", "--into", str(missing)], f"--into {missing}: no such directory"),
+        (["ablation", str(missing), "--out", str(tmp_path / "ablation")], f"{missing} has no env.json"),
     ):
         result = invoke(args)
         assert result.exit_code == 2, result.output

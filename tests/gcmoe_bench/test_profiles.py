@@ -129,3 +129,45 @@ def test_resolved_profile_round_trips():
         p = load_profile(name)
         recorded = json.loads(json.dumps(p.to_dict()))  # as env.json stores it
         assert profile_from_resolved(recorded) == p
+
+
+def test_ablation_overrides_dispatch_request_overlap_and_operators():
+    base = load_profile("h200")
+    assert base.dispatch_sm_request == 4 and base.overlap == "on" and base.only_operators is None
+    p = apply_overrides(base, dispatch_sms=8, overlap="off", operators=["gc", "gc"])
+    assert p.dispatch_sm_request == 8 and p.overlap == "off" and p.only_operators == ("gc",)
+    routed, shared = p.suites
+    assert p.operators_of(routed) == ("gc",) and p.operators_of(shared) == ("gc",)  # the baseline is not named
+    assert base.operators_of(routed) == routed.all_operators
+    with_base = apply_overrides(base, operators=["gc", "mega-port"])
+    assert with_base.operators_of(shared) == ("mega-port", "gc")  # the suite's order: baseline first
+    with pytest.raises(ProfileError, match=r"--dispatch-sms 0; allowed: an integer >= 1"):
+        apply_overrides(base, dispatch_sms=0)
+    with pytest.raises(ProfileError, match=r"--overlap 'maybe'; allowed: on, off"):
+        apply_overrides(base, overlap="maybe")
+    with pytest.raises(ProfileError, match=r"--operators mega not in the suites routed, shared of profile 'h200'; "
+                                           r"allowed: mega-port, gc, deepgemm, gc-unfused"):
+        apply_overrides(base, operators=["gc", "mega"])
+    with pytest.raises(ProfileError, match=r"suite 'routed' has none of them .*leave it out with --suite"):
+        apply_overrides(base, operators=["gc-unfused"])
+    assert apply_overrides(base, suites=["shared"], operators=["gc-unfused"]).only_operators == ("gc-unfused",)
+
+
+def test_resolved_profile_with_ablation_settings_round_trips_and_old_records_get_defaults():
+    p = apply_overrides(load_profile("h200"), dispatch_sms=16, overlap="off", operators=["gc"])
+    recorded = json.loads(json.dumps(p.to_dict()))
+    assert (recorded["dispatch_sm_request"], recorded["overlap"], recorded["only_operators"]) == (16, "off", ["gc"])
+    assert profile_from_resolved(recorded) == p
+    old = {k: v for k, v in recorded.items() if k not in ("overlap", "only_operators")}  # written before the switch
+    again = profile_from_resolved(old)
+    assert again.overlap == "on" and again.only_operators is None
+
+
+def test_overlap_key_in_a_profile_file(tmp_path):
+    text = (profiles_dir() / "cpu.toml").read_text()
+    path = tmp_path / "off.toml"
+    path.write_text('overlap = "off"\n' + text)
+    assert load_profile(str(path)).overlap == "off"
+    path.write_text('overlap = "sometimes"\n' + text)
+    with pytest.raises(ProfileError, match="overlap = 'sometimes'; allowed: on, off"):
+        load_profile(str(path))

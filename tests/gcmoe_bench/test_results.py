@@ -68,3 +68,36 @@ def test_env_json_round_trip(tmp_path):
     env = {"command": "torchrun --nproc-per-node 2 -m gcmoe_bench sweep --gpu cpu", "profile": {"gpu": "cpu"}}
     writer.write_env(env)
     assert writer.read_env() == env
+
+
+def test_rows_end_with_the_run_settings_and_the_partition_from_the_note():
+    from gcmoe_bench.results import SETTING_COLUMNS, partition_from_note
+
+    assert POINT_COLUMNS[-4:] == SETTING_COLUMNS and RAW_COLUMNS[-4:] == SETTING_COLUMNS
+    assert partition_from_note("gc_moe backend: sm90; partition comm/compute 12/120 SMs; overlap off") == (12, 120)
+    assert partition_from_note("gc_moe backend: reference") is None and partition_from_note("") is None
+
+
+def test_a_run_written_before_the_setting_columns_keeps_its_layout_when_resumed(tmp_path):
+    """A resumed run whose files predate the setting columns goes on in its own layout: no row out of step with
+    its header, finished rows untouched; a header this tool never wrote is refused."""
+    import pytest
+
+    from gcmoe_bench.results import SETTING_COLUMNS, RunDirError, _append_rows
+
+    writer = RunWriter(create_run_dir(tmp_path, "cpu"))
+    old_points, old_raw = POINT_COLUMNS[:-4], RAW_COLUMNS[:-4]
+    _append_rows(writer.points_path, old_points, [_point("m", 1, "gc", 5.0)])
+    _append_rows(writer.raw_path, old_raw, _raw("m", 1, "gc", 1, 2) + _raw("m", 2, "gc", 1, 2))
+    before = writer.points_path.read_text()
+    settings = dict.fromkeys(SETTING_COLUMNS, "x")
+    writer.append_point({**_point("m", 3, "gc", 7.0), **settings}, [{**r, **settings} for r in _raw("m", 3, "gc", 1, 2)])
+    assert writer.points_path.read_text().startswith(before)
+    rows = read_rows(writer.points_path)
+    assert list(rows[-1]) == list(old_points) and rows[-1]["latency_us"] == "7.0"
+    assert writer.prune_unfinished_raw() == 2  # T=2 has no points row
+    assert list(read_rows(writer.raw_path)[0]) == list(old_raw)
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_text("model,something_else\n")
+    with pytest.raises(RunDirError, match="are not ones this tool writes"):
+        _append_rows(foreign, POINT_COLUMNS, [_point("m", 1, "gc", 1.0)])

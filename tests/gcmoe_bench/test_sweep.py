@@ -231,3 +231,48 @@ def test_dispatch_request_reaches_the_runtime(monkeypatch):
     for gpu, request in (("b300", "16"), ("h20", "4")):
         apply_dispatch_request(load_profile(gpu))
         assert [os.environ[name] for name in DISPATCH_ENV_VARS] == [request, request]
+
+
+def test_overlap_switch_reaches_the_runtime(monkeypatch):
+    from gcmoe_bench.profiles import apply_overrides, load_profile
+    from gcmoe_bench.sweep import OVERLAP_ENV_VAR, apply_overlap
+
+    monkeypatch.delenv(OVERLAP_ENV_VAR, raising=False)
+    apply_overlap(load_profile("h200"))  # the default: on, said explicitly so the run records what it ran
+    assert os.environ[OVERLAP_ENV_VAR] == "1"
+    apply_overlap(apply_overrides(load_profile("h200"), overlap="off"))
+    assert os.environ[OVERLAP_ENV_VAR] == "0"
+
+
+def test_ablation_options_are_recorded_in_every_row_and_reused_by_resume(tmp_path):
+    """--operators, --dispatch-sms and --overlap: only the named operators are measured (no baseline, so no
+    speedup, and the rows say why), every row carries the request and the switch, env.json's profile records
+    all three, and --resume of an interrupted run measures the rest with the recorded settings."""
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(TINY_PROFILE)
+    out = tmp_path / "results"
+    done = run_cli(["sweep", "--gpu", str(profile), "--out", str(out), "--suite", "routed", "--operators", "gc",
+                    "--dispatch-sms", "8", "--overlap", "off", "--windows", "2", "--warmup", "0", "--replays", "1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (out / "tiny").iterdir()
+    points, raw = rows(run_dir / "points.csv"), rows(run_dir / "raw.csv")
+    assert [(p["suite"], p["tokens_per_rank"], p["operator"]) for p in points] == [
+        ("routed", "1", "gc"), ("routed", "3", "gc")]
+    for r in points + raw:
+        assert (r["dispatch_sm_request"], r["overlap"], r["comm_sms"], r["compute_sms"]) == ("8", "off", "", "")
+    for p in points:
+        assert p["status"] == "ok" and p["speedup"] == ""
+        assert p["reason"] == ("gc_moe backend: reference; no speedup: baseline reference not measured "
+                               "(not among --operators)")
+    env = json.loads((run_dir / "env.json").read_text())
+    assert (env["profile"]["dispatch_sm_request"], env["profile"]["overlap"], env["profile"]["only_operators"]) == (
+        8, "off", ["gc"])
+    lines = (run_dir / "points.csv").read_text().splitlines(keepends=True)
+    (run_dir / "points.csv").write_text("".join(lines[:-1]))  # T=3 lost: an interrupted run
+    resumed = run_cli(["sweep", "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = rows(run_dir / "points.csv")
+    assert [(p["tokens_per_rank"], p["operator"], p["dispatch_sm_request"], p["overlap"]) for p in again] == [
+        ("1", "gc", "8", "off"), ("3", "gc", "8", "off")]
+    assert {(r["tokens_per_rank"], r["dispatch_sm_request"], r["overlap"]) for r in rows(run_dir / "raw.csv")} == {
+        ("1", "8", "off"), ("3", "8", "off")}
