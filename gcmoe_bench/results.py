@@ -41,7 +41,8 @@ RAW_COLUMNS = (
 SETTING_COLUMNS = ("dispatch_sm_request", "overlap", "comm_sms", "compute_sms")
 ACCURACY_COLUMNS = (
     "case", "category", "model", "num_ranks", "tokens_per_rank", "shared_experts", "operator", "reference",
-    "cosine", "processed_diff", "max_abs_err", "rel_l2", "passed", "status", "reason",
+    "cosine", "processed_diff", "max_abs_err", "rel_l2", "passed", "versus", "versus_cosine", "versus_passed",
+    "status", "reason",
 )
 
 
