@@ -12,7 +12,7 @@ raw.csv records ``cuda-eager``), and times it.  An adapter that is not available
 | reference    | reference | the float32 expert-parallel reference (gc_moe.reference.moe_reference_ep)      |
 | gc           | operator  | gc_moe.fp8_fp4_gc_moe (public API), shared expert fused when the suite has one |
 | gc-unfused   | operator  | gc_moe.fp8_fp4_gc_moe routed, plus the shared expert run separately            |
-| mega-port    | baseline  | the SM90 port of Mega MoE (H20/H200), unfused shared expert beside it          |
+| mega-port    | baseline  | the SM90 port of Mega MoE (H20/H200), separate shared-expert kernel after it   |
 | deepgemm     | baseline  | DeepGEMM's fp8_fp4_mega_moe (SM100 family), its fused shared-expert mode;      |
 |              |           | on SM90 sgl-deep-gemm's fp8_mega_moe (FP8 weights), an external Hopper anchor  |
 """
@@ -276,11 +276,13 @@ class _PendingBaseline(OperatorAdapter):
 
 class MegaPortAdapter(OperatorAdapter):
     """The SM90 reference port of Mega MoE (baselines.mega_moe.port_sm90): the routed layer as one persistent
-    kernel with GC-MoE's FP8xFP4 numerics; for shared suites a separate bf16 shared expert beside it."""
+    kernel with GC-MoE's FP8xFP4 numerics; for shared suites a separate shared-expert kernel after it (the SM90
+    shared-expert kernel of GC-MoE's unfused path, on the whole GPU), or bf16 torch GEMMs where that kernel cannot
+    run: the invocation's note says which."""
 
     name = "mega-port"
     role = "baseline"
-    summary = "SM90 port of Mega MoE (one fused persistent kernel); unfused shared expert beside it"
+    summary = "SM90 port of Mega MoE (one fused persistent kernel); separate shared-expert kernel after it"
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         if device.type != "cuda":
@@ -295,6 +297,9 @@ class MegaPortAdapter(OperatorAdapter):
     def prepare(self, workload: Workload, group: Any) -> Invocation:
         from baselines.mega_moe import deepgemm, port_sm90
 
+        if workload.tokens_per_rank == 0:  # before any collective
+            raise OperatorUnavailable(f"{self.name}: no tokens on this rank; the port's inputs take 1..capacity "
+                                      f"tokens per rank")
         model, w = workload.model, workload.weights
         inputs = deepgemm.MegaMoeInputs(
             x=workload.x, x_sf=workload.x_sf, topk_idx=workload.topk_idx, topk_weights=workload.topk_weights,

@@ -79,6 +79,137 @@ def test_adapter_reports_the_port_reason(monkeypatch):
     assert not ok and reason == "mega-port: the SM90 Mega MoE port needs sm_90a (H20/H200); this GPU is sm_103"
 
 
+# --------------------------------------------------------------------------------------------- shared expert
+def _port_inputs(tokens=2, hidden=256, inter=128, experts=2, alpha=1.0, clamp=10.0, recipe=(1, 1, 32), shared=True):
+    """Small CPU MegaMoeInputs with real quantized weights (and a shared expert in `recipe`)."""
+    from gc_moe import cases
+
+    from baselines.mega_moe.deepgemm import MegaMoeInputs
+
+    l1, l2 = cases.random_moe_weights(experts, hidden, inter, seed=5)
+    x, x_sf = cases.random_activations(tokens, hidden, seed=6)
+    idx, wts = cases.make_routing("uniform", tokens, experts, 1, seed=7)
+    sw = cases.random_shared_expert_weights(hidden, inter, seed=8, recipe=recipe) if shared else None
+    return MegaMoeInputs(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=wts, l1_weights=l1, l2_weights=l2,
+                         num_experts=experts, num_max_tokens_per_rank=8, activation_alpha=alpha,
+                         activation_clamp=clamp, shared_weights=sw)
+
+
+def test_shared_expert_kernel_reason_says_why_not(monkeypatch):
+    from gc_moe.kernels.sm90 import layer as sm90_layer
+
+    monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason", lambda cache_dir=None: None)
+    assert port_sm90.shared_expert_kernel_reason(_port_inputs()) is None
+    assert port_sm90.shared_expert_kernel_reason(_port_inputs(recipe=(1, 128, 128))) is None
+    assert port_sm90.shared_expert_kernel_reason(_port_inputs(shared=False)) == "no shared expert"
+    assert port_sm90.shared_expert_kernel_reason(_port_inputs(alpha=1.702)) == (
+        "its cubins are built for SwiGLU alpha 1, clamp 10; this model has alpha 1.702, clamp 10.0")
+    assert "clamp None" in port_sm90.shared_expert_kernel_reason(_port_inputs(clamp=None))
+    monkeypatch.setattr(sm90_layer, "shared_expert_unavailable_reason",
+                        lambda cache_dir=None: "16 shared-expert kernels are not in the cubin cache /c")
+    assert port_sm90.shared_expert_kernel_reason(_port_inputs()) == (
+        "16 shared-expert kernels are not in the cubin cache /c")
+
+
+def test_shared_expert_note_names_what_ran():
+    assert port_sm90.shared_expert_note(132, None) == (
+        "shared expert separate: the SM90 shared-expert kernel (W1 then W2 on all 132 SMs), added to the kernel's "
+        "output")
+    assert port_sm90.shared_expert_note(132, "no cubins") == (
+        "shared expert separate: bf16 torch GEMMs on dequantized FP8 weights, added to the kernel's output (the "
+        "SM90 shared-expert kernel cannot run here: no cubins)")
+
+
+def _fake_port_prepare(monkeypatch, launches: list):
+    """port_sm90.prepare without a GPU: availability, the kernel load, its arguments and launch are stand-ins;
+    the routed launch appends "routed" to `launches`."""
+    from gc_moe.runtime import jit
+
+    monkeypatch.setattr(port_sm90, "available", lambda device: (True, ""))
+    monkeypatch.setattr(jit, "load_kernel", lambda variant, arch: "kernel")
+    monkeypatch.setattr(host, "kernel_args", lambda *a, **k: [])
+    monkeypatch.setattr(host, "sm_count", lambda device=0: 132)
+    monkeypatch.setattr(host, "launch", lambda *a, **k: launches.append("routed"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+
+
+def test_prepare_launches_the_shared_expert_kernel_after_the_routed_one(monkeypatch):
+    launches = []
+    _fake_port_prepare(monkeypatch, launches)
+    monkeypatch.setattr(port_sm90, "shared_expert_kernel_reason", lambda inputs: None)
+    seen = {}
+
+    def fake_kernel(inputs, x, x_sf, output, sms):
+        seen["sms"], seen["x"] = sms, x
+
+        def run():
+            launches.append("shared")
+            output.add_(1.0)
+
+        return run, ("kept",)
+
+    monkeypatch.setattr(port_sm90, "_shared_expert_kernel", fake_kernel)
+    inputs = _port_inputs()
+    call = port_sm90.prepare(inputs, None)
+    assert call.capturable and "kept" in call.keep_alive
+    assert call.note.endswith("shared expert separate: the SM90 shared-expert kernel (W1 then W2 on all 132 SMs), "
+                              "added to the kernel's output")
+    assert seen["sms"] == 132 and torch.equal(seen["x"].view(torch.uint8), inputs.x.view(torch.uint8))
+    call.output.zero_()
+    call.run()
+    assert launches == ["routed", "shared"] and bool((call.output == 1).all())
+
+
+def test_prepare_falls_back_to_bf16_gemms_and_says_why(monkeypatch):
+    from gc_moe import reference
+
+    launches = []
+    _fake_port_prepare(monkeypatch, launches)
+    monkeypatch.setattr(port_sm90, "shared_expert_kernel_reason", lambda inputs: "no shared-expert cubins")
+    inputs = _port_inputs()
+    call = port_sm90.prepare(inputs, None)
+    assert call.note.endswith("(the SM90 shared-expert kernel cannot run here: no shared-expert cubins)")
+    call.output.zero_()
+    call.run()
+    assert launches == ["routed"]
+    alone = reference.moe_reference(inputs.x, inputs.x_sf, torch.full_like(inputs.topk_idx, -1),
+                                    torch.zeros_like(inputs.topk_weights), inputs.l1_weights, inputs.l2_weights,
+                                    shared_weights=inputs.shared_weights)
+    torch.testing.assert_close(call.output.float(), alone.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_prepare_falls_back_when_the_kernel_cannot_be_loaded(monkeypatch):
+    from gc_moe.runtime import jit
+
+    _fake_port_prepare(monkeypatch, [])
+    monkeypatch.setattr(port_sm90, "shared_expert_kernel_reason", lambda inputs: None)
+
+    def missing(*a, **k):
+        raise jit.KernelNotBuiltError("shared_expert.sm90 w1 is not in the cubin cache")
+
+    monkeypatch.setattr(port_sm90, "_shared_expert_kernel", missing)
+    call = port_sm90.prepare(_port_inputs(), None)
+    assert call.note.endswith("(the SM90 shared-expert kernel cannot run here: KernelNotBuiltError: "
+                              "shared_expert.sm90 w1 is not in the cubin cache)")
+
+
+def test_adapter_skips_a_rank_without_tokens():
+    from gcmoe_bench.models import ModelShape
+    from gcmoe_bench.operators import OperatorUnavailable, get_operator
+    from gcmoe_bench.workloads import build_weights, build_workload
+
+    tiny = ModelShape(name="tiny", base="deepseek-v4.1-flash", hidden=256, intermediate=128, num_experts=2, topk=1,
+                      num_shared_experts=1, shared_k_group=32, capacity=8)
+    import dataclasses
+
+    workload = build_workload(tiny, 1, 1, 0, shared_experts=0, weights=build_weights(tiny, 1, 0, shared_experts=0,
+                                                                                     seed=1), seed=1)
+    workload = dataclasses.replace(workload, tokens_per_rank=0, x=workload.x[:0], x_sf=workload.x_sf[:0],
+                                   topk_idx=workload.topk_idx[:0], topk_weights=workload.topk_weights[:0])
+    with pytest.raises(OperatorUnavailable, match="mega-port: no tokens on this rank"):
+        get_operator("mega-port").prepare(workload, None)
+
+
 # --------------------------------------------------------------------------------------------- offline build
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -166,6 +297,27 @@ def test_port_matches_float32_reference_at_the_model_slices(model, tokens):
     p = device_check.check_point(model, tokens, seed=1000 + tokens)
     assert p.finite, "an element of y was not written (poisoned with NaN)"
     assert p.replay_equal, "a CUDA-graph replay differs from the eager call"
+    assert p.cosine >= device_check.COSINE_MIN and p.processed_diff <= device_check.PROCESSED_DIFF_MAX, p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 256])
+@pytest.mark.parametrize("model", list(device_check.MODELS))
+def test_port_with_its_shared_expert_kernel_matches_the_reference(model, tokens):
+    """The shared suite's call: the port, then the SM90 shared-expert kernel (the model's recipe), added; against
+    the float32 reference with the shared expert; a graph replay equals the eager call."""
+    p = device_check.check_point(model, tokens, seed=2000 + tokens, shared=True)
+    assert "the SM90 shared-expert kernel (W1 then W2 on all" in p.note, p.note
+    assert p.finite and p.replay_equal, p
+    assert p.cosine >= device_check.COSINE_MIN and p.processed_diff <= device_check.PROCESSED_DIFF_MAX, p
+
+
+@pytest.mark.gpu
+def test_port_with_bf16_shared_expert_where_the_kernel_cannot_run(monkeypatch):
+    monkeypatch.setattr(port_sm90, "shared_expert_kernel_reason", lambda inputs: "forced by the test")
+    p = device_check.check_point("deepseek-v4.1-flash", 8, seed=2100, shared=True)
+    assert p.note.endswith("(the SM90 shared-expert kernel cannot run here: forced by the test)"), p.note
+    assert p.finite and p.replay_equal, p
     assert p.cosine >= device_check.COSINE_MIN and p.processed_diff <= device_check.PROCESSED_DIFF_MAX, p
 
 

@@ -6,9 +6,12 @@ Same interface as ``baselines.mega_moe.deepgemm``: ``available(device)`` and ``p
 transformed once with ``gc_moe.weights.sm90`` (the layout GC-MoE's grouped GEMM reads). The kernel is
 ``gc_moe.kernels.sm90.mega_port`` (there because the cubin cache hashes kernel sources under gc_moe), built
 offline: ``gcmoe-bench build --arch sm_90a --profile h200``. No fused shared expert: for shared suites the call
-adds a separate shared-expert computation (bf16 torch GEMMs on the dequantized FP8 weights), as its note says.
-World size 1 only (the kernel keeps the peer table; pulls from peers are not written yet): larger groups raise
-``PortUnavailable``.
+launches a separate shared-expert kernel after the routed one, the SM90 shared-expert kernel GC-MoE's unfused
+path uses (``gc_moe.kernels.sm90.layer.SharedExpert``: W1 then W2 on the whole GPU, reading x / x_sf in place),
+and adds its output (the paper's H20 baseline: the port plus a separate shared-expert kernel). Where that kernel
+cannot run (``shared_expert_kernel_reason``) the shared expert is bf16 torch GEMMs on the dequantized FP8 weights
+instead; the note says which ran, and why. World size 1 only (the kernel keeps the peer table; pulls from peers
+are not written yet): larger groups raise ``PortUnavailable``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,63 @@ def available(device: torch.device) -> tuple[bool, str]:
 
         return False, f"the port's cubins are not built ({', '.join(missing)}): run {build_command(ARCH, 'h200')}"
     return True, ""
+
+
+def shared_expert_kernel_reason(inputs: MegaMoeInputs) -> str | None:
+    """Why the separate shared expert cannot be the SM90 shared-expert kernel for these inputs (None when it can):
+    the kernel or its cubins are not here (``layer.shared_expert_unavailable_reason``), the SwiGLU is not the one
+    its cubins are built with, or the weights' recipe or shape is not one it takes."""
+    shared = inputs.shared_weights
+    if shared is None:
+        return "no shared expert"
+    try:
+        from gc_moe.kernels.sm90 import layer as sm90_layer
+
+        reason = sm90_layer.shared_expert_unavailable_reason()
+    except Exception as exc:  # noqa: BLE001 - a kernel package that cannot be read is a reason, not a crash
+        return f"the SM90 shared-expert kernel cannot be looked up: {type(exc).__name__}: {exc}"
+    if reason:
+        return reason
+    alpha, clamp = inputs.activation_alpha, inputs.activation_clamp
+    if (alpha, clamp) != (sm90_layer.SWIGLU_ALPHA, sm90_layer.SWIGLU_CLAMP):
+        return (f"its cubins are built for SwiGLU alpha {sm90_layer.SWIGLU_ALPHA:g}, clamp "
+                f"{sm90_layer.SWIGLU_CLAMP:g}; this model has alpha {alpha}, clamp {clamp}")
+    from gc_moe.kernels.sm90 import shared_expert as se
+
+    if tuple(shared.recipe) not in se.RECIPES:
+        return f"recipe {tuple(shared.recipe)}; the kernel takes {', '.join(map(str, se.RECIPES))}"
+    if shared.hidden != inputs.hidden or shared.hidden % 128 or shared.intermediate % 128:
+        return (f"shared expert H={shared.hidden}, Is={shared.intermediate}; the kernel takes the layer's H "
+                f"({inputs.hidden}) and multiples of 128")
+    return None
+
+
+SHARED_KERNEL_DESCRIPTION = "the SM90 shared-expert kernel (W1 then W2 on all {sms} SMs), added to the kernel's output"
+
+
+def shared_expert_note(sms: int, reason: str | None) -> str:
+    """What the call's note says of the shared expert: the kernel on `sms` SMs, or the bf16 GEMMs and why."""
+    if reason is None:
+        return f"shared expert separate: {SHARED_KERNEL_DESCRIPTION.format(sms=sms)}"
+    return (f"shared expert separate: {SeparateSharedExpert.description} (the SM90 shared-expert kernel cannot run "
+            f"here: {reason})")
+
+
+def _shared_expert_kernel(inputs: MegaMoeInputs, x, x_sf, output, sms: int):
+    """(run, keep): the shared-expert kernel's two launches on torch's current stream into its own rows, then
+    added to ``output`` (graph-capturable: no host synchronization)."""
+    from gc_moe.kernels.sm90 import layer as sm90_layer
+
+    shared, device, t = inputs.shared_weights, x.device, inputs.tokens
+    kernel = sm90_layer.SharedExpert(shared.hidden, shared.intermediate, inputs.num_max_tokens_per_rank, device,
+                                     sms)
+    rows = torch.empty(t, inputs.hidden, dtype=torch.bfloat16, device=device)
+
+    def run() -> None:
+        kernel.launch(shared, x, x_sf, rows, t, torch.cuda.current_stream(device))
+        output.add_(rows)
+
+    return run, (kernel, rows, shared)
 
 
 def _world_size(group: Any) -> int:
@@ -108,13 +168,22 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
             f"{stages} stages")
     keep = (weights, ws, x, x_sf, topk_idx, topk_weights, kernel)
     if inputs.shared_weights is not None:
-        shared = SeparateSharedExpert(inputs)
+        reason = shared_expert_kernel_reason(inputs)
+        shared_run = None
+        if reason is None:
+            try:
+                shared_run, shared_keep = _shared_expert_kernel(inputs, x, x_sf, output, grid)
+            except (jit.KernelNotBuiltError, RuntimeError) as exc:  # e.g. its cubins went missing from the cache
+                reason = f"{type(exc).__name__}: {exc}"
+        if shared_run is None:
+            shared = SeparateSharedExpert(inputs)
+            shared_run, shared_keep = (lambda: shared.add_to(output)), (shared,)
         kernel_run = run
 
         def run() -> None:  # the routed kernel, then the separate shared expert
             kernel_run()
-            shared.add_to(output)
+            shared_run()
 
-        note += f", shared expert separate: {SeparateSharedExpert.description}"
-        keep += (shared,)
+        note += f", {shared_expert_note(grid, reason)}"
+        keep += shared_keep
     return MegaMoeCall(run=run, output=output, keep_alive=keep, note=note, capturable=True)

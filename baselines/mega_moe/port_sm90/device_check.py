@@ -1,6 +1,7 @@
 """On-GPU check and timing of the SM90 Mega MoE port at the H200 profile's per-rank slices (E/8 local experts, P = 1).
 
     python -m baselines.mega_moe.port_sm90.device_check --tokens 1,8,64,256 --time 1,2,4,8,16,32,64,128,256
+    python -m baselines.mega_moe.port_sm90.device_check --tokens 1,8,64,256 --shared   # the shared suite's call
 
 Per point: fresh random MXFP4 weights and FP8 activations, top-k routing uniform over the local experts; the port
 runs on a NaN-poisoned y; every element must be finite; cosine and processed difference against the float32
@@ -8,6 +9,9 @@ reference (gc_moe.reference.moe_reference on the dequantized weights); a CUDA-gr
 call bit for bit. With --time T,..: the bandwidth floor (active experts' FP4 codes + scale bytes, read once, over
 the read bandwidth of a large `amax` measured in the same run) against the cold time (a 1 GiB write before
 each graph replay of the call flushes L2; CUDA events around the replay alone), median of --repeats.
+With --shared the checked call is the shared suite's: the port plus its separate shared expert (FP8 weights in
+the model's recipe, GLM-5.2 (1, 128, 128), DeepSeek (1, 1, 32)), against the reference with the shared expert;
+the point records the call's note (which shared expert ran).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ MODELS = {
     "glm-5.2": (6144, 2048, 32, 8),
     "deepseek-v4.1-flash": (5120, 2304, 48, 6),
 }
+SHARED_RECIPES = {"glm-5.2": (1, 128, 128), "deepseek-v4.1-flash": (1, 1, 32)}  # models.csv shared_k_group
 CAPACITY = 256
 COSINE_MIN = 0.97
 PROCESSED_DIFF_MAX = 0.002
@@ -44,6 +49,8 @@ class Point:
     floor_us: float = float("nan")
     cold_us: float = float("nan")
     stages: int = 0
+    shared: bool = False
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -81,6 +88,19 @@ def random_inputs(model: str, tokens: int, seed: int, device, empty_slots: bool 
     return x, x_sf, idx, (w / w.sum(dim=1, keepdim=True)).float()
 
 
+def random_shared_weights(model: str, seed: int, device):
+    """FP8 shared-expert weights of the model's shape (Is = I) in its recipe, N(0, 1/fan_in)."""
+    import math
+
+    from gc_moe.formats import quantize_shared_expert_weights
+
+    hidden, inter, _, _ = MODELS[model]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w1 = torch.randn(2 * inter, hidden, generator=gen, device=device) / math.sqrt(hidden)
+    w2 = torch.randn(hidden, inter, generator=gen, device=device) / math.sqrt(inter)
+    return quantize_shared_expert_weights(w1, w2, SHARED_RECIPES[model])
+
+
 def _active(idx) -> int:
     return int(torch.unique(idx[idx >= 0]).numel())
 
@@ -92,17 +112,18 @@ def _block_n(model: str, tokens: int) -> int:
     return host.choose_block_n(tokens, topk, experts)
 
 
-def _inputs(model, l1, l2, x, x_sf, idx, w):
+def _inputs(model, l1, l2, x, x_sf, idx, w, shared_weights=None):
     from baselines.mega_moe.deepgemm import MegaMoeInputs
 
     _, _, experts, _ = MODELS[model]
     return MegaMoeInputs(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, l1_weights=l1, l2_weights=l2,
-                         num_experts=experts, num_max_tokens_per_rank=CAPACITY)
+                         num_experts=experts, num_max_tokens_per_rank=CAPACITY, shared_weights=shared_weights)
 
 
 def check_point(model: str, tokens: int, seed: int, weights=None, block_n: int | None = None,
-                empty_slots: bool = False) -> Point:
-    """Run the port once eagerly on a poisoned y and once from a CUDA graph; compare with the float32 reference."""
+                empty_slots: bool = False, shared: bool = False) -> Point:
+    """Run the port once eagerly on a poisoned y and once from a CUDA graph; compare with the float32 reference.
+    shared: with a shared expert (the call adds its separate shared expert; the reference includes it)."""
     from gc_moe import metrics, reference
 
     import baselines.mega_moe.port_sm90 as port
@@ -111,13 +132,15 @@ def check_point(model: str, tokens: int, seed: int, weights=None, block_n: int |
     torch.zeros(1, device=dev)  # the primary context must be current for the driver-level loads
     l1, l2 = weights if weights is not None else random_weights(model, seed, dev)
     x, x_sf, idx, w = random_inputs(model, tokens, seed + 1, dev, empty_slots)
-    call = port.prepare(_inputs(model, l1, l2, x, x_sf, idx, w), None, block_n=block_n)
+    shared_weights = random_shared_weights(model, seed + 2, dev) if shared else None
+    call = port.prepare(_inputs(model, l1, l2, x, x_sf, idx, w, shared_weights), None, block_n=block_n)
     call.output.fill_(float("nan"))
     call.run()
     torch.cuda.synchronize()
     y = call.output.clone()
-    ref = reference.moe_reference(x, x_sf, idx, w, l1, l2)
-    point = Point(model, tokens, int((idx >= 0).sum()), _active(idx), block_n or _block_n(model, tokens))
+    ref = reference.moe_reference(x, x_sf, idx, w, l1, l2, shared_weights=shared_weights)
+    point = Point(model, tokens, int((idx >= 0).sum()), _active(idx), block_n or _block_n(model, tokens),
+                  shared=shared, note=call.note)
     point.finite = bool(torch.isfinite(y.float()).all())
     point.cosine = metrics.cosine(y, ref)
     point.processed_diff = metrics.processed_diff(y, ref)
@@ -205,6 +228,8 @@ def main(argv=None) -> int:
     parser.add_argument("--all-block-n", action="store_true", help="time every built block_n, not only the chosen")
     parser.add_argument("--stages", default="", help="also time these stage counts (their cubins built beforehand)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--shared", action="store_true",
+                        help="check the shared suite's call too (the port plus its separate shared expert)")
     parser.add_argument("--json", default="", help="write the points here")
     args = parser.parse_args(argv)
     from baselines.mega_moe.port_sm90 import host
@@ -220,12 +245,14 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         weights = random_weights(model, 7, dev)
         for t in checked:
-            p = check_point(model, t, 100 + t, weights)
-            failed |= not p.ok
-            checks.append(p)
-            print(f"check {model} T={t}: rows {p.rows} act {p.active} bn {p.block_n} cos {p.cosine:.6f} "
-                  f"pdiff {p.processed_diff:.2e} finite {p.finite} replay-equal {p.replay_equal} "
-                  f"{'ok' if p.ok else 'FAIL'}", flush=True)
+            for shared in (False, True) if args.shared else (False,):
+                p = check_point(model, t, 100 + t, weights, shared=shared)
+                failed |= not p.ok
+                checks.append(p)
+                print(f"check {model} T={t} shared={int(shared)}: rows {p.rows} act {p.active} bn {p.block_n} "
+                      f"cos {p.cosine:.6f} pdiff {p.processed_diff:.2e} finite {p.finite} replay-equal "
+                      f"{p.replay_equal} {'ok' if p.ok else 'FAIL'}" + (f" ({p.note})" if shared else ""),
+                      flush=True)
         for t in timed:
             configs = [(bn, host.BUILT_STAGES) for bn in (host.BUILT_BLOCK_N if args.all_block_n else (None,))]
             configs += [(None, int(s)) for s in args.stages.split(",") if s]
@@ -237,11 +264,11 @@ def main(argv=None) -> int:
                       f"{p.floor_us:.1f} us cold {p.cold_us:.1f} us", flush=True)
         del weights
     if checks:
-        print("\n| model | tokens | rows | act | bn | cosine | processed diff | finite | replay equal |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| model | tokens | shared | rows | act | bn | cosine | processed diff | finite | replay equal |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for p in checks:
-            print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.block_n} | {p.cosine:.6f} | "
-                  f"{p.processed_diff:.2e} | {p.finite} | {p.replay_equal} |")
+            print(f"| {p.model} | {p.tokens} | {int(p.shared)} | {p.rows} | {p.active} | {p.block_n} | "
+                  f"{p.cosine:.6f} | {p.processed_diff:.2e} | {p.finite} | {p.replay_equal} |")
     if times:
         print("\n| model | tokens | rows | act | bn | stages | MB | floor us | cold us | % of bw |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
