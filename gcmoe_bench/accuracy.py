@@ -331,7 +331,7 @@ def _run_case(ctx, run_dir: Path, model: ModelShape, case, with_shared: bool, op
     rows, outputs, broken = [], {}, ""
     for op in operators:
         ok, reason = availability[op]
-        check, invocation, error_here, unavailable_here = None, None, None, {}
+        check, invocation, error_here, unavailable_here, note = None, None, None, {}, ""
         errors: dict[str, str] = {}
         if ok:
             try:
@@ -347,6 +347,7 @@ def _run_case(ctx, run_dir: Path, model: ModelShape, case, with_shared: bool, op
             if op in errors:
                 invocation = None  # no rank calls it: a rank without a prepared call would leave the others waiting
         if invocation is not None:
+            note = invocation.note  # how it ran (e.g. the gc_moe backend): kept in the row's reason
             try:
                 invocation()  # collective: ranks without tokens take part too
                 y = invocation.output.cpu()
@@ -365,7 +366,7 @@ def _run_case(ctx, run_dir: Path, model: ModelShape, case, with_shared: bool, op
         if failed and not errors:  # the call failed (a prepare error is merged already)
             errors = {op: "; ".join(m if ctx.world_size == 1 else f"rank {r}: {m}" for r, m in failed)}
         rows.append(_accuracy_row(case, model, ctx.world_size, with_shared, op, ok, reason,
-                                  [g["check"] for g in gathered], errors.get(op)))
+                                  [g["check"] for g in gathered], errors.get(op), note=note))
         lost = [(rank, g["unusable"]) for rank, g in enumerate(gathered) if g["unusable"]]
         if lost:
             broken = (f"{op} on {where} left the device of " + "; ".join(f"rank {r} unusable ({m})" for r, m in lost)
@@ -447,7 +448,7 @@ def _failure_text(row: dict[str, Any]) -> str:
 
 
 def _accuracy_row(case, model: ModelShape, num_ranks: int, shared: bool, op: str, ok: bool, reason: str,
-                  verdicts: list[dict | None], error: str | None = None) -> dict[str, Any]:
+                  verdicts: list[dict | None], error: str | None = None, note: str = "") -> dict[str, Any]:
     row = {"case": case.name, "category": case.category, "model": model.name, "num_ranks": num_ranks,
            "tokens_per_rank": ";".join(map(str, case.tokens_per_rank(num_ranks, model.capacity))),
            "shared_experts": int(shared), "operator": op, "reference": "reference"}
@@ -458,9 +459,10 @@ def _accuracy_row(case, model: ModelShape, num_ranks: int, shared: bool, op: str
     # the worst rank speaks for the case; ranks without tokens have nothing to compare (numel 0)
     checked = [v for v in verdicts if v is not None and v["numel"] > 0]
     if not checked:
-        return {**row, "status": "ok", "passed": True, "reason": "no tokens on any rank"}
+        return {**row, "status": "ok", "passed": True,
+                "reason": "no tokens on any rank" + (f"; {note}" if note else "")}
     return {
-        **row, "status": "ok", "reason": "",
+        **row, "status": "ok", "reason": note,
         "cosine": min(v["cosine"] for v in checked),
         "processed_diff": max(v["processed_diff"] for v in checked),
         "max_abs_err": max(v["max_abs_err"] for v in checked),
