@@ -44,7 +44,7 @@ step() {  # name timeout command...
   pack
 }
 
-newest_run() { ls -1d "$RESULTS"/h200/*/ 2>/dev/null | sort | tail -n 1; }
+newest_run() { ls -1d "$RESULTS"/h200/2*/ 2>/dev/null | sort | tail -n 1; }  # run ids only (not report/, ablation/)
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv > "$OUT/logs/gpu.txt" 2>&1
 for s in $steps; do

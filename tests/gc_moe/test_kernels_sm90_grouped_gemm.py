@@ -51,12 +51,12 @@ def test_shared_memory_plan_fits_the_sm():
 
 def test_pipeline_knob_defaults_and_errors():
     assert not gg.GemmConfig("w1", 64).warp_specialized  # bn 64 needs more than 96 registers per thread
-    assert not gg.GemmConfig("w1", 8, ring_consumer=True).warp_specialized
+    assert gg.GemmConfig("w1", 8, ring_consumer=True).warp_specialized  # the ring consumer too, up to bn 32
+    assert not gg.GemmConfig("w1", 64, ring_consumer=True).warp_specialized
     assert not gg.GemmConfig("w1", 8, l2_evict_first=True).warp_specialized
     with pytest.raises(ValueError, match="block_n <= 32"):
         gg.GemmConfig("w1", 64, warp_specialized=True)
-    with pytest.raises(ValueError, match="ring_consumer runs on the cp.async pipeline"):
-        gg.GemmConfig("w1", 8, ring_consumer=True, warp_specialized=True)
+    assert not gg.GemmConfig("w1", 8, ring_consumer=True, warp_specialized=False).warp_specialized  # opt-out
     with pytest.raises(ValueError, match="l2_evict_first"):
         gg.GemmConfig("w1", 8, l2_evict_first=True, warp_specialized=True)
     assert gg.GemmConfig("w1", 16, producer_warps=2).threads == gg.THREADS + 2 * gg.PRODUCER_THREADS
@@ -67,7 +67,7 @@ def test_pipeline_knob_defaults_and_errors():
     # the parameters a launch rebuilds its config from name the cp.async pipeline when it is used
     for v in gg.variant_set() + gg.variant_set(ring_consumer=True):
         p = dict(v.params)
-        assert gg.GemmConfig(**p).warp_specialized == (p["block_n"] <= 32 and not p.get("ring_consumer", False))
+        assert gg.GemmConfig(**p).warp_specialized == (p["block_n"] <= 32)
         assert ("warp_specialized" in p) == (not gg.GemmConfig(**p).warp_specialized)
 
 
@@ -243,12 +243,14 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     consumer warp), bulk copies of the 4096-byte weight tiles and 256-byte scale blocks completing on it,
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
-    assert len(ws) == 4 * 3  # default and folded sets, both roles, bn 8..32
+    assert len(ws) == 6 * 3  # default, folded and ring-consumer sets, both roles, bn 8..32
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
         ptx = _entry_body(entry)
-        assert ptx.count("bar.sync 0;") == 1, variant.describe()
+        # the ring consumer's W1 adds two before the main loop: after the RING_READY wait and the acquire
+        ring_w1 = params.get("ring_consumer", False) and params["role"] == "w1"
+        assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
         assert ptx.count("bar.sync 1, 512;") == (1 if params["role"] == "w1" else 0)
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == ["33", "16"] * cfg.stages
@@ -265,7 +267,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
 # --------------------------------------------------------------------------------------------- ring consumer
 def test_ring_consumer_knob_names_params_and_registration():
     cfg = gg.GemmConfig("w1", 16, ring_consumer=True)
-    assert cfg.name == gg.GemmConfig("w1", 16, warp_specialized=False).name + "_ring"
+    # the ring consumer runs on the pipeline of its bn's default: warp-specialized up to bn 32, cp.async at 64
+    assert cfg.warp_specialized and cfg.name == gg.GemmConfig("w1", 16).name.replace("_ws", "_ring_ws")
+    assert not gg.GemmConfig("w1", 64, ring_consumer=True).warp_specialized
     assert [n for n, _ in cfg.params][-6:] == ["ring_ready", "l1_full_count", "l1_empty_count", "ring_block_m",
                                                "ring_blocks", "timeout_ns"]
     assert [n for n, _ in gg.GemmConfig("w2", 8, ring_consumer=True).params][-3:] == ["ring_source", "peers",
@@ -345,7 +349,10 @@ def test_ring_consumer_w1_ptx_acquires_before_it_reads_and_releases_after(built)
         assert ptx.rfind("bar.sync 0;", 0, first_copy) > acquires[-1]  # the CTA waits for thread 0's acquire
         assert len(release) == 1 and release[0] > ptx.rfind("wgmma.mma_async") and release[0] > ptx.rfind(
             "ld.global.f32")
-        assert ptx.rfind("bar.sync 0;", 0, release[0]) > ptx.rfind("ld.global.f32")
+        # the release follows a barrier of every consumer thread (CTA-wide, or the consumers' named barrier when
+        # warp-specialized) that itself follows their last routing-weight load
+        barrier = max(ptx.rfind("bar.sync 0;", 0, release[0]), ptx.rfind("bar.sync 1, 512;", 0, release[0]))
+        assert barrier > ptx.rfind("ld.global.f32")
         assert ptx.count("ld.global.nc") == 1 and ptx.count("ld.global.nc.f32") == 1
         assert "%globaltimer" in ptx and "nanosleep" in ptx
         traps = [m.start() for m in re.finditer(r"\btrap;", ptx)]
@@ -367,7 +374,9 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
         assert len(re.findall(r"ld\.global\.nc\.b64", ptx)) == bn // 4  # one peer offset per stored row
         assert re.search(r"div\.s32", ptx)
         assert ptx.find("ld.global.nc.b64") < ptx.find("st.global.b16")
-        assert "ld.acquire" not in ptx and "trap;" not in ptx
+        # no ring waits: the only traps are the pipeline's own bounded mbarrier waits, as without the ring
+        plain = _entry_body(built[gg.variant("w2", bn)])
+        assert "ld.acquire" not in ptx and ptx.count("trap;") == plain.count("trap;")
         assert entry.resources["frame_bytes"] == 0
 
 
@@ -545,8 +554,8 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n):
     ws.l2_act.view(torch.uint8).fill_(0x7F)
     ws.l2_scale.fill_(float("nan"))
     ws.combine.fill_(float("nan"))
-    # the ring consumer runs on the cp.async pipeline: compare with that pipeline without the ring
-    k1, k2 = (jit.load_kernel(gg.variant(r, block_n, warp_specialized=False), "sm_90a") for r in ("w1", "w2"))
+    # the ring consumer runs on its bn's default pipeline: compare with that pipeline without the ring
+    k1, k2 = (jit.load_kernel(gg.variant(r, block_n), "sm_90a") for r in ("w1", "w2"))
     r1, r2 = (jit.load_kernel(gg.variant(r, block_n, ring_consumer=True), "sm_90a") for r in ("w1", "w2"))
     gg.launch_w1(k1, w.l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight, mid, mid_sf, cap,
                  stream)

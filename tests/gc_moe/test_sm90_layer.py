@@ -134,10 +134,10 @@ def test_layer_refuses_a_cpu_device():
 
 # ------------------------------------------------------------------------------------------------ plan
 @pytest.mark.parametrize("shape, tokens, block_n", [
-    # DeepSeek slice: m = T 6 / 48; target m + sqrt(m): 0.48, 2, 10.8, 37.7 -> 8, 8, 16, 64
-    (DSV, 1, 8), (DSV, 8, 8), (DSV, 64, 16), (DSV, 256, 64),
-    # GLM slice: m = T 8 / 32; target 0.75, 3.4, 20, 72 (capped at 64) -> 8, 8, 32, 64
-    (GLM, 1, 8), (GLM, 8, 8), (GLM, 64, 32), (GLM, 256, 64),
+    # DeepSeek slice: m = T 6 / 48; target m + sqrt(m): 0.48, 2, 10.8, 37.7 -> 8, 8, 16, 64, capped at 32
+    (DSV, 1, 8), (DSV, 8, 8), (DSV, 64, 16), (DSV, 256, 32),
+    # GLM slice: m = T 8 / 32; target 0.75, 3.4, 20, 72 -> 8, 8, 32, 64, capped at 32
+    (GLM, 1, 8), (GLM, 8, 8), (GLM, 64, 32), (GLM, 256, 32),
 ])
 def test_token_tile_by_hand(shape, tokens, block_n):
     s = sm90_layer.layer_shape(1, shape["num_experts"], shape["topk"], shape["hidden"], shape["intermediate"], 256)
@@ -173,8 +173,11 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
     gemms = [dict(v.params) for v in vs[2:]]
     assert sorted((p["role"], p["block_n"]) for p in gemms) == sorted(
-        (r, bn) for r in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES)
+        (r, bn) for r in ("w1", "w2") for bn in (8, 16, 32))
     assert all(p["ring_consumer"] for p in gemms)
+    # every token tile of the layer runs the warp-specialized pipeline (a variant names the knob only when off)
+    assert all("warp_specialized" not in p for p in gemms)
+    assert all(gg.GemmConfig(p["role"], p["block_n"], ring_consumer=True).warp_specialized for p in gemms)
     assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in gemms if p["role"] == "w1")
     from gc_moe.kernels.registry import variants_for_profile  # the profile build makes all of them
 

@@ -20,7 +20,7 @@ Pipelines (`warp_specialized`, the default up to bn 32): a producer warp streams
 ring of shared-memory stages (bulk copies of the weight tiles and scales, cp.async for the token tile,
 completing on the stage's full mbarrier) while four consumer warpgroups wait on it, compute with one WGMMA
 group in flight (wait_group 1) and release the stage on its empty mbarrier; no CTA barrier in the K loop.
-The cp.async pipeline (bn 64, ring consumer, L2 hint) has every thread copy and compute, with a CTA
+The cp.async pipeline (bn 64, L2 hint) has every thread copy and compute, with a CTA
 barrier per step. docs/sm90-grouped-gemm.md has the measurements behind the defaults.
 
 Tuning knobs: `block_n` (tokens per CTA tile, 8/16/32/64: the token-bound BM of the paper's swapped
@@ -95,8 +95,9 @@ class GemmConfig:
     # a producer warp streams the stages (bulk copies for weights and scales, cp.async for the tokens) through
     # mbarrier full/empty rings; the consumer warpgroups never meet at a CTA barrier in the main loop and
     # apply the activation scale once per K128 step. False: every thread copies and computes (cp.async +
-    # bar.sync per step), the pipeline the ring consumer and the L2-hint variants run on. None: True unless
-    # ring_consumer or l2_evict_first asks for the cp.async pipeline
+    # bar.sync per step), the pipeline of bn 64 and the L2-hint variants. None: True up to bn 32 unless
+    # l2_evict_first asks for the cp.async pipeline (the ring consumer's acquire and release sit outside the
+    # main loop, before the producer starts and after the consumers' epilogue barrier)
     warp_specialized: bool | None = None
     # warp_specialized: CTAs that must fit one SM together (2: half the shared memory each and ptxas keeps the
     # registers near 56 per thread); more CTAs in flight per SM, and small grids spread over every SM.
@@ -111,10 +112,7 @@ class GemmConfig:
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
         if self.warp_specialized is None:
-            object.__setattr__(self, "warp_specialized", not (self.ring_consumer or self.l2_evict_first)
-                               and self.block_n <= WS_MAX_BLOCK_N)
-        if self.ring_consumer and self.warp_specialized:
-            raise ValueError("ring_consumer runs on the cp.async pipeline: pass warp_specialized=False")
+            object.__setattr__(self, "warp_specialized", not self.l2_evict_first and self.block_n <= WS_MAX_BLOCK_N)
         if self.warp_specialized and self.block_n > WS_MAX_BLOCK_N:
             raise ValueError(f"warp_specialized needs block_n <= {WS_MAX_BLOCK_N}, got {self.block_n}: ptxas gives a "
                              "544-thread CTA 96 registers per thread and bn 64 spills there")
@@ -885,8 +883,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
-    Defaults: the warp-specialized pipeline with the deepest ring that fits, except for ring_consumer and
-    l2_evict_first, which run on the cp.async pipeline (6 stages unless `stages` says otherwise)."""
+    Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
+    consumer); bn 64 and l2_evict_first run on the cp.async pipeline (6 stages unless `stages` says otherwise)."""
     from gc_moe.runtime.jit import KernelVariant
 
     if not GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,

@@ -45,6 +45,8 @@ RING_BLOCK_M = 8
 # The ring-consumer W1 cubins are built with the SwiGLU of both models (alpha 1, clamp 10).
 SWIGLU_ALPHA, SWIGLU_CLAMP = 1.0, 10.0
 FINALIZE_MAX_CTAS = 64
+LAYER_MAX_BLOCK_N = gg.WS_MAX_BLOCK_N  # the layer's token tiles: 8 / 16 / 32, all warp-specialized
+LAYER_BLOCK_N_CHOICES = tuple(bn for bn in gg.BLOCK_N_CHOICES if bn <= LAYER_MAX_BLOCK_N)
 GRAPH_CACHE_SIZE = 64
 SHARED_EXPERT_MODULE = "gc_moe.kernels.sm90.shared_expert"
 UNCHECKED = object()  # an option unsupported_reasons was not asked about
@@ -175,12 +177,16 @@ class CallPlan:
 
 def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
     """The token tile the token-bound heuristic picks for `num_tokens` tokens per rank (the mean rows per expert
-    T P k / E plus one standard deviation, covered by the smallest of 8 / 16 / 32 / 64), and the grid bound: at
+    T P k / E plus one standard deviation, covered by the smallest of 8 / 16 / 32 / 64, capped at 32), and the
+    grid bound: at
     P = 1 an expert meets each of this call's tokens at most once (T rows); at P > 1 the other ranks' counts are
     not known on the host, so the bound is the capacity of every rank (C P)."""
     if not 0 <= num_tokens <= shape.capacity:
         raise ValueError(f"num_tokens {num_tokens}; allowed: 0 to capacity={shape.capacity}")
-    block_n = choose_block_m(max(num_tokens, 1), shape.num_ranks, shape.topk, shape.num_experts, arch="sm90")
+    # capped at the warp-specialized pipeline's largest tile: more 32-token tiles beat one 64-token tile on the
+    # cp.async pipeline (stand-alone: DeepSeek T=256 548 against 687 us, docs/sm90-grouped-gemm.md)
+    block_n = min(choose_block_m(max(num_tokens, 1), shape.num_ranks, shape.topk, shape.num_experts, arch="sm90"),
+                  LAYER_MAX_BLOCK_N)
     bound = max(num_tokens, 1) if shape.num_ranks == 1 else shape.capacity * shape.num_ranks
     return CallPlan(num_tokens, block_n, bound)
 
@@ -188,7 +194,7 @@ def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
 def kernel_variants() -> list:
     """Every cubin the layer may load: dispatch, finalize and the ring-consumer W1 / W2 at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
-    for bn in gg.BLOCK_N_CHOICES:
+    for bn in LAYER_BLOCK_N_CHOICES:
         out += [gg.variant("w1", bn, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ring_consumer=True),
                 gg.variant("w2", bn, ring_consumer=True)]
     return out
@@ -319,7 +325,7 @@ class Sm90Layer:
         # then only adds nodes, no module loads
         self.k_dispatch = _load(dispatch.variant())
         self.k_finalize = _load(finalize.variant())
-        for bn in gg.BLOCK_N_CHOICES:
+        for bn in LAYER_BLOCK_N_CHOICES:
             for k in self.gemm_kernels(bn):
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
