@@ -72,17 +72,21 @@ class UnquantizedWeights:
     def _bf16(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(w.to(device=self.device, dtype=torch.bfloat16) for w in pair)
 
+    def _draw(self, make) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        pair = self._bf16(make())
+        self.generated += 1
+        self.seconds += time.perf_counter() - started
+        return pair
+
     def expert(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1 [2I, H], w2 [H, I]) of global expert ``expert``, bfloat16 on the device."""
         from gc_moe import cases
 
         pair = self._experts.get(expert)
         if pair is None:
-            started = time.perf_counter()
-            pair = self._bf16(cases.random_expert_weights_float(expert, self.hidden, self.intermediate,
-                                                                seed=self.expert_seed))
-            self.generated += 1
-            self.seconds += time.perf_counter() - started
+            pair = self._draw(lambda: cases.random_expert_weights_float(expert, self.hidden, self.intermediate,
+                                                                        seed=self.expert_seed))
             if self.keep:
                 self._experts[expert] = pair
         return pair
@@ -95,11 +99,8 @@ class UnquantizedWeights:
             raise ValueError("these unquantized weights were made without a shared-expert seed")
         pair = self._shared
         if pair is None:
-            started = time.perf_counter()
-            pair = self._bf16(cases.random_shared_expert_weights_float(self.hidden, self.intermediate,
-                                                                       seed=self.shared_seed))
-            self.generated += 1
-            self.seconds += time.perf_counter() - started
+            pair = self._draw(lambda: cases.random_shared_expert_weights_float(self.hidden, self.intermediate,
+                                                                               seed=self.shared_seed))
             if self.keep:
                 self._shared = pair
         return pair

@@ -25,20 +25,19 @@ from pathlib import Path
 from typing import Any
 
 POINT_KEY = ("model", "suite", "tokens_per_rank")
+# The run settings every points and raw row ends with: the dispatch request and the overlap switch of the run,
+# and the partition (communication / compute SMs) where the operator's note names it.
+SETTING_COLUMNS = ("dispatch_sm_request", "overlap", "comm_sms", "compute_sms")
 POINT_COLUMNS = (
     "gpu", "model", "suite", "tokens_per_rank", "total_tokens", "num_ranks", "hidden", "intermediate",
     "num_experts", "topk", "num_shared_experts", "operator", "baseline", "latency_us", "rank_medians_us",
     "spread_us", "speedup", "assignments", "remote_assignments", "hbm_working_set_bytes", "l2_mode", "status",
-    "reason", "dispatch_sm_request", "overlap", "comm_sms", "compute_sms",
+    "reason", *SETTING_COLUMNS,
 )
 RAW_COLUMNS = (
     "gpu", "model", "suite", "tokens_per_rank", "operator", "rank", "window", "phase", "latency_us",
-    "replays_per_window", "timing", "l2_mode", "copies", "dispatch_sm_request", "overlap", "comm_sms",
-    "compute_sms",
+    "replays_per_window", "timing", "l2_mode", "copies", *SETTING_COLUMNS,
 )
-# The run settings every points and raw row ends with: the dispatch request and the overlap switch of the run,
-# and the partition (communication / compute SMs) where the operator's note names it.
-SETTING_COLUMNS = ("dispatch_sm_request", "overlap", "comm_sms", "compute_sms")
 ACCURACY_COLUMNS = (
     "case", "category", "model", "num_ranks", "tokens_per_rank", "shared_experts", "operator", "reference",
     "cosine", "processed_diff", "max_abs_err", "rel_l2", "passed", "versus", "versus_cosine", "versus_passed",
