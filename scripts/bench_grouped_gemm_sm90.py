@@ -250,6 +250,11 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
         row["note"] = "no local pairs"
         return True
     ok = True
+    if args.profile:
+        for _ in range(2):  # the first pair warms caches and loads; a profiler skips it
+            pt.launch(stream)
+            stream.synchronize()
+        return True
     if args.check:
         pt.poison()
         with torch.cuda.stream(stream):
@@ -322,6 +327,8 @@ def main() -> int:
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
     ap.add_argument("--fold-scales", action="store_true",
                     help="also run the folded-scale variants (K32 scale in the decode) at every point")
+    ap.add_argument("--profile", action="store_true",
+                    help="launch W1 and W2 twice per point, eager, nothing else (for a profiler: skip the first two)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
