@@ -42,6 +42,9 @@ SMEM_PER_SM = 228 * 1024  # of which the driver reserves 1 KiB per resident CTA
 STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
 # ptxas budgets a 544-thread CTA as 640 threads (whole warpgroups): 96 registers per thread, enough up to bn 32
 WS_MAX_BLOCK_N = 32
+# the mbarrier waits' suspend-time hint (ns), CUTLASS's value: the hardware wakes the warp when the phase
+# completes, the hint only caps one sleep
+WAIT_SUSPEND_NS = 10_000_000
 TILES_PER_CTA = 4
 ROWS_PER_CTA = 64 * TILES_PER_CTA
 TILE_BYTES = 4096  # 64 x 128 FP4 codes
@@ -105,6 +108,11 @@ class GemmConfig:
     ctas_per_sm: int | None = None
     # warp_specialized: producer warps (2 halves the token-tile copies per lane)
     producer_warps: int = 1
+    # warp_specialized: the mbarrier waits' suspend-time hint (ns). A waiting warp sleeps until its stage is
+    # full (or empty) instead of polling: the Nsight Compute profile of the polling kernel showed 21 polls per
+    # consumer warp and K128 step, a third of all issued instructions (docs/sm90-grouped-gemm.md, step 7).
+    # 0: the polling loop (bounded by a poll count)
+    wait_suspend_ns: int = WAIT_SUSPEND_NS
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -124,6 +132,8 @@ class GemmConfig:
             raise ValueError(f"producer_warps must be 1, or 2 with warp_specialized; got {self.producer_warps}")
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and not self.warp_specialized):
             raise ValueError(f"ctas_per_sm must be 1, or 2 with warp_specialized; got {self.ctas_per_sm}")
+        if self.wait_suspend_ns < 0:
+            raise ValueError(f"wait_suspend_ns must be >= 0 (0: poll), got {self.wait_suspend_ns}")
         if self.stages is None:
             object.__setattr__(self, "stages", self.max_stages if self.warp_specialized else 6)
         if not 2 <= self.stages <= 16:
@@ -224,6 +234,8 @@ class GemmConfig:
             s += "_ws" if self.ctas_per_sm == 1 else f"_ws{self.ctas_per_sm}"
             if self.producer_warps != 1:
                 s += f"_p{self.producer_warps}"
+            if self.wait_suspend_ns != WAIT_SUSPEND_NS:
+                s += f"_sus{self.wait_suspend_ns}"
         return s
 
 
@@ -316,6 +328,7 @@ def _make_kernel(cfg: GemmConfig):
     RING = cfg.ring_consumer
     WS = cfg.warp_specialized
     PT = cfg.producer_threads
+    SUSPEND = cfg.wait_suspend_ns
 
     @cute.jit
     def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
@@ -461,7 +474,7 @@ def _make_kernel(cfg: GemmConfig):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             if kb >= STAGES:
-                ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2)
+                ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
             sbase = smem + stage * cfg.stage_bytes
             if pidx == 0:
                 ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
@@ -542,7 +555,7 @@ def _make_kernel(cfg: GemmConfig):
         for r in cutlass.range_constexpr(BN // 2):
             tsum[r] = Float32(0.0)
         bar0 = smem + cfg.barrier_offset
-        ptx.mbarrier_wait(bar0, Int32(0))
+        ptx.mbarrier_wait(bar0, Int32(0), suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         wa = smem + wg * TILE_BYTES + t * 32
         for grp in cutlass.range_constexpr(GROUPS):
@@ -554,7 +567,7 @@ def _make_kernel(cfg: GemmConfig):
             prev = (kb - 1) % STAGES
             sbase = smem + stage * cfg.stage_bytes
             pbase = smem + prev * cfg.stage_bytes
-            ptx.mbarrier_wait(bar0 + stage * 8, (kb // STAGES) % 2)
+            ptx.mbarrier_wait(bar0 + stage * 8, (kb // STAGES) % 2, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()
             wa = sbase + wg * TILE_BYTES + t * 32
             for grp in cutlass.range_constexpr(GROUPS):
@@ -583,7 +596,7 @@ def _make_kernel(cfg: GemmConfig):
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
-            ptx.mbarrier_wait(full, (kb // STAGES) % 2)
+            ptx.mbarrier_wait(full, (kb // STAGES) % 2, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
             compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
             ptx.warp_sync()
@@ -861,7 +874,8 @@ def _host_launcher(cfg: GemmConfig, kernel):
 def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages: int | None = None,
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
-               warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1):
+               warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
+               wait_suspend_ns: int = WAIT_SUSPEND_NS):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -870,7 +884,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
-                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps)
+                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps, wait_suspend_ns)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -880,7 +894,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: float = 1.0,
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
-            ctas_per_sm: int | None = None, producer_warps: int = 1):
+            ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -892,7 +906,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
-                     producer_warps=producer_warps)
+                     producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -900,6 +914,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["ctas_per_sm"] = ctas_per_sm  # named when it is not the default for the configuration
     if producer_warps != 1:
         params["producer_warps"] = producer_warps
+    if cfg.warp_specialized and wait_suspend_ns != WAIT_SUSPEND_NS:
+        params["wait_suspend_ns"] = wait_suspend_ns  # named when not the default (the polling loop: 0)
     if not cfg.warp_specialized:  # named when off: a launch rebuilds the config from these parameters
         params["warp_specialized"] = False
     if l2_evict_first:

@@ -293,13 +293,31 @@ def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
         [dst, src, mbar])
 
 
-def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> None:
-    """Wait until the phase of parity `parity` of the barrier completed; trap after `max_tries` polls (each
-    try_wait suspends for a hardware time limit), so a broken pipeline fails loudly instead of hanging."""
+def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24, suspend_ns: int = 0,
+                  limit_ns: int = 10_000_000_000) -> None:
+    """Wait until the phase of parity `parity` of the barrier completed; trap instead of hanging.
+
+    suspend_ns = 0: poll `try_wait` (each suspends for a hardware time limit) and trap after `max_tries` polls.
+    suspend_ns > 0: `try_wait` with that suspend-time hint, so a waiting warp sleeps until the phase completes
+    instead of re-issuing its poll loop (whose instructions take issue slots from the warps that work); the
+    bound is then time: trap once `limit_ns` of %globaltimer passed since the first failed try."""
+    if suspend_ns <= 0:
+        asm(
+            "{\n.reg .pred done, more;\n.reg .b32 tries;\nmov.b32 tries, 0;\n"
+            "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n@done bra.uni DONE;\n"
+            f"add.s32 tries, tries, 1;\nsetp.lt.s32 more, tries, {max_tries};\n@more bra.uni WAIT;\ntrap;\n"
+            "DONE:\n}",
+            [],
+            [addr, parity],
+        )
+        return
     asm(
-        "{\n.reg .pred done, more;\n.reg .b32 tries;\nmov.b32 tries, 0;\n"
-        "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n@done bra.uni DONE;\n"
-        f"add.s32 tries, tries, 1;\nsetp.lt.s32 more, tries, {max_tries};\n@more bra.uni WAIT;\ntrap;\n"
+        "{\n.reg .pred done, late;\n.reg .b64 t0, t1;\n"
+        f"mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1, {suspend_ns};\n@done bra.uni DONE;\n"
+        "mov.u64 t0, %globaltimer;\n"
+        f"WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1, {suspend_ns};\n@done bra.uni DONE;\n"
+        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n"
+        "@!late bra.uni WAIT;\ntrap;\n"
         "DONE:\n}",
         [],
         [addr, parity],
