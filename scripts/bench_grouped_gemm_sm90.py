@@ -318,12 +318,14 @@ def main() -> int:
                     help="pipeline depth (default: the most that fit for the warp-specialized variants, 6 else)")
     ap.add_argument("--max-block-n", type=int, default=32, choices=(8, 16, 32, 64),
                     help="largest token tile; busier experts get more token tiles (default 32)")
-    ap.add_argument("--producer-warps", type=int, default=1, choices=(1, 2),
+    ap.add_argument("--producer-warps", type=int, default=1, choices=(1, 2, 4),
                     help="producer warps of the warp-specialized variants (default 1)")
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
-    ap.add_argument("--poll-wait", action="store_true",
-                    help="also the default set with polling mbarrier waits (no suspend-time hint; tag ws_poll)")
+    ap.add_argument("--wait-suspend", action="store_true",
+                    help="also the default set with a 10 ms suspend-time hint on the mbarrier waits (tag ws_sus)")
+    ap.add_argument("--also-producer-warps", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="also the default set with these producer-warp counts, e.g. 2,4 (tags ws_p2, ws_p4)")
     ap.add_argument("--baseline", action="store_true",
                     help="also run the cp.async pipeline (warp_specialized=False, the earlier default) at every point")
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
@@ -349,7 +351,7 @@ def main() -> int:
     if args.build_only:
         sets = [{}, {"fold_scales": True}, {"ctas_per_sm": 1}, {"warp_specialized": False},
                 {"warp_specialized": False, "fold_scales": True}, {"token_tiles_fastest": False}, {"l2_evict_first": True},
-                {"producer_warps": 2}, {"wait_suspend_ns": 0}]
+                {"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -375,8 +377,10 @@ def main() -> int:
     kernel_sets = {base_tag: knobs, **({f"{base_tag}_fold": {**knobs, "fold_scales": True}} if args.fold_scales else {})}
     if args.one_cta:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
-    if args.poll_wait:
-        kernel_sets["ws_poll"] = {**knobs, "wait_suspend_ns": 0}
+    if args.wait_suspend:
+        kernel_sets["ws_sus"] = {**knobs, "wait_suspend_ns": 10_000_000}
+    for pw in args.also_producer_warps:
+        kernel_sets[f"ws_p{pw}"] = {**knobs, "producer_warps": pw}
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():

@@ -64,6 +64,13 @@ def test_pipeline_knob_defaults_and_errors():
         gg.GemmConfig("w1", 16, warp_specialized=False, producer_warps=2)
     assert "producer_warps" not in dict(gg.variant("w2", 64, producer_warps=2).params)  # bn 64: cp.async
     assert dict(gg.variant("w2", 16, producer_warps=2).params)["producer_warps"] == 2
+    assert gg.GemmConfig("w1", 8, producer_warps=4).threads == 640
+    with pytest.raises(ValueError, match=r"\(1, 2, 4\)"):
+        gg.GemmConfig("w1", 8, producer_warps=3)
+    with pytest.raises(ValueError, match="wait_suspend_ns"):
+        gg.GemmConfig("w1", 8, wait_suspend_ns=-1)
+    assert "wait_suspend_ns" not in dict(gg.variant("w1", 8).params)  # the default (polling) is not named
+    assert dict(gg.variant("w1", 8, wait_suspend_ns=10_000_000).params)["wait_suspend_ns"] == 10_000_000
     # the parameters a launch rebuilds its config from name the cp.async pipeline when it is used
     for v in gg.variant_set() + gg.variant_set(ring_consumer=True):
         p = dict(v.params)
@@ -382,7 +389,7 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False):
+              return_raw=False, **more_knobs):
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -411,7 +418,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     mid_sf = torch.full((rows, inter // 128), float("nan"), device=dev)
     out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     dest = torch.randperm(rows, generator=gen, device=dev).to(torch.int32)
-    knobs = {"fold_scales": fold_scales, "warp_specialized": warp_specialized}
+    knobs = {"fold_scales": fold_scales, "warp_specialized": warp_specialized, **more_knobs}
     k1 = jit.load_kernel(gg.variant("w1", block_n, **knobs), "sm_90a")
     k2 = jit.load_kernel(gg.variant("w2", block_n, **knobs), "sm_90a")
     stream = torch.cuda.current_stream()
@@ -485,6 +492,22 @@ def test_folded_pipelines_write_the_same_bytes(block_n):
     assert torch.isfinite(sf_ws).all() and torch.isfinite(out_ws.float()).all()
     assert torch.equal(mid_ws.view(torch.uint8), mid_cp.view(torch.uint8))
     assert torch.equal(sf_ws, sf_cp) and torch.equal(out_ws.view(torch.int16), out_cp.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000}],
+                         ids=["p2", "p4", "suspend"])
+@pytest.mark.parametrize("block_n", (8, 16, 32))
+def test_producer_and_wait_knobs_write_the_default_bytes(block_n, knobs):
+    """Spreading the bulk copies and token copies over more producer warps, or sleeping in the mbarrier waits,
+    moves the same bytes into the same stages: W1 and W2 must write exactly what the default writes, over
+    experts with several token tiles and an empty expert."""
+    runs = [_run_case(1024, 512, 6, 4, 3 * block_n, block_n, seed=11 + block_n, return_raw=True, **kn)
+            for kn in (knobs, {})]
+    (mid_k, sf_k, out_k), (mid_d, sf_d, out_d) = runs
+    assert torch.isfinite(sf_k).all() and torch.isfinite(out_k.float()).all()
+    assert torch.equal(mid_k.view(torch.uint8), mid_d.view(torch.uint8))
+    assert torch.equal(sf_k, sf_d) and torch.equal(out_k.view(torch.int16), out_d.view(torch.int16))
 
 
 def test_ring_arguments_follow_the_ring_parameter_tables():

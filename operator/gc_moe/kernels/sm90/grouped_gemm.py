@@ -37,14 +37,15 @@ from dataclasses import dataclass
 BLOCK_N_CHOICES = (8, 16, 32, 64)
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
+PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
 SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on the H200 once the DSL's 1 KiB static is taken
 SMEM_PER_SM = 228 * 1024  # of which the driver reserves 1 KiB per resident CTA
 STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
 # ptxas budgets a 544-thread CTA as 640 threads (whole warpgroups): 96 registers per thread, enough up to bn 32
 WS_MAX_BLOCK_N = 32
-# the mbarrier waits' suspend-time hint (ns), CUTLASS's value: the hardware wakes the warp when the phase
-# completes, the hint only caps one sleep
-WAIT_SUSPEND_NS = 10_000_000
+# the mbarrier waits' suspend-time hint (ns); 0: the polling loop, the default (a 10 ms hint, CUTLASS's value,
+# measured 0-1.5% slower: NANOSLEEP.SYNCS wakes on any barrier traffic, the polls stay, see step 7 of the docs)
+WAIT_SUSPEND_NS = 0
 TILES_PER_CTA = 4
 ROWS_PER_CTA = 64 * TILES_PER_CTA
 TILE_BYTES = 4096  # 64 x 128 FP4 codes
@@ -106,12 +107,13 @@ class GemmConfig:
     # registers near 56 per thread); more CTAs in flight per SM, and small grids spread over every SM.
     # None: 2 at bn 8 (the only token tile whose consumer fits those registers), else 1
     ctas_per_sm: int | None = None
-    # warp_specialized: producer warps (2 halves the token-tile copies per lane)
+    # warp_specialized: producer warps; the weight-tile and scale bulk copies of a stage are spread over them
+    # (warp w issues tiles w, w + producer_warps, ...) and so are the token-tile copies. One warp issuing all
+    # 8 bulk copies was the pipeline's bound at one CTA per SM (step 7 of docs/sm90-grouped-gemm.md)
     producer_warps: int = 1
-    # warp_specialized: the mbarrier waits' suspend-time hint (ns). A waiting warp sleeps until its stage is
-    # full (or empty) instead of polling: the Nsight Compute profile of the polling kernel showed 21 polls per
-    # consumer warp and K128 step, a third of all issued instructions (docs/sm90-grouped-gemm.md, step 7).
-    # 0: the polling loop (bounded by a poll count)
+    # warp_specialized: the mbarrier waits' suspend-time hint (ns; 0 = poll, bounded by a poll count). The
+    # Nsight Compute profile showed ~21 polls per consumer warp and K128 step, a third of the issued
+    # instructions; a hint did not remove them and did not speed up (docs/sm90-grouped-gemm.md, step 7)
     wait_suspend_ns: int = WAIT_SUSPEND_NS
 
     def __post_init__(self):
@@ -128,8 +130,9 @@ class GemmConfig:
             raise ValueError("l2_evict_first is a knob of the cp.async pipeline: pass warp_specialized=False")
         if self.ctas_per_sm is None:
             object.__setattr__(self, "ctas_per_sm", 2 if self.warp_specialized and self.block_n == 8 else 1)
-        if self.producer_warps not in (1, 2) or (self.producer_warps == 2 and not self.warp_specialized):
-            raise ValueError(f"producer_warps must be 1, or 2 with warp_specialized; got {self.producer_warps}")
+        if self.producer_warps not in PRODUCER_WARP_CHOICES or (self.producer_warps > 1 and not self.warp_specialized):
+            raise ValueError(f"producer_warps must be 1, or one of {PRODUCER_WARP_CHOICES} with warp_specialized; "
+                             f"got {self.producer_warps}")
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and not self.warp_specialized):
             raise ValueError(f"ctas_per_sm must be 1, or 2 with warp_specialized; got {self.ctas_per_sm}")
         if self.wait_suspend_ns < 0:
@@ -328,6 +331,8 @@ def _make_kernel(cfg: GemmConfig):
     RING = cfg.ring_consumer
     WS = cfg.warp_specialized
     PT = cfg.producer_threads
+    PW = cfg.producer_warps
+    B_PIECES_PER_THREAD = -(-BN * 8 // PT)  # 16-byte pieces of the token tile per producer thread
     SUSPEND = cfg.wait_suspend_ns
 
     @cute.jit
@@ -446,7 +451,7 @@ def _make_kernel(cfg: GemmConfig):
         scale_stride = Int64(k_blocks) * TILE_SCALE_BYTES
         row_bytes = Int64(k_blocks * 128)
         b_src, b_bytes, b_dst = [], [], []
-        for r in cutlass.range_constexpr(BN * 8 // PT):
+        for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
             idx = pidx + PT * r
             n_lo = idx % 8
             c = (idx // 8) % 8
@@ -477,16 +482,22 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
             sbase = smem + stage * cfg.stage_bytes
             if pidx == 0:
+                # the stage's bytes announced once; another warp's copies may land first (the tx count goes
+                # negative until then, and the phase still waits for this arrival)
                 ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
-                w_k = w_src + Int64(kb) * TILE_BYTES
-                s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
-                for i in cutlass.range_constexpr(TILES_PER_CTA):
+            w_k = w_src + Int64(kb) * TILE_BYTES
+            s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
+            for i in cutlass.range_constexpr(TILES_PER_CTA):
+                if pidx == 32 * (i % PW):  # lane 0 of warp i mod PW: addresses stay warp-uniform
                     ptx.bulk_copy_g2s(sbase + i * TILE_BYTES, w_k + Int64(i) * tile_stride, TILE_BYTES, full)
                     ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
                                       TILE_SCALE_BYTES, full)
             k_off = Int64(kb * 128)
-            for r in cutlass.range_constexpr(BN * 8 // PT):
-                ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
+            for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
+                if cutlass.const_expr(BN * 8 % PT == 0):
+                    ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
+                elif pidx + PT * r < BN * 8:
+                    ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
             for r in cutlass.range_constexpr(-(-BN // PT)):
                 if pidx + PT * r < BN:
                     ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
