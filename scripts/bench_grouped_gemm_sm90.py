@@ -282,6 +282,22 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
     return ok
 
 
+def parse_extra_set(spec: str, knobs: dict) -> dict:
+    """'tag:knob=value,knob=value' -> {tag: knobs + those}; values are Python literals (True, 4, 10_000_000)."""
+    import ast
+
+    tag, sep, rest = spec.partition(":")
+    if not sep or not tag or not rest:
+        raise SystemExit(f"--extra-set wants TAG:KNOB=VALUE[,KNOB=VALUE...], got {spec!r}")
+    extra = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--extra-set: {item!r} is not KNOB=VALUE")
+        extra[key.strip()] = ast.literal_eval(value.strip())
+    return {tag: {**knobs, **extra}}
+
+
 def markdown_tables(path: str) -> str:
     """The rows of a benchmark JSON as one markdown table per (variant set, model)."""
     with open(path) as f:
@@ -324,6 +340,9 @@ def main() -> int:
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--wait-suspend", action="store_true",
                     help="also the default set with a 10 ms suspend-time hint on the mbarrier waits (tag ws_sus)")
+    ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
+                    help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
+                         "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
     ap.add_argument("--also-producer-warps", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="also the default set with these producer-warp counts, e.g. 2,4 (tags ws_p2, ws_p4)")
     ap.add_argument("--baseline", action="store_true",
@@ -351,7 +370,9 @@ def main() -> int:
     if args.build_only:
         sets = [{}, {"fold_scales": True}, {"ctas_per_sm": 1}, {"warp_specialized": False},
                 {"warp_specialized": False, "fold_scales": True}, {"token_tiles_fastest": False}, {"l2_evict_first": True},
-                {"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000}]
+                {"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000},
+                {"compact_grid": True}, {"compact_grid": True, "producer_warps": 4},
+                {"compact_grid": True, "ctas_per_sm": 1}, {"compact_grid": True, "ring_consumer": True}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -377,6 +398,8 @@ def main() -> int:
     kernel_sets = {base_tag: knobs, **({f"{base_tag}_fold": {**knobs, "fold_scales": True}} if args.fold_scales else {})}
     if args.one_cta:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
+    for spec in args.extra_set:
+        kernel_sets.update(parse_extra_set(spec, knobs))
     if args.wait_suspend:
         kernel_sets["ws_sus"] = {**knobs, "wait_suspend_ns": 10_000_000}
     for pw in args.also_producer_warps:

@@ -71,6 +71,10 @@ def test_pipeline_knob_defaults_and_errors():
         gg.GemmConfig("w1", 8, wait_suspend_ns=-1)
     assert "wait_suspend_ns" not in dict(gg.variant("w1", 8).params)  # the default (polling) is not named
     assert dict(gg.variant("w1", 8, wait_suspend_ns=10_000_000).params)["wait_suspend_ns"] == 10_000_000
+    with pytest.raises(ValueError, match="compact_grid"):
+        gg.GemmConfig("w1", 64, compact_grid=True)
+    assert "compact_grid" not in dict(gg.variant("w1", 64, compact_grid=True).params)  # bn 64: cp.async
+    assert dict(gg.variant("w2", 16, compact_grid=True).params)["compact_grid"] is True
     # the parameters a launch rebuilds its config from name the cp.async pipeline when it is used
     for v in gg.variant_set() + gg.variant_set(ring_consumer=True):
         p = dict(v.params)
@@ -495,8 +499,10 @@ def test_folded_pipelines_write_the_same_bytes(block_n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000}],
-                         ids=["p2", "p4", "suspend"])
+@pytest.mark.parametrize("knobs", [{"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000},
+                                   {"compact_grid": True}, {"compact_grid": True, "producer_warps": 4},
+                                   {"compact_grid": True, "ctas_per_sm": 1}],
+                         ids=["p2", "p4", "suspend", "compact", "compact_p4", "compact_1cta"])
 @pytest.mark.parametrize("block_n", (8, 16, 32))
 def test_producer_and_wait_knobs_write_the_default_bytes(block_n, knobs):
     """Spreading the bulk copies and token copies over more producer warps, or sleeping in the mbarrier waits,
@@ -536,8 +542,9 @@ def test_ring_arguments_follow_the_ring_parameter_tables():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compact", [False, True], ids=["grid", "compact"])
 @pytest.mark.parametrize("block_n", gg.BLOCK_N_CHOICES)
-def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n):
+def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n, compact):
     """A ring role1 already filled (RING_READY = 1, l1_full_count as role1 leaves it, ring blocks of 8 rows
     that token tiles straddle): the ring-consumer W1/W2 write byte for byte what the default variants write
     from the same rows, and l1_empty_count holds one release per (W1 CTA, ring block it read)."""
@@ -579,7 +586,8 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n):
     ws.combine.fill_(float("nan"))
     # the ring consumer runs on its bn's default pipeline: compare with that pipeline without the ring
     k1, k2 = (jit.load_kernel(gg.variant(r, block_n), "sm_90a") for r in ("w1", "w2"))
-    r1, r2 = (jit.load_kernel(gg.variant(r, block_n, ring_consumer=True), "sm_90a") for r in ("w1", "w2"))
+    r1, r2 = (jit.load_kernel(gg.variant(r, block_n, ring_consumer=True, compact_grid=compact), "sm_90a")
+              for r in ("w1", "w2"))
     gg.launch_w1(k1, w.l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight, mid, mid_sf, cap,
                  stream)
     gg.launch_w2(k2, w.l2, mid, mid_sf, ws.expert_offsets, ws.dest_row, out, cap, stream)

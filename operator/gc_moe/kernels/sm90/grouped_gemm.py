@@ -111,6 +111,12 @@ class GemmConfig:
     # (warp w issues tiles w, w + producer_warps, ...) and so are the token-tile copies. One warp issuing all
     # 8 bulk copies was the pipeline's bound at one CTA per SM (step 7 of docs/sm90-grouped-gemm.md)
     producer_warps: int = 1
+    # CTAs take the work units that have tokens in order: CTA b of the launch runs the b-th (expert, weight-row
+    # tile, token tile) with tokens, found by a warp scan over the experts' token tiles; the CTAs past the last
+    # unit exit. The launch is the same size as without it (every token tile an expert could need), but the
+    # working CTAs are the first of the launch, so the block scheduler spreads them over the SMs instead of
+    # pairing them among CTAs that exit at once (GLM-5.2 at 1 token: 80 working CTAs of 512)
+    compact_grid: bool = False
     # warp_specialized: the mbarrier waits' suspend-time hint (ns; 0 = poll, bounded by a poll count). The
     # Nsight Compute profile showed ~21 polls per consumer warp and K128 step, a third of the issued
     # instructions; a hint did not remove them and did not speed up (docs/sm90-grouped-gemm.md, step 7)
@@ -135,6 +141,11 @@ class GemmConfig:
                              f"got {self.producer_warps}")
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and not self.warp_specialized):
             raise ValueError(f"ctas_per_sm must be 1, or 2 with warp_specialized; got {self.ctas_per_sm}")
+        if self.compact_grid and not self.warp_specialized:
+            raise ValueError("compact_grid is a knob of the warp-specialized pipeline (the cp.async pipeline's bn 64 "
+                             "has no registers left for the unit scan): pass warp_specialized=None or True")
+        if self.compact_grid and not self.token_tiles_fastest:
+            raise ValueError("compact_grid orders the units with token tiles fastest: token_tiles_fastest must be True")
         if self.wait_suspend_ns < 0:
             raise ValueError(f"wait_suspend_ns must be >= 0 (0: poll), got {self.wait_suspend_ns}")
         if self.stages is None:
@@ -231,6 +242,8 @@ class GemmConfig:
             s += f"_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
         if self.fold_scales:
             s += "_fold"
+        if self.compact_grid:
+            s += "_compact"
         if self.ring_consumer:
             s += "_ring"
         if self.warp_specialized:
@@ -689,6 +702,49 @@ def _make_kernel(cfg: GemmConfig):
     if RING:
         from gc_moe.kernels.sm90 import dispatch as ring_protocol  # the ring's wait and release helpers
 
+    @cute.jit
+    def compact_unit(expert_offsets, coherent: cutlass.Constexpr):
+        """(expert, weight-row tile, token tile) of this CTA under compact_grid: CTA b (linear index of the
+        (token tiles, M/256, experts) launch) takes the b-th unit with tokens, units ordered by expert, then
+        weight-row tile, then token tile. Every warp scans the experts' unit counts itself (32 per pass: an
+        inclusive warp scan, then the lane whose range holds b is found by ballot). Expert -1: no unit."""
+        gx, gy, gz = cute.arch.grid_dim()
+        tx, ty, tz = cute.arch.block_idx()
+        b = Int32(tx) + Int32(gx) * (Int32(ty) + Int32(gy) * Int32(tz))
+        lane = cute.arch.thread_idx()[0] % 32
+        carry = Int32(0)
+        found_e = Int32(-1)
+        found_start = Int32(0)
+        found_tiles = Int32(1)
+        for c in cutlass.range((Int32(gz) + 31) // 32):
+            e = c * 32 + lane
+            tiles = Int32(0)
+            if e < Int32(gz):
+                if cutlass.const_expr(coherent):
+                    cnt = ptx.ld_global_s32(expert_offsets + Int64(e) * 4 + 4) - ptx.ld_global_s32(
+                        expert_offsets + Int64(e) * 4)
+                else:
+                    cnt = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+                tiles = (cnt + (BN - 1)) // BN
+            units = tiles * Int32(gy)
+            incl = units
+            for d in cutlass.range_constexpr(5):
+                up = ptx.shfl_up_s32(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            start = carry + incl - units
+            hit = Int32(0)
+            if b >= start and b < start + units:
+                hit = Int32(1)
+            src = ptx.highest_bit(ptx.ballot(hit))
+            if src >= 0:
+                found_e = ptx.shfl_idx_s32(e, src)
+                found_start = ptx.shfl_idx_s32(start, src)
+                found_tiles = ptx.shfl_idx_s32(tiles, src)
+            carry = carry + ptx.shfl_idx_s32(incl, Int32(31))
+        r = b - found_start
+        return found_e, r // found_tiles, r % found_tiles
+
     if W1:
         @cute.jit
         def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
@@ -704,12 +760,17 @@ def _make_kernel(cfg: GemmConfig):
                 if cute.arch.thread_idx()[0] == 0:
                     ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
                 ptx.barrier_sync()
-                off0 = ptx.ld_global_s32(expert_offsets + Int64(e) * 4)
-                off1 = ptx.ld_global_s32(expert_offsets + Int64(e) * 4 + 4)
-            else:
-                off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-                off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
-            count = off1 - off0 - bz * BN
+            if cutlass.const_expr(cfg.compact_grid):
+                e, bx, bz = compact_unit(expert_offsets, RING)
+            count = Int32(0)
+            off0 = Int32(0)
+            if e >= 0:
+                if cutlass.const_expr(RING):
+                    off0 = ptx.ld_global_s32(expert_offsets + Int64(e) * 4)
+                    count = ptx.ld_global_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
+                else:
+                    off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+                    count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
             if count > 0:
                 row0 = off0 + bz * BN
                 if cutlass.const_expr(RING):
@@ -799,9 +860,13 @@ def _make_kernel(cfg: GemmConfig):
             bx, e, bz = cute.arch.block_idx()
             if cutlass.const_expr(cfg.token_tiles_fastest):
                 bz, bx, e = cute.arch.block_idx()
-            off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-            off1 = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4)
-            count = off1 - off0 - bz * BN
+            if cutlass.const_expr(cfg.compact_grid):
+                e, bx, bz = compact_unit(expert_offsets, False)
+            count = Int32(0)
+            off0 = Int32(0)
+            if e >= 0:
+                off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+                count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
             if count > 0:
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
@@ -886,7 +951,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
-               wait_suspend_ns: int = WAIT_SUSPEND_NS):
+               wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -895,7 +960,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     if arch != "sm_90a":
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
-                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps, wait_suspend_ns)
+                     fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
+                     compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -905,7 +971,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
 def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: float = 1.0,
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
-            ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS):
+            ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
+            compact_grid: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -915,9 +982,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if not GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
                       warp_specialized=warp_specialized).warp_specialized:
         producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
+        compact_grid = False  # likewise (the cp.async pipeline's bn 64 has no registers left for the scan)
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
-                     producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns)
+                     producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -935,6 +1003,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["token_tiles_fastest"] = False
     if fold_scales:  # only named when on: the default variants keep their parameters (and cache keys)
         params["fold_scales"] = True
+    if compact_grid:
+        params["compact_grid"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")

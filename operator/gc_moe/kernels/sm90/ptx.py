@@ -367,3 +367,24 @@ def wgmma_wait_tied(acc: list, pending: int = 0) -> list:
 
 def lds64(addr: Int32) -> list:
     return asm("ld.shared.v2.b32 {$0, $1}, [$2];", [Uint32] * 2, [addr])
+
+
+# ------------------------------------------------------------------------------------------ warp integer helpers
+def shfl_up_s32(v: Int32, delta: int) -> Int32:
+    """The value of lane (lane - delta); lanes below delta get their own."""
+    return asm(f"shfl.sync.up.b32 $0, $1, {delta}, 0, -1;", [Int32], [v])
+
+
+def shfl_idx_s32(v: Int32, src: Int32) -> Int32:
+    """The value of lane `src` (every lane of the warp takes part)."""
+    return asm("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", [Int32], [v, src])
+
+
+def ballot(flag: Int32) -> Int32:
+    """Bit i set where lane i's flag is non-zero (every lane of the warp takes part)."""
+    return asm("{\n.reg .pred p;\nsetp.ne.s32 p, $1, 0;\nvote.sync.ballot.b32 $0, p, -1;\n}", [Int32], [flag])
+
+
+def highest_bit(mask: Int32) -> Int32:
+    """Index of the highest set bit of `mask` (-1 when none)."""
+    return asm("bfind.u32 $0, $1;", [Int32], [mask])
