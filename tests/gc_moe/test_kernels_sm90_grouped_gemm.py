@@ -185,8 +185,9 @@ def built(tmp_path_factory):
 
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
-    # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default)
-    assert len(built) == 8 * len(gg.BLOCK_N_CHOICES) - 2
+    # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
+    # and the compact ring consumer at bn 8 (both roles)
+    assert len(built) == 8 * len(gg.BLOCK_N_CHOICES) - 2 + 2
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -254,7 +255,7 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     consumer warp), bulk copies of the 4096-byte weight tiles and 256-byte scale blocks completing on it,
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
-    assert len(ws) == 6 * 3  # default, folded and ring-consumer sets, both roles, bn 8..32
+    assert len(ws) == 6 * 3 + 2  # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -289,8 +290,9 @@ def test_ring_consumer_knob_names_params_and_registration():
     from gc_moe.kernels.registry import variants_for_profile
 
     ring = [v for v in variants_for_profile("sm_90a", {}) if dict(v.params).get("ring_consumer")]
-    assert sorted((dict(v.params)["role"], dict(v.params)["block_n"]) for v in ring) == sorted(
-        (r, bn) for r in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES)
+    assert sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("compact_grid", False))
+                  for v in ring) == sorted([(r, bn, False) for r in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES]
+                                           + [("w1", 8, True), ("w2", 8, True)])
     assert not any(dict(v.params).get("ring_consumer") for v in variants_for_profile("sm_103a", {}))
 
 
@@ -349,7 +351,7 @@ def test_ring_consumer_w1_ptx_acquires_before_it_reads_and_releases_after(built)
     after the last WGMMA and the routing-weight loads, every trap after a %globaltimer comparison; the ring's
     words are read coherently (the only read-only load left is the weights' factor)."""
     ring = {v: e for v, e in built.items() if dict(v.params).get("ring_consumer") and dict(v.params)["role"] == "w1"}
-    assert len(ring) == len(gg.BLOCK_N_CHOICES)
+    assert len(ring) == len(gg.BLOCK_N_CHOICES) + 1  # and the compact grid at bn 8
     for variant, entry in ring.items():
         ptx = _entry_body(entry)
         acquires = [m.start() for m in re.finditer(r"ld\.acquire\.gpu\.global\.b32", ptx)]
@@ -378,7 +380,7 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
     """W2 as a ring consumer: per stored row, the source rank from ring_source (a division by source_rows)
     and a 64-bit load of its peer offset before the BF16 stores; no waits (W2 follows W1 in the graph)."""
     ring = {v: e for v, e in built.items() if dict(v.params).get("ring_consumer") and dict(v.params)["role"] == "w2"}
-    assert len(ring) == len(gg.BLOCK_N_CHOICES)
+    assert len(ring) == len(gg.BLOCK_N_CHOICES) + 1  # and the compact grid at bn 8
     for variant, entry in ring.items():
         ptx = _entry_body(entry)
         bn = dict(variant.params)["block_n"]

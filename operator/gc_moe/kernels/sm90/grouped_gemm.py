@@ -1029,11 +1029,14 @@ def variant_set(**knobs):
 
 def all_variants():
     """Every variant CI builds (the registry's list), each once: the default set (warp-specialized up to bn 32,
-    the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set and the cp.async
-    pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference)."""
+    the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
+    pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference) and the
+    compact ring consumer at bn 8."""
     out, seen = [], set()
+    # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
+    compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
-              + variant_set(warp_specialized=False)):
+              + variant_set(warp_specialized=False) + compact_ring):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

@@ -173,6 +173,13 @@ class CallPlan:
     num_tokens: int
     block_n: int  # W1 / W2 token tile (planning.choose_block_m, SM90 candidates)
     expert_rows_bound: int  # the most grouped rows one local expert can receive this call
+    # the GEMMs' CTAs take the units with tokens in order (gg.GemmConfig.compact_grid): at one token per rank
+    # few of the launched CTAs work and the block scheduler paired them on SMs (GLM-5.2 stand-alone: 75 ->
+    # 54 us); from two tokens on the unit scan's prologue costs more than the placement gains (1-6%)
+    compact_grid: bool = False
+
+
+COMPACT_GRID_MAX_TOKENS = 1  # plan_call: compact_grid up to this many tokens per rank (at token tile 8)
 
 
 def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
@@ -188,16 +195,22 @@ def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
     block_n = min(choose_block_m(max(num_tokens, 1), shape.num_ranks, shape.topk, shape.num_experts, arch="sm90"),
                   LAYER_MAX_BLOCK_N)
     bound = max(num_tokens, 1) if shape.num_ranks == 1 else shape.capacity * shape.num_ranks
-    return CallPlan(num_tokens, block_n, bound)
+    return CallPlan(num_tokens, block_n, bound, compact_grid=num_tokens <= COMPACT_GRID_MAX_TOKENS and block_n == 8)
 
 
 def kernel_variants() -> list:
     """Every cubin the layer may load: dispatch, finalize and the ring-consumer W1 / W2 at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
     for bn in LAYER_BLOCK_N_CHOICES:
-        out += [gg.variant("w1", bn, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ring_consumer=True),
-                gg.variant("w2", bn, ring_consumer=True)]
-    return out
+        out += list(gemm_variants(bn, compact_grid=False))
+    return out + list(gemm_variants(8, compact_grid=True))
+
+
+def gemm_variants(block_n: int, compact_grid: bool):
+    """The ring-consumer W1 and W2 of one call plan."""
+    return (gg.variant("w1", block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ring_consumer=True,
+                       compact_grid=compact_grid),
+            gg.variant("w2", block_n, ring_consumer=True, compact_grid=compact_grid))
 
 
 def missing_kernels(cache_dir=None) -> list[str]:
@@ -325,8 +338,8 @@ class Sm90Layer:
         # then only adds nodes, no module loads
         self.k_dispatch = _load(dispatch.variant())
         self.k_finalize = _load(finalize.variant())
-        for bn in LAYER_BLOCK_N_CHOICES:
-            for k in self.gemm_kernels(bn):
+        for bn, compact in [(bn, False) for bn in LAYER_BLOCK_N_CHOICES] + [(8, True)]:
+            for k in self.gemm_kernels(bn, compact):
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
         if shape.num_shared_experts:
@@ -344,11 +357,9 @@ class Sm90Layer:
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots)
 
-    def gemm_kernels(self, block_n: int):
-        w1 = _load(gg.variant("w1", block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP,
-                              ring_consumer=True))
-        w2 = _load(gg.variant("w2", block_n, ring_consumer=True))
-        return w1, w2
+    def gemm_kernels(self, block_n: int, compact_grid: bool = False):
+        w1, w2 = gemm_variants(block_n, compact_grid)
+        return _load(w1), _load(w2)
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
         """The child graph of one call: [dispatch || W1] -> W2 -> finalize (finalize also after dispatch); with
@@ -357,7 +368,7 @@ class Sm90Layer:
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
-        k_w1, k_w2 = self.gemm_kernels(plan.block_n)
+        k_w1, k_w2 = self.gemm_kernels(plan.block_n, plan.compact_grid)
         g = ChildGraph()
         d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
