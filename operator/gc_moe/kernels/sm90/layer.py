@@ -173,13 +173,10 @@ class CallPlan:
     num_tokens: int
     block_n: int  # W1 / W2 token tile (planning.choose_block_m, SM90 candidates)
     expert_rows_bound: int  # the most grouped rows one local expert can receive this call
-    # the GEMMs' CTAs take the units with tokens in order (gg.GemmConfig.compact_grid): at one token per rank
-    # few of the launched CTAs work and the block scheduler paired them on SMs (GLM-5.2 stand-alone: 75 ->
-    # 54 us); from two tokens on the unit scan's prologue costs more than the placement gains (1-6%)
+    # the GEMMs' CTAs take the units with tokens in order (gg.GemmConfig.compact_grid). Off at every token count:
+    # stand-alone it won at one token per rank (GLM-5.2 75 -> 54 us) and lost 1-6% from two on, but in the
+    # layer it measured 1.7% (routed) and 3.8% (shared) slower at GLM-5.2 T=1 (docs/sm90-layer.md)
     compact_grid: bool = False
-
-
-COMPACT_GRID_MAX_TOKENS = 1  # plan_call: compact_grid up to this many tokens per rank (at token tile 8)
 
 
 def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
@@ -195,7 +192,7 @@ def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
     block_n = min(choose_block_m(max(num_tokens, 1), shape.num_ranks, shape.topk, shape.num_experts, arch="sm90"),
                   LAYER_MAX_BLOCK_N)
     bound = max(num_tokens, 1) if shape.num_ranks == 1 else shape.capacity * shape.num_ranks
-    return CallPlan(num_tokens, block_n, bound, compact_grid=num_tokens <= COMPACT_GRID_MAX_TOKENS and block_n == 8)
+    return CallPlan(num_tokens, block_n, bound)
 
 
 def kernel_variants() -> list:
@@ -203,7 +200,7 @@ def kernel_variants() -> list:
     out = [dispatch.variant(), finalize.variant()]
     for bn in LAYER_BLOCK_N_CHOICES:
         out += list(gemm_variants(bn, compact_grid=False))
-    return out + list(gemm_variants(8, compact_grid=True))
+    return out
 
 
 def gemm_variants(block_n: int, compact_grid: bool):
@@ -338,8 +335,8 @@ class Sm90Layer:
         # then only adds nodes, no module loads
         self.k_dispatch = _load(dispatch.variant())
         self.k_finalize = _load(finalize.variant())
-        for bn, compact in [(bn, False) for bn in LAYER_BLOCK_N_CHOICES] + [(8, True)]:
-            for k in self.gemm_kernels(bn, compact):
+        for bn in LAYER_BLOCK_N_CHOICES:
+            for k in self.gemm_kernels(bn):
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
         if shape.num_shared_experts:
