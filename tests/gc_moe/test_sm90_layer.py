@@ -148,7 +148,6 @@ def test_token_tile_by_hand(shape, tokens, block_n):
 def test_plan_bounds_and_errors():
     s1 = sm90_layer.layer_shape(1, 16, 4, 1024, 256, 32)
     assert sm90_layer.plan_call(s1, 0) == sm90_layer.CallPlan(0, 8, 1)  # no tokens: one (empty) token tile
-    assert not any(sm90_layer.plan_call(s1, t).compact_grid for t in (0, 1, 2, 32))  # measured slower in the layer
     s2 = sm90_layer.layer_shape(2, 16, 4, 1024, 256, 32)
     assert sm90_layer.plan_call(s2, 3).expert_rows_bound == 64  # P > 1: every rank's capacity, C P
     with pytest.raises(ValueError, match="allowed: 0 to capacity=32"):
@@ -255,7 +254,7 @@ def _graph_of(monkeypatch, overlap_roots: bool) -> dict:
     layer.parts = SimpleNamespace(comm_context="comm", compute_context="compute")
     layer.k_dispatch = layer.k_finalize = "kernel"
     layer.dispatch_ctas, layer.finalize_ctas = 4, 64
-    layer.gemm_kernels = lambda block_n, compact_grid=False: ("w1 kernel", "w2 kernel")
+    layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
     layer.overlap_roots = overlap_roots
     return layer.build_graph(None, 8, None, None).nodes
 

@@ -173,10 +173,8 @@ class CallPlan:
     num_tokens: int
     block_n: int  # W1 / W2 token tile (planning.choose_block_m, SM90 candidates)
     expert_rows_bound: int  # the most grouped rows one local expert can receive this call
-    # the GEMMs' CTAs take the units with tokens in order (gg.GemmConfig.compact_grid). Off at every token count:
-    # stand-alone it won at one token per rank (GLM-5.2 75 -> 54 us) and lost 1-6% from two on, but in the
-    # layer it measured 1.7% (routed) and 3.8% (shared) slower at GLM-5.2 T=1 (docs/sm90-layer.md)
-    compact_grid: bool = False
+    # (the grouped GEMM's compact_grid is not used: stand-alone it won at one token per rank, GLM-5.2 75 -> 54
+    # us, but in the layer it measured 1.7% routed and 3.8% shared slower at GLM-5.2 T=1, docs/sm90-layer.md)
 
 
 def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
@@ -199,15 +197,14 @@ def kernel_variants() -> list:
     """Every cubin the layer may load: dispatch, finalize and the ring-consumer W1 / W2 at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
     for bn in LAYER_BLOCK_N_CHOICES:
-        out += list(gemm_variants(bn, compact_grid=False))
+        out += list(gemm_variants(bn))
     return out
 
 
-def gemm_variants(block_n: int, compact_grid: bool):
-    """The ring-consumer W1 and W2 of one call plan."""
-    return (gg.variant("w1", block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ring_consumer=True,
-                       compact_grid=compact_grid),
-            gg.variant("w2", block_n, ring_consumer=True, compact_grid=compact_grid))
+def gemm_variants(block_n: int):
+    """The ring-consumer W1 and W2 at one token tile."""
+    return (gg.variant("w1", block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ring_consumer=True),
+            gg.variant("w2", block_n, ring_consumer=True))
 
 
 def missing_kernels(cache_dir=None) -> list[str]:
@@ -354,8 +351,8 @@ class Sm90Layer:
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots)
 
-    def gemm_kernels(self, block_n: int, compact_grid: bool = False):
-        w1, w2 = gemm_variants(block_n, compact_grid)
+    def gemm_kernels(self, block_n: int):
+        w1, w2 = gemm_variants(block_n)
         return _load(w1), _load(w2)
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
@@ -365,7 +362,7 @@ class Sm90Layer:
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
-        k_w1, k_w2 = self.gemm_kernels(plan.block_n, plan.compact_grid)
+        k_w1, k_w2 = self.gemm_kernels(plan.block_n)
         g = ChildGraph()
         d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
