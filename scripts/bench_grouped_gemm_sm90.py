@@ -338,13 +338,9 @@ def main() -> int:
                     help="producer warps of the warp-specialized variants (default 1)")
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
-    ap.add_argument("--wait-suspend", action="store_true",
-                    help="also the default set with a 10 ms suspend-time hint on the mbarrier waits (tag ws_sus)")
     ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
                          "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
-    ap.add_argument("--also-producer-warps", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
-                    help="also the default set with these producer-warp counts, e.g. 2,4 (tags ws_p2, ws_p4)")
     ap.add_argument("--baseline", action="store_true",
                     help="also run the cp.async pipeline (warp_specialized=False, the earlier default) at every point")
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
@@ -400,10 +396,6 @@ def main() -> int:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
-    if args.wait_suspend:
-        kernel_sets["ws_sus"] = {**knobs, "wait_suspend_ns": 10_000_000}
-    for pw in args.also_producer_warps:
-        kernel_sets[f"ws_p{pw}"] = {**knobs, "producer_warps": pw}
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():
