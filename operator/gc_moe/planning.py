@@ -32,7 +32,7 @@ SMALL_LOCAL_EXPERTS = 8
 MIN_BLOCKS_FEW_EXPERTS = 2
 
 # Table 12 limits.
-MAX_INTERMEDIATE = 4096  # W1 output tiles 2I/128 must fit the 64-bit l2_full_mask
+MAX_INTERMEDIATE = 4096  # W1 output tiles 2I/128 must fit the 64-bit W1-completion word
 INTERMEDIATE_MULTIPLE = 128  # complete K128 tiles of W2
 HIDDEN_MULTIPLE = 256  # 2-CTA clusters pair N128 tiles: H/128 even
 MAX_COMBINE_SLOTS = 32  # one warp lane per combine slot: k + 1[shared] <= 32
@@ -267,7 +267,7 @@ def check_constraints(
         v.append(
             f"I <= {MAX_INTERMEDIATE} and I mod {INTERMEDIATE_MULTIPLE} = 0: got intermediate={intermediate}; "
             f"allowed: a multiple of {INTERMEDIATE_MULTIPLE} up to {MAX_INTERMEDIATE} "
-            f"(2I/128 W1 tiles must fit the 64-bit l2_full_mask)"
+            f"(2I/128 W1 tiles must fit the 64-bit W1-completion word)"
         )
     if hidden % HIDDEN_MULTIPLE != 0:
         v.append(

@@ -154,7 +154,7 @@ def test_both_models_pass(model):
     [
         (
             {"intermediate": 4224},
-            ["I <= 4096 and I mod 128 = 0", "got intermediate=4224", "64-bit l2_full_mask"],
+            ["I <= 4096 and I mod 128 = 0", "got intermediate=4224", "64-bit W1-completion word"],
         ),
         (
             {"intermediate": 2000},

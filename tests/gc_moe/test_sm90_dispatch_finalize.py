@@ -25,7 +25,7 @@ def test_region_table_shapes_for_a_hand_computed_layer():
         "dest_row": ([32], 128), "ring_source": ([32], 128), "expert_offsets": ([5], 20),
         "l2_act": ([32, 128], 4096), "l2_scale": ([32, 1], 128), "combine": ([3, 5, 256], 7680),
         "l1_full_count": ([4], 16), "l1_empty_count": ([4], 16), "l2_empty_count": ([4], 16),
-        "l2_full_mask": ([4], 32), "tag1_arrive": ([2], 8), "combine_ready": ([2], 8), "control": ([16], 64),
+        "w1_done_mask": ([4, 2], 64), "tag1_arrive": ([2], 8), "combine_ready": ([2], 8), "control": ([16], 64),
         "peers": ([72], 576),
     }
     assert {n: (r["shape"], r["bytes"]) for n, r in table.items()} == expected

@@ -171,7 +171,11 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     vs = sm90_layer.kernel_variants()
     names = [v.name for v in vs]
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
-    gemms = [dict(v.params) for v in vs[2:]]
+    fused = [dict(v.params) for v in vs if v.name == "sm90.role2"]
+    assert sorted(p["block_n"] for p in fused) == [8, 16, 32]
+    assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in fused)
+    gemms = [dict(v.params) for v in vs[2:] if v.name == "sm90.grouped_gemm"]
+    assert len(gemms) + len(fused) == len(vs) - 2
     assert sorted((p["role"], p["block_n"], p.get("compact_grid", False)) for p in gemms) == sorted(
         [(r, bn, False) for r in ("w1", "w2") for bn in (8, 16, 32)])
     assert all(p["ring_consumer"] for p in gemms)
@@ -233,7 +237,7 @@ class _RecordingGraph:
         return name
 
 
-def _graph_of(monkeypatch, overlap_roots: bool) -> dict:
+def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes: int = 1) -> dict:
     """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins."""
     from types import SimpleNamespace
     from unittest import mock
@@ -256,25 +260,47 @@ def _graph_of(monkeypatch, overlap_roots: bool) -> dict:
     layer.dispatch_ctas, layer.finalize_ctas = 4, 64
     layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
     layer.overlap_roots = overlap_roots
+    layer.role2_nodes = role2_nodes
+    monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
+    layer.role2_kernel = lambda block_n: "role2 kernel"
     return layer.build_graph(None, 8, None, None).nodes
 
 
 def test_graph_edges_follow_the_overlap_switch(monkeypatch):
-    on = _graph_of(monkeypatch, True)
+    on = _graph_of(monkeypatch, True, role2_nodes=2)
     assert on == {"dispatch": ("comm", []), "w1": ("compute", []), "w2": ("compute", ["w1"]),
                   "finalize": ("compute", ["dispatch", "w2"])}
-    off = _graph_of(monkeypatch, False)
+    off = _graph_of(monkeypatch, False, role2_nodes=2)
     assert off == {**on, "w1": ("compute", ["dispatch"])}  # the only change: W1 after dispatch
+
+
+def test_fused_role2_makes_a_three_node_graph(monkeypatch):
+    on = _graph_of(monkeypatch, True)
+    assert on == {"dispatch": ("comm", []), "role2": ("compute", []), "finalize": ("compute", ["dispatch", "role2"])}
+    off = _graph_of(monkeypatch, False)
+    assert off == {**on, "role2": ("compute", ["dispatch"])}
+
+
+def test_role2_nodes_from_env_and_argument(monkeypatch):
+    assert sm90_layer.role2_nodes_from_env({}) == 1
+    assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "2"}) == 2
+    for bad in ("0", "3", "fused", " 1"):
+        with pytest.raises(ValueError, match=r"GC_MOE_ROLE2_NODES=.*allowed: 1 .* or 2 "):
+            sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: bad})
+    shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
+    with pytest.raises(ValueError, match="role2_nodes 3; allowed: 1"):
+        sm90_layer.Sm90Layer(shape, device="cpu", role2_nodes=3)
 
 
 def test_settings_note():
     from types import SimpleNamespace
 
-    assert sm90_layer.settings_note(4, 128, True) == "partition comm/compute 4/128 SMs; overlap on"
+    assert sm90_layer.settings_note(4, 128, True) == \
+        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
-    layer.overlap_roots = False
-    assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off"
+    layer.overlap_roots, layer.role2_nodes = False, 2
+    assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
 
 
 # ------------------------------------------------------------------------------------------------ weights
@@ -387,7 +413,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
 
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
-    layer.overlap_roots = True
+    layer.overlap_roots, layer.role2_nodes = True, 1
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}
@@ -396,7 +422,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
                        allocate=allocate, run=api._reference_run, priority=100)
     monkeypatch.setitem(api._BACKENDS, "sm90", fake)
     inv = get_operator("gc").prepare(_tiny_workload(0), None)
-    assert inv.note == "gc_moe backend: sm90; partition comm/compute 4/128 SMs; overlap on"
+    assert inv.note == "gc_moe backend: sm90; partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
     assert partition_from_note(inv.note) == (4, 128)
 
 

@@ -62,13 +62,16 @@ def sm90_grouped_gemm(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
 
 @family
 def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
-    """Roles 1 and 3 of the SM90 layer (dispatch, finalize): one binary each, shapes are kernel parameters."""
+    """Roles 1-3 of the SM90 layer: dispatch and finalize (one binary each, shapes are kernel parameters) and the
+    fused role2 kernel at every token tile the layer plans."""
     if arch == "sm_90a":
         from gc_moe.kernels.sm90 import dispatch, finalize  # import without the DSL; built lazily
+        from gc_moe.kernels.sm90 import layer as sm90_layer
 
         yield dispatch.variant()
         yield finalize.variant()
         yield dispatch.consumer_probe_variant()
+        yield from (sm90_layer.role2_variant(bn) for bn in sm90_layer.LAYER_BLOCK_N_CHOICES)
 
 
 @family

@@ -8,7 +8,8 @@ Grid: any number of CTAs (min(compute SMs, 64) at decode sizes), 256 threads. Pe
 2. block 0 consumes this parity's receive counts: each (source rank, local expert) word must show
    `dispatch_ctas` contributors in its high word (the arrival check; a mismatch adds to ARRIVAL_ERRORS), the
    low words add to RECEIVED_ROWS, and the word is cleared; it resets the ring signals (l1_full_count,
-   l1_empty_count, l2_empty_count, l2_full_mask) and role1's grid-sync and RING_READY words;
+   l1_empty_count, l2_empty_count, role2's W1-completion words w1_done_mask) and role1's grid-sync and RING_READY
+   words;
 3. every CTA acquires combine_ready[parity] >= P (bounded by `timeout_ns`, then `trap`), then combines: for
    each token and 8-column chunk, the BF16 partials of its valid top-k slots (topk_idx >= 0) in slot order,
    then lane k (the shared expert) when `combine_lanes` = k + 1, accumulated in FP32, stored as BF16 into y;
@@ -26,11 +27,11 @@ DEFAULT_TIMEOUT_S = 3600.0
 
 PARAMS = (
     ("topk_idx", "u64"), ("combine", "u64"), ("y", "u64"), ("recv_count", "u64"),
-    ("l1_full_count", "u64"), ("l1_empty_count", "u64"), ("l2_empty_count", "u64"), ("l2_full_mask", "u64"),
+    ("l1_full_count", "u64"), ("l1_empty_count", "u64"), ("l2_empty_count", "u64"), ("w1_done_mask", "u64"),
     ("combine_ready", "u64"), ("control", "u64"), ("peers", "u64"),
     ("num_tokens", "s32"), ("num_ranks", "s32"), ("local_experts", "s32"), ("topk", "s32"), ("hidden", "s32"),
-    ("capacity", "s32"), ("combine_lanes", "s32"), ("ring_blocks", "s32"), ("dispatch_ctas", "s32"),
-    ("timeout_ns", "s64"),
+    ("capacity", "s32"), ("combine_lanes", "s32"), ("ring_blocks", "s32"), ("w1_done_words", "s32"),
+    ("dispatch_ctas", "s32"), ("timeout_ns", "s64"),
 )
 _WORKSPACE_POINTERS = [name for name, kind in PARAMS if kind == "u64" and name != "y"]
 
@@ -76,7 +77,8 @@ def finalize_args(ws, shape, y, num_tokens: int, dispatch_ctas: int, timeout_s: 
     ptrs["y"] = ptr(y)
     args = [ptrs[name] for name, kind in PARAMS if kind == "u64"]
     args += [i32(num_tokens), i32(shape.num_ranks), i32(shape.local_experts), i32(shape.topk), i32(shape.hidden),
-             i32(shape.capacity), i32(shape.combine_lanes), i32(shape.ring_blocks), i32(dispatch_ctas),
+             i32(shape.capacity), i32(shape.combine_lanes), i32(shape.ring_blocks), i32(ws.w1_done_mask.numel()),
+             i32(dispatch_ctas),
              i64(int(timeout_s * 1e9))]
     return args
 
@@ -146,10 +148,10 @@ if cute is not None:
 
     @cute.kernel
     def finalize_kernel(topk_idx: Int64, combine: Int64, y: Int64, recv_count: Int64, l1_full_count: Int64,
-                        l1_empty_count: Int64, l2_empty_count: Int64, l2_full_mask: Int64, combine_ready: Int64,
+                        l1_empty_count: Int64, l2_empty_count: Int64, w1_done_mask: Int64, combine_ready: Int64,
                         control: Int64, peers: Int64, num_tokens: Int32, num_ranks: Int32, local_experts: Int32,
                         topk: Int32, hidden: Int32, capacity: Int32, combine_lanes: Int32, ring_blocks: Int32,
-                        dispatch_ctas: Int32, timeout_ns: Int64):
+                        w1_done_words: Int32, dispatch_ctas: Int32, timeout_ns: Int64):
         tid = cute.arch.thread_idx()[0]
         bid = cute.arch.block_idx()[0]
         nblocks = cute.arch.grid_dim()[0]
@@ -185,8 +187,11 @@ if cute is not None:
                 st_s32(l1_full_count + Int64(b) * 4, Int32(0))
                 st_s32(l1_empty_count + Int64(b) * 4, Int32(0))
                 st_s32(l2_empty_count + Int64(b) * 4, Int32(0))
-                st_s64(l2_full_mask + Int64(b) * 8, Int64(0))
                 b = b + THREADS
+            w = tid
+            while w < w1_done_words:
+                st_s64(w1_done_mask + Int64(w) * 8, Int64(0))
+                w = w + THREADS
             if tid == 0:
                 st_s32(control + Int64(4 * DISPATCH_SYNC), Int32(0))
                 st_s32(control + Int64(4 * RING_READY), Int32(0))
@@ -234,9 +239,10 @@ if cute is not None:
     def _launch_finalize(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                          a8: Int64, a9: Int64, a10: Int64, num_tokens: Int32, num_ranks: Int32,
                          local_experts: Int32, topk: Int32, hidden: Int32, capacity: Int32, combine_lanes: Int32,
-                         ring_blocks: Int32, dispatch_ctas: Int32, timeout_ns: Int64):
+                         ring_blocks: Int32, w1_done_words: Int32, dispatch_ctas: Int32, timeout_ns: Int64):
         finalize_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, num_tokens, num_ranks, local_experts, topk,
-                        hidden, capacity, combine_lanes, ring_blocks, dispatch_ctas, timeout_ns).launch(
+                        hidden, capacity, combine_lanes, ring_blocks, w1_done_words, dispatch_ctas,
+                        timeout_ns).launch(
             grid=(1, 1, 1), block=(THREADS, 1, 1))
 
     def build_finalize(arch: str = "sm_90a"):

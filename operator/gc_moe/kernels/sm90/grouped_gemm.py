@@ -121,6 +121,11 @@ class GemmConfig:
     # Nsight Compute profile showed ~21 polls per consumer warp and K128 step, a third of the issued
     # instructions; a hint did not remove them and did not speed up (docs/sm90-grouped-gemm.md, step 7)
     wait_suspend_ns: int = WAIT_SUSPEND_NS
+    # one half of the layer's fused role2 kernel (`kernels.sm90.role2`: W1 and W2 units of one launch, each CTA
+    # taking a ticket): the body takes its unit from the ticket instead of the block index; W1 publishes each
+    # finished unit in the W1-completion bitmap of its (expert, token tile), W2 waits for all of its tile's bits
+    # before its first token copy and reads what W1 wrote through coherent loads
+    fused_role2: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -148,6 +153,10 @@ class GemmConfig:
             raise ValueError("compact_grid orders the units with token tiles fastest: token_tiles_fastest must be True")
         if self.wait_suspend_ns < 0:
             raise ValueError(f"wait_suspend_ns must be >= 0 (0: poll), got {self.wait_suspend_ns}")
+        if self.fused_role2 and not (self.ring_consumer and self.warp_specialized and not self.compact_grid
+                                     and self.token_tiles_fastest and not self.fold_scales):
+            raise ValueError("fused_role2 is a half of the layer's role2 kernel: it needs ring_consumer=True on the "
+                             "warp-specialized pipeline, unfolded scales, token tiles fastest, no compact_grid")
         if self.stages is None:
             object.__setattr__(self, "stages", self.max_stages if self.warp_specialized else 6)
         if not 2 <= self.stages <= 16:
@@ -175,7 +184,7 @@ class GemmConfig:
     @property
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
-        fixed = 16 * self.block_n * 4
+        fixed = 16 * self.block_n * 4 + (16 if self.fused_role2 else 0)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -206,8 +215,13 @@ class GemmConfig:
         return self.amax_offset + 16 * self.block_n * 4
 
     @property
-    def smem_bytes(self) -> int:
+    def ticket_offset(self) -> int:
+        """fused_role2: the word thread 0 broadcasts the CTA's ticket through."""
         return self.barrier_offset + (16 * self.stages if self.warp_specialized else 0)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.ticket_offset + (16 if self.fused_role2 else 0)
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -246,6 +260,8 @@ class GemmConfig:
             s += "_compact"
         if self.ring_consumer:
             s += "_ring"
+        if self.fused_role2:
+            s += "_fused"
         if self.warp_specialized:
             s += "_ws" if self.ctas_per_sm == 1 else f"_ws{self.ctas_per_sm}"
             if self.producer_warps != 1:
@@ -347,6 +363,10 @@ def _make_kernel(cfg: GemmConfig):
     PW = cfg.producer_warps
     B_PIECES_PER_THREAD = -(-BN * 8 // PT)  # 16-byte pieces of the token tile per producer thread
     SUSPEND = cfg.wait_suspend_ns
+    FUSED = cfg.fused_role2
+    # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
+    # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers
+    FULL_ARRIVALS = PT + 1 + (1 if FUSED and not W1 else 0)
 
     @cute.jit
     def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
@@ -449,7 +469,7 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx):
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
@@ -488,35 +508,82 @@ def _make_kernel(cfg: GemmConfig):
                 nbytes = Int32(0)
             x_src.append(act_scale + nrow * Int64(k_blocks) * 4)
             x_bytes.append(nbytes)
+        if cutlass.const_expr(FUSED and not W1):
+            # the fused W2 half: the weights of the first stages go out before W1 has finished this token tile
+            # (they do not depend on it), then every producer thread acquires the tile's W1-completion bits
+            # (its own copies of W1's rows follow its own acquire), then the token rows and scales
+            done_mask, all_bits, started, timeout_ns = ready
+            prefetched = k_blocks
+            if prefetched > STAGES:
+                prefetched = Int32(STAGES)
+            for kb in cutlass.range(prefetched):
+                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
+            ptx.wait_all_bits_gpu(done_mask, all_bits, started, timeout_ns)
+            x_next = cute.make_rmem_tensor((-(-BN // PT),), Float32)  # one step ahead: a coherent load's
+            for r in cutlass.range_constexpr(-(-BN // PT)):                # latency hides behind a step
+                x_next[r] = Float32(0.0)
+                if pidx + PT * r < BN:
+                    x_next[r] = load_act_scale(x_src[r], x_bytes[r], Int32(0))
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
-            if kb >= STAGES:
-                ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
             sbase = smem + stage * cfg.stage_bytes
-            if pidx == 0:
-                # the stage's bytes announced once; another warp's copies may land first (the tx count goes
-                # negative until then, and the phase still waits for this arrival)
-                ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
-            w_k = w_src + Int64(kb) * TILE_BYTES
-            s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
-            for i in cutlass.range_constexpr(TILES_PER_CTA):
-                if pidx == 32 * (i % PW):  # lane 0 of warp i mod PW: addresses stay warp-uniform
-                    ptx.bulk_copy_g2s(sbase + i * TILE_BYTES, w_k + Int64(i) * tile_stride, TILE_BYTES, full)
-                    ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
-                                      TILE_SCALE_BYTES, full)
+            if cutlass.const_expr(FUSED and not W1):
+                if kb >= prefetched:
+                    ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
+                    issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
+            else:
+                if kb >= STAGES:
+                    ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
+                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
             k_off = Int64(kb * 128)
             for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
                 if cutlass.const_expr(BN * 8 % PT == 0):
                     ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
                 elif pidx + PT * r < BN * 8:
                     ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
-            for r in cutlass.range_constexpr(-(-BN // PT)):
-                if pidx + PT * r < BN:
-                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
-                                         x_src[r] + Int64(kb * 4), x_bytes[r])
+            if cutlass.const_expr(FUSED and not W1):
+                for r in cutlass.range_constexpr(-(-BN // PT)):
+                    if pidx + PT * r < BN:
+                        ptx.sts_f32(sbase + cfg.xs_offset + (pidx + PT * r) * 4, x_next[r])
+                        if kb + 1 < k_blocks:
+                            x_next[r] = load_act_scale(x_src[r], x_bytes[r], kb + 1)
+                ptx.warp_sync()  # the scale lanes (all in producer warp 0: BN <= 32) before thread 0's release
+                if pidx == 0:
+                    ptx.mbarrier_arrive(full)
+            else:
+                for r in cutlass.range_constexpr(-(-BN // PT)):
+                    if pidx + PT * r < BN:
+                        ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
+                                             x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+
+    @cute.jit
+    def issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx):
+        """Stage kb's bulk copies (4 weight tiles, their K32 scale bytes), announced on its full barrier."""
+        stage = kb % STAGES
+        full = smem + cfg.barrier_offset + stage * 8
+        sbase = smem + stage * cfg.stage_bytes
+        if pidx == 0:
+            # the stage's bytes announced once; another warp's copies may land first (the tx count goes
+            # negative until then, and the phase still waits for this arrival)
+            ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
+        w_k = w_src + Int64(kb) * TILE_BYTES
+        s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
+        for i in cutlass.range_constexpr(TILES_PER_CTA):
+            if pidx == 32 * (i % PW):  # lane 0 of warp i mod PW: addresses stay warp-uniform
+                ptx.bulk_copy_g2s(sbase + i * TILE_BYTES, w_k + Int64(i) * tile_stride, TILE_BYTES, full)
+                ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
+                                  TILE_SCALE_BYTES, full)
+
+    @cute.jit
+    def load_act_scale(src, nbytes, kb):
+        """One token's K128 activation scale at step kb through a coherent (L2) load; 0 past the count."""
+        v = Float32(0.0)
+        if nbytes != 0:
+            v = ptx.ld_relaxed_gpu_f32(src + Int64(kb) * 4)
+        return v
 
     # pipelined consumer (warp_specialized, unfolded): the K32 blocks of a step go out in groups of PNP
     # WGMMAs whose fresh partials (32 registers per group at every bn) alternate between two buffers; group i
@@ -628,7 +695,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
+    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready):
         tid = cute.arch.thread_idx()[0]
         wg = tid // 128
         t = tid % 128
@@ -638,12 +705,12 @@ def _make_kernel(cfg: GemmConfig):
         q = lane % 4
         if tid == 0:
             for st in cutlass.range_constexpr(STAGES):
-                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, PT + 1)
+                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             ptx.fence_mbarrier_init()
         ptx.barrier_sync()
         if tid >= THREADS:
-            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS)
+            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready)
         elif cutlass.const_expr(cfg.pipelined):
             consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
         else:
@@ -686,12 +753,13 @@ def _make_kernel(cfg: GemmConfig):
         return tid, wg, warp, g, q
 
     @cute.jit
-    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
-        """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply."""
+    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready=None):
+        """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply.
+        ready: the fused W2 half's wait on its tile's W1-completion bits (else None)."""
         for i in cutlass.range_constexpr(BN // 2):
             acc[i] = Float32(0.0)
         if cutlass.const_expr(WS):
-            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
+            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready)
         else:
             tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
         factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
@@ -748,11 +816,17 @@ def _make_kernel(cfg: GemmConfig):
     if W1:
         @cute.jit
         def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
-                    k_blocks, m_tiles, ring):
-            bx, e, bz = cute.arch.block_idx()
-            if cutlass.const_expr(cfg.token_tiles_fastest):
+                    k_blocks, m_tiles, ring, fused=None):
+            """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, the
+            word's row stride) of the fused role2 kernel's unit (it waited for RING_READY already)."""
+            if cutlass.const_expr(FUSED):
+                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+                e, bx, bz, started, done_mask = fused
+            else:
+                bx, e, bz = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.token_tiles_fastest and not FUSED):
                 bz, bx, e = cute.arch.block_idx()
-            if cutlass.const_expr(RING):
+            if cutlass.const_expr(RING and not FUSED):
                 # role1 writes expert_offsets while this kernel may already run: wait for its release, then
                 # read them (and every ring word below) with coherent loads, not the read-only path
                 ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
@@ -836,6 +910,12 @@ def _make_kernel(cfg: GemmConfig):
                                 if tid < 4:
                                     ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
                                                 amax * Float32(1.0 / FP8_MAX))
+                    if cutlass.const_expr(FUSED):
+                        # every consumer's stores of this unit precede the barrier; thread 0's release of bit bx
+                        # (W2's K128 block bx) then carries them to whoever acquires the word
+                        consumer_sync()
+                        if tid == 0:
+                            ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -856,23 +936,36 @@ def _make_kernel(cfg: GemmConfig):
     else:
         @cute.jit
         def w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks, m_tiles,
-                    ring):
-            bx, e, bz = cute.arch.block_idx()
-            if cutlass.const_expr(cfg.token_tiles_fastest):
+                    ring, fused=None):
+            """fused: (expert, weight-row CTA, token tile, started, the token tile's W1-completion word, the
+            bound on waits) of the fused role2 kernel's unit: role1 and W1 write what this reads while it runs,
+            so every such read is coherent, and the producer waits for all I/128 bits of the word."""
+            ready = None
+            if cutlass.const_expr(FUSED):
+                e, bx, bz, started, done_mask, timeout_ns = fused
+                ready = (done_mask, (Int64(1) << Int64(k_blocks)) - Int64(1), started, timeout_ns)
+            else:
+                bx, e, bz = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.token_tiles_fastest and not FUSED):
                 bz, bx, e = cute.arch.block_idx()
             if cutlass.const_expr(cfg.compact_grid):
                 e, bx, bz = compact_unit(expert_offsets, False)
             count = Int32(0)
             off0 = Int32(0)
             if e >= 0:
-                off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-                count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
+                if cutlass.const_expr(FUSED):
+                    off0 = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4)
+                    count = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
+                else:
+                    off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+                    count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
             if count > 0:
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
                 tid, wg, warp, g, q, factor = tile_product(
-                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc
+                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc,
+                    ready,
                 )
                 if tid < THREADS:  # the warp-specialized producer warp has no outputs
                     hidden = m_tiles * 64
@@ -881,11 +974,18 @@ def _make_kernel(cfg: GemmConfig):
                         for c in cutlass.range_constexpr(2):
                             n = 8 * i + 2 * q + c
                             if n < count:
-                                d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                                if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
+                                    d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                                else:
+                                    d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                                 if cutlass.const_expr(RING):
                                     # the row's source rank owns the combine buffer: its peer offset moves the address
                                     ring_source, peers, source_rows = ring
-                                    source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4) // source_rows
+                                    if cutlass.const_expr(FUSED):
+                                        source = ptx.ld_relaxed_gpu_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+                                    else:
+                                        source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+                                    source = source // source_rows
                                     base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
                                         + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
                                 else:
@@ -908,6 +1008,8 @@ def _make_kernel(cfg: GemmConfig):
                 w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks,
                         m_tiles, None)
 
+    if FUSED:  # a half of the fused role2 kernel: kernels.sm90.role2 calls the body for the units it draws
+        return w1_body if W1 else w2_body
     return kernel
 
 

@@ -6,15 +6,19 @@
   the grouped GEMM and finalize in the compute context;
 - the workspace of `layer_layout` (one plain device allocation at P = 1, one torch symmetric-memory allocation
   rendezvoused over the group at P > 1), its signals zeroed once (`layer_layout.initialize_state`);
-- the kernels: dispatch (role1), the ring-consumer grouped GEMM W1 / W2 (role2) at the token tile the
-  token-bound heuristic picks for the call's token count (`plan_call`), finalize (role3);
-- one child graph per (token count, output, weights): dispatch (communication context) and W1 (compute
-  context) as concurrent roots, W2 after W1, finalize after dispatch and W2. Every replay leaves the state
-  ready for the next (role3 resets the ring signals and flips the parity), so a graph replays, eagerly or
-  inside an outer torch CUDA graph capture, without host work in between.
-- the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, W1 depends on dispatch, so the
-  two roots run one after the other (the ablation of the overlap; the ring holds the whole pool, so dispatch
-  finishes without W1 consuming anything).
+- the kernels: dispatch (role1), role2 at the token tile the token-bound heuristic picks for the call's token
+  count (`plan_call`): by default one kernel (`role2`: W1 and W2 units of the ring-consumer grouped GEMM in one
+  launch, W2 driven by the W1-completion bitmap), else the two ring-consumer GEMMs as two nodes; finalize (role3);
+- one child graph per (token count, output, weights): dispatch (communication context) and role2 (compute
+  context) as concurrent roots, finalize after both: three nodes (four with the shared expert's role4 as two
+  nodes, W1 -> W2, so five). With the separate GEMMs, W2 after W1 (one node more). Every replay leaves the state
+  ready for the next (role3 resets the ring signals and the W1-completion words and flips the parity), so a
+  graph replays, eagerly or inside an outer torch CUDA graph capture, without host work in between.
+- the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, role2 (W1) depends on dispatch,
+  so the two roots run one after the other (the ablation of the overlap; the ring holds the whole pool, so
+  dispatch finishes without W1 consuming anything).
+- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "1"): 1, the fused role2 kernel; 2, W1 and W2 as
+  two nodes joined by an edge (the earlier form, kept to measure what the fusion gives).
 
 Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
 Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only
@@ -29,7 +33,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from gc_moe.kernels.sm90 import dispatch, finalize
+from gc_moe.kernels.sm90 import dispatch, finalize, role2
 from gc_moe.kernels.sm90 import grouped_gemm as gg
 from gc_moe.kernels.sm90 import layer_layout as ll
 from gc_moe.planning import choose_block_m
@@ -39,6 +43,8 @@ DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
 OVERLAP_VALUES = {"1": True, "0": False}
+ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "1" (default): role2 as one fused kernel; "2": W1 and W2 as two nodes
+ROLE2_NODE_CHOICES = (1, 2)
 # Ring block rows: the smallest token tile, so the first ring block is full after as few pulled rows as possible
 # (W1 of any token tile acquires every block its rows touch, so the GEMM's tile need not equal it).
 RING_BLOCK_M = 8
@@ -194,11 +200,17 @@ def plan_call(shape: ll.LayerShape, num_tokens: int) -> CallPlan:
 
 
 def kernel_variants() -> list:
-    """Every cubin the layer may load: dispatch, finalize and the ring-consumer W1 / W2 at every token tile."""
+    """Every cubin the layer may load: dispatch, finalize, the fused role2 kernel and the ring-consumer W1 / W2
+    at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
     for bn in LAYER_BLOCK_N_CHOICES:
-        out += list(gemm_variants(bn))
+        out += [role2_variant(bn)] + list(gemm_variants(bn))
     return out
+
+
+def role2_variant(block_n: int):
+    """The fused role2 kernel (W1 and W2 units in one launch) at one token tile."""
+    return role2.variant(block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP)
 
 
 def gemm_variants(block_n: int):
@@ -240,15 +252,28 @@ def overlap_from_env(environ=os.environ) -> bool:
     return OVERLAP_VALUES[raw]
 
 
+def role2_nodes_from_env(environ=os.environ) -> int:
+    """How role2 runs: GC_MOE_ROLE2_NODES "1" (the default when unset or empty: one fused kernel) or "2" (W1
+    and W2 as two graph nodes)."""
+    raw = environ.get(ROLE2_ENV, "")
+    if raw == "":
+        return 1
+    if raw not in ("1", "2"):
+        raise ValueError(f"{ROLE2_ENV}={raw!r}; allowed: 1 (role2 as one fused kernel, the default) or 2 (W1 and "
+                         f"W2 as two graph nodes)")
+    return int(raw)
+
+
 def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
     """The nodes W1 waits for: none when the roots overlap (W1 acquires ring blocks as dispatch fills them),
     the dispatch node when they do not (W1 starts once dispatch has finished)."""
     return [] if overlap_roots else [dispatch_node]
 
 
-def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool) -> str:
+def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes: int = 1) -> str:
     """How a layer runs, as the harness records it beside each measurement."""
-    return f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}"
+    return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
+            f"role2 {'one fused node' if role2_nodes == 1 else 'W1 and W2 nodes'}")
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -283,7 +308,7 @@ class Sm90Layer:
     """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
 
     def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 overlap_roots: bool | None = None):
+                 overlap_roots: bool | None = None, role2_nodes: int | None = None):
         import torch
 
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -293,6 +318,12 @@ class Sm90Layer:
         if not isinstance(overlap_roots, bool):
             raise TypeError(f"overlap_roots {overlap_roots!r}; allowed: True, False or None ({OVERLAP_ENV})")
         self.overlap_roots = overlap_roots
+        if role2_nodes is None:
+            role2_nodes = role2_nodes_from_env()
+        if role2_nodes not in ROLE2_NODE_CHOICES or isinstance(role2_nodes, bool):
+            raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 1 (one fused kernel), 2 (W1 and W2 nodes) or "
+                             f"None ({ROLE2_ENV})")
+        self.role2_nodes = role2_nodes
         device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         if device.type != "cuda":
             raise ValueError(f"device {device}; allowed: an sm_90 CUDA device")
@@ -333,7 +364,7 @@ class Sm90Layer:
         self.k_dispatch = _load(dispatch.variant())
         self.k_finalize = _load(finalize.variant())
         for bn in LAYER_BLOCK_N_CHOICES:
-            for k in self.gemm_kernels(bn):
+            for k in self.gemm_kernels(bn) + (self.role2_kernel(bn),):
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
         if shape.num_shared_experts:
@@ -349,34 +380,44 @@ class Sm90Layer:
     def settings_note(self) -> str:
         """The partition and the overlap switch, e.g. "partition comm/compute 4/128 SMs; overlap on"."""
         described = self.parts.describe()
-        return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots)
+        return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
+                             self.role2_nodes)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
         return _load(w1), _load(w2)
 
+    def role2_kernel(self, block_n: int):
+        return _load(role2_variant(block_n))
+
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
-        """The child graph of one call: [dispatch || W1] -> W2 -> finalize (finalize also after dispatch); with
-        shared experts also the shared W1 -> W2 (role4, a third root) into combine lane k, before finalize.
-        With the overlap off, dispatch -> W1 (`w1_dependencies`)."""
+        """The child graph of one call: [dispatch || role2] -> finalize; with shared experts also the shared
+        W1 -> W2 (role4, a third root) into combine lane k, before finalize. With the overlap off, dispatch ->
+        role2 (`w1_dependencies`); with role2_nodes 2, role2 is W1 -> W2."""
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
-        k_w1, k_w2 = self.gemm_kernels(plan.block_n)
         g = ChildGraph()
         d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                          self.parts.comm_context)
-        grid, args = gg.w1_launch(k_w1, l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight,
-                                  ws.l2_act, ws.l2_scale, plan.expert_rows_bound,
-                                  gg.ring_args_w1(ws, shape, self.timeout_s))
-        w1 = g.add_kernel("w1", k_w1, grid, args, self.parts.compute_context,
-                          depends_on=w1_dependencies(d, self.overlap_roots))
-        grid, args = gg.w2_launch(k_w2, l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row,
-                                  ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
-                                  gg.ring_args_w2(ws, shape))
-        w2 = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
-        before_finalize = [d, w2]
+        if self.role2_nodes == 1:
+            k_role2 = self.role2_kernel(plan.block_n)
+            grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s)
+            last = g.add_kernel("role2", k_role2, grid, args, self.parts.compute_context,
+                                depends_on=w1_dependencies(d, self.overlap_roots))
+        else:
+            k_w1, k_w2 = self.gemm_kernels(plan.block_n)
+            grid, args = gg.w1_launch(k_w1, l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight,
+                                      ws.l2_act, ws.l2_scale, plan.expert_rows_bound,
+                                      gg.ring_args_w1(ws, shape, self.timeout_s))
+            w1 = g.add_kernel("w1", k_w1, grid, args, self.parts.compute_context,
+                              depends_on=w1_dependencies(d, self.overlap_roots))
+            grid, args = gg.w2_launch(k_w2, l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row,
+                                      ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
+                                      gg.ring_args_w2(ws, shape))
+            last = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
+        before_finalize = [d, last]
         if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
             nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens)
             before_finalize.append(self.shared.se.add_to_graph(g, self.parts.compute_context, nodes)[-1])
@@ -400,7 +441,7 @@ class Sm90Layer:
         """The cached child graph for (token count, output rows, weights); built on first use."""
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
-               l2.factor.data_ptr())
+               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)

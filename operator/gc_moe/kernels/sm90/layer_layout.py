@@ -14,7 +14,7 @@ One allocation per layer (`gc_moe.runtime.workspace`), the same offsets on every
 | L2 input | l2_act, l2_scale | fp8 [R, I], f32 [R, I/128] | role2 W1 | role2 W2 |
 | combine | combine | bf16 [k + 1, C, H] | role2 W2 of every owner (lane k: shared) | role3 |
 | signals | l1_full_count, l1_empty_count, l2_empty_count | int32 [B] | role1 / role2 | role2 / role1 |
-| signals | l2_full_mask | int64 [B] | role2 | role2 |
+| signals | w1_done_mask | int64 [e, C P / 8] | role2 W1 (bit per finished unit) | role2 W2 |
 | signals | tag1_arrive, combine_ready | int32 [2] each | peers (release, system scope) | role1 / role3 |
 | signals | control | int32 [CONTROL_WORDS] | roles 1 and 3 | roles 1 and 3 |
 | signals | peers | int64 [MAX_PEERS] | host once | roles 1 and 3 |
@@ -45,6 +45,7 @@ ARRIVAL_ERRORS = 5  # cumulative: receive counts whose contributor count was not
 RECEIVED_ROWS = 6  # cumulative: grouped rows received (statistics)
 RING_OVERFLOWS = 7  # cumulative: replays whose grouped rows exceeded the ring (rows past it are dropped)
 REPLAYS = 8  # cumulative: replays finalized
+ROLE2_TICKET = 9  # the fused role2 kernel's next unit; the CTA that draws the last ticket resets it
 CONTROL_WORDS = 16
 PACKED_CONTRIBUTOR = 1 << 32  # high word of a packed count: one dispatch CTA's contribution
 
@@ -100,6 +101,11 @@ class LayerShape:
         return max(1, math.ceil(self.max_rows / self.block_m))
 
     @property
+    def w1_done_words_per_expert(self) -> int:
+        """W1-completion words per local expert: one per token tile of the smallest tile (8) over C P rows."""
+        return max(1, math.ceil(self.capacity * self.num_ranks / 8))
+
+    @property
     def ring_rows(self) -> int:
         return self.ring_blocks * self.block_m
 
@@ -137,7 +143,7 @@ def layer_regions(shape: LayerShape) -> list[Region]:
         Region("l1_full_count", "int32", (b,)),
         Region("l1_empty_count", "int32", (b,)),
         Region("l2_empty_count", "int32", (b,)),
-        Region("l2_full_mask", "int64", (b,)),
+        Region("w1_done_mask", "int64", (e, s.w1_done_words_per_expert)),
         Region("tag1_arrive", "int32", (2,)),
         Region("combine_ready", "int32", (2,)),
         Region("control", "int32", (CONTROL_WORDS,)),
@@ -252,7 +258,7 @@ def ring_source(src_rank: int, token: int, slot: int, shape: LayerShape) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ host setup
-STATE_REGIONS = ("send_count", "recv_count", "l1_full_count", "l1_empty_count", "l2_empty_count", "l2_full_mask",
+STATE_REGIONS = ("send_count", "recv_count", "l1_full_count", "l1_empty_count", "l2_empty_count", "w1_done_mask",
                  "tag1_arrive", "combine_ready", "control")
 
 

@@ -388,3 +388,40 @@ def ballot(flag: Int32) -> Int32:
 def highest_bit(mask: Int32) -> Int32:
     """Index of the highest set bit of `mask` (-1 when none)."""
     return asm("bfind.u32 $0, $1;", [Int32], [mask])
+
+
+# ------------------------------------------------------------------------------------------ fused role2 signals
+def ld_relaxed_gpu_f32(addr: Int64) -> Float32:
+    """A coherent load (GPU scope: never a stale L1 line) of a value another CTA of this kernel wrote."""
+    return asm("ld.relaxed.gpu.global.f32 $0, [$1];", [Float32], [addr])
+
+
+def ld_relaxed_gpu_s32(addr: Int64) -> Int32:
+    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [Int32], [addr])
+
+
+def atom_add_relaxed_gpu_s32(addr: Int64, v: Int32) -> Int32:
+    return asm("atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", [Int32], [addr, v])
+
+
+def st_relaxed_gpu_s32(addr: Int64, v: Int32) -> None:
+    asm("st.relaxed.gpu.global.b32 [$0], $1;", [], [addr, v])
+
+
+def red_or_release_gpu_u64(addr: Int64, bits: Int64) -> None:
+    """Set `bits` in a 64-bit word with release semantics (what this thread observed happens before)."""
+    asm("red.release.gpu.global.or.b64 [$0], $1;", [], [addr, bits])
+
+
+def wait_all_bits_gpu(addr: Int64, bits: Int64, started: Int64, timeout_ns: Int64) -> None:
+    """Acquire-poll the 64-bit word at `addr` until every bit of `bits` is set; trap once `timeout_ns` of
+    %globaltimer passed since `started` (a bounded wait, like the ring's)."""
+    asm(
+        "{\n.reg .pred done, late;\n.reg .b64 seen, t;\n"
+        "WAIT:\nld.acquire.gpu.global.b64 seen, [$0];\nand.b64 seen, seen, $1;\n"
+        "setp.eq.b64 done, seen, $1;\n@done bra.uni DONE;\n"
+        "mov.u64 t, %globaltimer;\nsub.u64 t, t, $2;\nsetp.gt.s64 late, t, $3;\n@!late bra.uni WAIT;\ntrap;\n"
+        "DONE:\n}",
+        [],
+        [addr, bits, started, timeout_ns],
+    )

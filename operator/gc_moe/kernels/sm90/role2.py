@@ -1,0 +1,212 @@
+"""Role2 of the SM90 GC-MoE layer as one kernel: W1 and W2 of the ring-consumer grouped GEMM in one launch.
+
+The paper's compute node (Algorithm 1, role2; Section 4.3): the grouped GEMM consumes the token ring while role1
+fills it and drives W2 by the W1-completion bitmap, so the layer graph has three nodes (dispatch, role2,
+finalize), four with the shared expert. The two GEMMs are the halves of `grouped_gemm` (`GemmConfig.fused_role2`);
+this module only decides which unit each CTA runs and how the halves hand over:
+
+- **units and tickets**: the launch has one CTA per unit, W1's (token tile fastest, then weight-row CTA, then
+  expert) before W2's in the same order. A CTA's thread 0 draws a ticket (`atom.add` on the control word
+  ROLE2_TICKET) and runs the ticket's unit, not the block index's: a CTA that holds a ticket is resident, so every
+  W1 unit a W2 unit waits for has started (or finished) on a resident CTA whatever order the block scheduler
+  uses, and the waits cannot deadlock. The CTA that draws the last ticket resets the word for the next launch.
+- **W1 -> W2**: W1 unit (expert e, weight-row CTA bx, token tile bz) writes 128 intermediate channels, exactly
+  K128 block bx of W2's input rows, then (after a consumer barrier) sets bit bx of the word
+  `w1_done_mask[e, bz]` with release. A W2 unit of (e, bz) issues the bulk copies of its first weight stages at
+  once (weights do not depend on W1), acquires until all I/128 bits of the word are set, then copies W1's rows
+  and reads their scales, routing destinations and sources with coherent loads (they were written during this
+  kernel, so neither the non-coherent path nor an L1 line may serve them). Role3 (finalize) clears the words for
+  the next replay.
+- both halves wait for RING_READY (role1 published expert_offsets) once, in thread 0, before drawing a unit.
+
+Kernel parameters (all scalars, in order): `PARAMS`. Host side (no DSL needed): `PARAMS`, `Role2Config`,
+`variant`, `units`, `role2_launch`.
+"""
+
+
+from dataclasses import dataclass
+
+from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+PARAMS = (
+    ("w1_codes", "u64"), ("w1_scales", "u64"), ("w1_factor", "u64"),
+    ("w2_codes", "u64"), ("w2_scales", "u64"), ("w2_factor", "u64"),
+    ("ring_act", "u64"), ("ring_scale", "u64"), ("expert_offsets", "u64"), ("routing_weight", "u64"),
+    ("l2_act", "u64"), ("l2_scale", "u64"), ("dest_row", "u64"), ("combine", "u64"),
+    ("ring_ready", "u64"), ("l1_full_count", "u64"), ("l1_empty_count", "u64"),
+    ("ring_source", "u64"), ("peers", "u64"), ("w1_done_mask", "u64"), ("ticket", "u64"),
+    ("hidden_blocks", "s32"), ("w1_row_tiles", "s32"), ("inter_blocks", "s32"), ("w2_row_tiles", "s32"),
+    ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("token_tiles", "s32"),
+    ("local_experts", "s32"), ("mask_stride", "s32"), ("timeout_ns", "s64"),
+)
+MAX_INTER_BLOCKS = 64  # W2's K128 blocks = W1 units per token tile: one bit each in a 64-bit word
+
+
+@dataclass(frozen=True)
+class Role2Config:
+    block_n: int = 8
+    swiglu_alpha: float = 1.0
+    swiglu_clamp: float = 10.0
+    producer_warps: int = 1
+
+    def half(self, role: str) -> gg.GemmConfig:
+        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory)."""
+        return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
+                             ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
+                             fused_role2=True)
+
+    def __post_init__(self):
+        if self.block_n > gg.WS_MAX_BLOCK_N:
+            raise ValueError(f"block_n {self.block_n}: role2 runs the warp-specialized pipeline; allowed: "
+                             f"{[bn for bn in gg.BLOCK_N_CHOICES if bn <= gg.WS_MAX_BLOCK_N]}")
+        w1, w2 = self.half("w1"), self.half("w2")
+        if (w1.stages, w1.threads, w1.smem_bytes, w1.ctas_per_sm) != (w2.stages, w2.threads, w2.smem_bytes,
+                                                                      w2.ctas_per_sm):
+            raise AssertionError(f"role2 halves differ: {w1} / {w2}")
+
+    @property
+    def name(self) -> str:
+        w1 = self.half("w1")
+        return w1.name.replace("sm90_grouped_gemm_w1", "sm90_role2")
+
+
+def units(block_n: int, hidden: int, intermediate: int, local_experts: int, expert_rows_bound: int) -> dict:
+    """How many CTAs the launch has: W1 units, W2 units (token tiles x weight-row CTAs x experts each)."""
+    token_tiles = max(1, -(-expert_rows_bound // block_n))
+    w1 = token_tiles * (2 * intermediate // gg.ROWS_PER_CTA) * local_experts
+    w2 = token_tiles * (hidden // gg.ROWS_PER_CTA) * local_experts
+    return {"token_tiles": token_tiles, "w1": w1, "w2": w2, "grid": w1 + w2}
+
+
+def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int = 1):
+    """The runtime KernelVariant of the fused role2 kernel at one token tile."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps)  # validates
+    params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    if producer_warps != 1:
+        params["producer_warps"] = producer_warps
+    promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
+                "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
+                "ld.acquire.gpu.global.b64", "ld.relaxed.gpu.global", "trap")
+    return KernelVariant.make("sm90.role2", __name__, "build_role2", params, promises=promises,
+                              local_bytes_budget=0,
+                              extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
+                                             "gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout"))
+
+
+def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: float) -> tuple:
+    """(grid, arguments) of the role2 node from the layer workspace `ws` (layer_layout regions) and its
+    `layer_layout.LayerShape`; l1 / l2: this rank's SM90 matrices (weights.sm90.Sm90Matrix)."""
+    from gc_moe.kernels.sm90 import layer_layout as ll
+    from gc_moe.runtime.launch import i32, i64, ptr
+
+    cfg = Role2Config(**dict(kernel.entry.variant.params))
+    h, i, e = shape.hidden, shape.intermediate, shape.local_experts
+    if i // 128 > MAX_INTER_BLOCKS:
+        raise ValueError(f"intermediate {i}: W2's {i // 128} K128 blocks exceed the {MAX_INTER_BLOCKS} bits of a "
+                         f"W1-completion word; allowed: at most {128 * MAX_INTER_BLOCKS}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    n = units(cfg.block_n, h, i, e, expert_rows_bound)
+    mask_stride = ws.w1_done_mask.shape[1]
+    if n["token_tiles"] > mask_stride:
+        raise ValueError(f"{n['token_tiles']} token tiles per expert exceed the W1-completion words per expert "
+                         f"({mask_stride}): expert_rows_bound {expert_rows_bound} is above the workspace's")
+    control = ws.control.data_ptr()
+    args = [ptr(l1.codes), ptr(l1.scales), ptr(l1.factor), ptr(l2.codes), ptr(l2.scales), ptr(l2.factor),
+            ptr(ws.ring_act), ptr(ws.ring_scale), ptr(ws.expert_offsets), ptr(ws.routing_weight),
+            ptr(ws.l2_act), ptr(ws.l2_scale), ptr(ws.dest_row), ptr(ws.combine),
+            ptr(control + 4 * ll.RING_READY), ptr(ws.l1_full_count), ptr(ws.l1_empty_count),
+            ptr(ws.ring_source), ptr(ws.peers), ptr(ws.w1_done_mask), ptr(control + 4 * ll.ROLE2_TICKET),
+            i32(h // 128), i32(2 * i // 64), i32(i // 128), i32(h // 64),
+            i32(shape.block_m), i32(shape.ring_blocks), i32(shape.capacity * shape.topk), i32(n["token_tiles"]),
+            i32(e), i32(mask_stride), i64(int(timeout_s * 1e9))]
+    return (n["grid"], 1, 1), args
+
+
+# ------------------------------------------------------------------------------------------------- device code
+def _make_kernel(cfg: Role2Config):
+    import cutlass
+    from cutlass import Int32, Int64, cute
+
+    from gc_moe.kernels.sm90 import dispatch as ring_protocol
+    from gc_moe.kernels.sm90 import ptx
+
+    half1, half2 = cfg.half("w1"), cfg.half("w2")
+    w1_body = gg._make_kernel(half1)
+    w2_body = gg._make_kernel(half2)
+    TICKET = half1.ticket_offset
+
+    @cute.kernel
+    def kernel(w1_codes: Int64, w1_scales: Int64, w1_factor: Int64, w2_codes: Int64, w2_scales: Int64,
+               w2_factor: Int64, ring_act: Int64, ring_scale: Int64, expert_offsets: Int64, routing_weight: Int64,
+               l2_act: Int64, l2_scale: Int64, dest_row: Int64, combine: Int64, ring_ready: Int64,
+               l1_full_count: Int64, l1_empty_count: Int64, ring_source: Int64, peers: Int64, w1_done_mask: Int64,
+               ticket: Int64, hidden_blocks: Int32, w1_row_tiles: Int32, inter_blocks: Int32, w2_row_tiles: Int32,
+               ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, token_tiles: Int32,
+               local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
+        tid = cute.arch.thread_idx()[0]
+        smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        started = cute.arch.globaltimer()
+        launch_ctas = Int32(cute.arch.grid_dim()[0])
+        if tid == 0:
+            drawn = ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
+            if drawn == launch_ctas - 1:  # every ticket of this launch is drawn: the next launch starts at 0
+                ptx.st_relaxed_gpu_s32(ticket, Int32(0))
+            ring_protocol.sts(smem + TICKET, drawn)
+            ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
+        ptx.barrier_sync()
+        unit = ring_protocol.lds(smem + TICKET)
+        w1_ctas = w1_row_tiles // gg.TILES_PER_CTA
+        w2_ctas = w2_row_tiles // gg.TILES_PER_CTA
+        w1_units = token_tiles * w1_ctas * local_experts
+        ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
+        if unit < w1_units:
+            bz = unit % token_tiles
+            rest = unit // token_tiles
+            bx = rest % w1_ctas
+            e = rest // w1_ctas
+            done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
+            w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight, l2_act,
+                    l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, started, done_mask))
+        else:
+            u2 = unit - w1_units
+            bz = u2 % token_tiles
+            rest = u2 // token_tiles
+            bx = rest % w2_ctas
+            e = rest // w2_ctas
+            done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
+            w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
+                    inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
+                    (e, bx, bz, started, done_mask, timeout_ns))
+
+    launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
+    if half1.ctas_per_sm > 1:  # .minnctapersm: ptxas budgets the registers for that many CTAs per SM
+        launch.update(min_blocks_per_mp=half1.ctas_per_sm, preferred_smem_carveout=100)
+
+    @cute.jit
+    def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
+             a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
+             a17: Int64, a18: Int64, a19: Int64, a20: Int64, hidden_blocks: Int32, w1_row_tiles: Int32,
+             inter_blocks: Int32, w2_row_tiles: Int32, ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32,
+             token_tiles: Int32, local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
+        kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+               hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows,
+               token_tiles, local_experts, mask_stride, timeout_ns).launch(**launch)
+
+    return host, half1
+
+
+def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
+                producer_warps: int = 1):
+    """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
+    from cutlass import Int32, Int64
+
+    from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 role2 kernel is built for sm_90a only, not {arch!r}")
+    host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps))
+    args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
+    return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))

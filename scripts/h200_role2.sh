@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The fused role2 kernel on the H200: the layer's GPU tests (fused against W1 and W2 nodes bit for bit, the
+# float32 reference, 1,000 graph replays), the backend check through the public API (points, 1,000 replays
+# each, 100,000 replays of one point, latency per call), and the latency with role2 as W1 and W2 nodes
+# (GC_MOE_ROLE2_NODES=2) for the comparison. Logs and JSON under OUT; a short table last.
+#
+#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [nodes2]
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-role2-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEOUT_S=${GC_MOE_WAIT_TIMEOUT_S:-30}
+steps=${*:-tests backend nodes2}
+declare -a NAMES RCS SECS
+run() {  # name limit command...
+  local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
+  echo "=== $name: $*"
+  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?; NAMES+=("$name"); RCS+=("$rc"); SECS+=("$(( $(date +%s) - t0 ))"); tail -n 6 "$OUT/$name.log"
+}
+for s in $steps; do
+  case $s in
+    tests) run tests "${TESTS_LIMIT:-220}" python -m pytest -q -x -m gpu -p no:cacheprovider \
+             tests/gc_moe/test_sm90_layer_gpu.py ;;
+    backend) run backend "${BACKEND_LIMIT:-260}" python scripts/device_layer_backend.py --skip bounded \
+               --out "$OUT/backend" ;;
+    nodes2) run nodes2 "${NODES2_LIMIT:-100}" env GC_MOE_ROLE2_NODES=2 python scripts/device_layer_backend.py \
+              --skip points,shared,long,bounded --out "$OUT/nodes2" ;;
+    *) echo "unknown step $s (allowed: tests backend nodes2)"; exit 2 ;;
+  esac
+done
+echo; printf '%-10s %5s %7s\n' step rc seconds
+for i in "${!NAMES[@]}"; do printf '%-10s %5s %7s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"; done
