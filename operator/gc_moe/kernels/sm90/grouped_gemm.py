@@ -56,6 +56,9 @@ AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
 # smallest normal 2^-6 and the largest (6 at d = 11) is 384 <= 448, so every (code, d) is an exact E4M3 byte
 FOLD_EXPONENT = 5
 SCALE_BYTE_OFFSET = 6 + 127  # stored K32 scale byte = d + 6 + 127 (weights.sm90, the x64 convention)
+# fused_role2: W2's activation scales of a token tile (rows x K128 blocks, I/128 <= 32: planning.MAX_INTERMEDIATE)
+# are read once into shared memory when the tile's W1 bits are set, not one coherent load per K128 step
+FUSED_MAX_K_BLOCKS = 32
 
 PARAMS_W1 = (
     ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
@@ -184,7 +187,7 @@ class GemmConfig:
     @property
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
-        fixed = 16 * self.block_n * 4 + (16 if self.fused_role2 else 0)
+        fixed = 16 * self.block_n * 4 + (self.fused_bytes if self.fused_role2 else 0)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -220,8 +223,17 @@ class GemmConfig:
         return self.barrier_offset + (16 * self.stages if self.warp_specialized else 0)
 
     @property
+    def scale_table_offset(self) -> int:
+        """fused_role2 W2: the token tile's activation scales [block_n, K128 blocks] (read once per tile)."""
+        return self.ticket_offset + 16
+
+    @property
+    def fused_bytes(self) -> int:
+        return 16 + 4 * self.block_n * FUSED_MAX_K_BLOCKS
+
+    @property
     def smem_bytes(self) -> int:
-        return self.ticket_offset + (16 if self.fused_role2 else 0)
+        return self.ticket_offset + (self.fused_bytes if self.fused_role2 else 0)
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -518,12 +530,34 @@ def _make_kernel(cfg: GemmConfig):
                 prefetched = Int32(STAGES)
             for kb in cutlass.range(prefetched):
                 issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
-            ptx.wait_all_bits_gpu(done_mask, all_bits, started, timeout_ns)
-            x_next = cute.make_rmem_tensor((-(-BN // PT),), Float32)  # one step ahead: a coherent load's
-            for r in cutlass.range_constexpr(-(-BN // PT)):                # latency hides behind a step
-                x_next[r] = Float32(0.0)
-                if pidx + PT * r < BN:
-                    x_next[r] = load_act_scale(x_src[r], x_bytes[r], Int32(0))
+            # lane 0 of each producer warp polls (relaxed, with a back-off: an acquire per poll would keep
+            # invalidating the SM's L1 under the co-resident W1 CTA), then one fence makes it an acquire; the
+            # warp barrier orders the other lanes' copies after it
+            if pidx % 32 == 0:
+                ptx.wait_all_bits_relaxed_gpu(done_mask, all_bits, started, timeout_ns)
+            ptx.warp_sync()
+            table = smem + cfg.scale_table_offset
+            if pidx < 32:
+                # producer warp 0 reads the tile's scales once: rows [row0, row0 + tile rows) x k_blocks are one
+                # contiguous run of l2_scale, 8 coherent loads per lane in flight at a time
+                tile_rows = count
+                if tile_rows > BN:
+                    tile_rows = Int32(BN)
+                total = tile_rows * k_blocks
+                first = act_scale + Int64(row0) * Int64(k_blocks) * 4
+                base = Int32(0)
+                while base < total:
+                    vals = []
+                    for j in cutlass.range_constexpr(8):
+                        v = Float32(0.0)
+                        if base + pidx + 32 * j < total:
+                            v = ptx.ld_relaxed_gpu_f32(first + Int64(base + pidx + 32 * j) * 4)
+                        vals.append(v)
+                    for j in cutlass.range_constexpr(8):
+                        if base + pidx + 32 * j < total:
+                            ptx.sts_f32(table + (base + pidx + 32 * j) * 4, vals[j])
+                    base = base + 256
+                ptx.warp_sync()
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
@@ -543,12 +577,12 @@ def _make_kernel(cfg: GemmConfig):
                 elif pidx + PT * r < BN * 8:
                     ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
             if cutlass.const_expr(FUSED and not W1):
-                for r in cutlass.range_constexpr(-(-BN // PT)):
-                    if pidx + PT * r < BN:
-                        ptx.sts_f32(sbase + cfg.xs_offset + (pidx + PT * r) * 4, x_next[r])
-                        if kb + 1 < k_blocks:
-                            x_next[r] = load_act_scale(x_src[r], x_bytes[r], kb + 1)
-                ptx.warp_sync()  # the scale lanes (all in producer warp 0: BN <= 32) before thread 0's release
+                if pidx < BN:  # the scale lanes, all in producer warp 0 (BN <= 32): the table's row pidx
+                    xv = Float32(0.0)
+                    if pidx < count:
+                        xv = ptx.lds_f32(table + (pidx * k_blocks + kb) * 4)
+                    ptx.sts_f32(sbase + cfg.xs_offset + pidx * 4, xv)
+                ptx.warp_sync()  # before thread 0's release of the stores
                 if pidx == 0:
                     ptx.mbarrier_arrive(full)
             else:
@@ -576,14 +610,6 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.bulk_copy_g2s(sbase + i * TILE_BYTES, w_k + Int64(i) * tile_stride, TILE_BYTES, full)
                 ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
                                   TILE_SCALE_BYTES, full)
-
-    @cute.jit
-    def load_act_scale(src, nbytes, kb):
-        """One token's K128 activation scale at step kb through a coherent (L2) load; 0 past the count."""
-        v = Float32(0.0)
-        if nbytes != 0:
-            v = ptx.ld_relaxed_gpu_f32(src + Int64(kb) * 4)
-        return v
 
     # pipelined consumer (warp_specialized, unfolded): the K32 blocks of a step go out in groups of PNP
     # WGMMAs whose fresh partials (32 registers per group at every bn) alternate between two buffers; group i

@@ -413,15 +413,16 @@ def red_or_release_gpu_u64(addr: Int64, bits: Int64) -> None:
     asm("red.release.gpu.global.or.b64 [$0], $1;", [], [addr, bits])
 
 
-def wait_all_bits_gpu(addr: Int64, bits: Int64, started: Int64, timeout_ns: Int64) -> None:
-    """Acquire-poll the 64-bit word at `addr` until every bit of `bits` is set; trap once `timeout_ns` of
-    %globaltimer passed since `started` (a bounded wait, like the ring's)."""
+def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_ns: Int64) -> None:
+    """Poll the 64-bit word at `addr` with relaxed loads and a 128 ns back-off until every bit of `bits` is set,
+    then `fence.acq_rel.gpu` (a relaxed read that saw the release, then the fence: an acquire); trap once
+    `timeout_ns` of %globaltimer passed since `started`."""
     asm(
         "{\n.reg .pred done, late;\n.reg .b64 seen, t;\n"
-        "WAIT:\nld.acquire.gpu.global.b64 seen, [$0];\nand.b64 seen, seen, $1;\n"
-        "setp.eq.b64 done, seen, $1;\n@done bra.uni DONE;\n"
+        "WAIT:\nld.relaxed.gpu.global.b64 seen, [$0];\nand.b64 seen, seen, $1;\n"
+        "setp.eq.b64 done, seen, $1;\n@done bra.uni DONE;\nnanosleep.u32 128;\n"
         "mov.u64 t, %globaltimer;\nsub.u64 t, t, $2;\nsetp.gt.s64 late, t, $3;\n@!late bra.uni WAIT;\ntrap;\n"
-        "DONE:\n}",
+        "DONE:\nfence.acq_rel.gpu;\n}",
         [],
         [addr, bits, started, timeout_ns],
     )

@@ -39,7 +39,7 @@ PARAMS = (
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("token_tiles", "s32"),
     ("local_experts", "s32"), ("mask_stride", "s32"), ("timeout_ns", "s64"),
 )
-MAX_INTER_BLOCKS = 64  # W2's K128 blocks = W1 units per token tile: one bit each in a 64-bit word
+MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
         params["producer_warps"] = producer_warps
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
-                "ld.acquire.gpu.global.b64", "ld.relaxed.gpu.global", "trap")
+                "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
     return KernelVariant.make("sm90.role2", __name__, "build_role2", params, promises=promises,
                               local_bytes_budget=0,
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
@@ -104,8 +104,8 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
     cfg = Role2Config(**dict(kernel.entry.variant.params))
     h, i, e = shape.hidden, shape.intermediate, shape.local_experts
     if i // 128 > MAX_INTER_BLOCKS:
-        raise ValueError(f"intermediate {i}: W2's {i // 128} K128 blocks exceed the {MAX_INTER_BLOCKS} bits of a "
-                         f"W1-completion word; allowed: at most {128 * MAX_INTER_BLOCKS}")
+        raise ValueError(f"intermediate {i}: W2's {i // 128} K128 blocks exceed the {MAX_INTER_BLOCKS} a "
+                         f"W1-completion word and W2's scale table hold; allowed: at most {128 * MAX_INTER_BLOCKS}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
     n = units(cfg.block_n, h, i, e, expert_rows_bound)
