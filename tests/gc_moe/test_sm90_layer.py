@@ -172,7 +172,7 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     names = [v.name for v in vs]
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
     fused = [dict(v.params) for v in vs if v.name == "sm90.role2"]
-    assert sorted(p["block_n"] for p in fused) == [8, 16, 32]
+    assert sorted(p["block_n"] for p in fused) == [8, 16]
     assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in fused)
     gemms = [dict(v.params) for v in vs[2:] if v.name == "sm90.grouped_gemm"]
     assert len(gemms) + len(fused) == len(vs) - 2
@@ -255,7 +255,8 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes: int = 1) -> dict:
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
     layer.ws, layer.rank, layer.timeout_s, layer.shared = mock.MagicMock(), 0, 1.0, None
-    layer.parts = SimpleNamespace(comm_context="comm", compute_context="compute")
+    layer.parts = SimpleNamespace(comm_context="comm", compute_context="compute",
+                                  describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.k_dispatch = layer.k_finalize = "kernel"
     layer.dispatch_ctas, layer.finalize_ctas = 4, 64
     layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
@@ -434,3 +435,24 @@ def test_adapter_reuses_one_weight_transform_per_weight_set():
     assert operators._weights_for(api, "sm90", l1, l2) is first
     assert api.weight_layouts.layout_of(first[0]) == "sm90"
     assert operators._weights_for(api, api.REFERENCE, l1, l2) == (tuple(l1), tuple(l2))
+
+
+# ------------------------------------------------------------------------------------------------ fused role2 scheduler
+def test_role2_tickets_cover_every_unit_with_rows_once_w1_first():
+    from gc_moe.kernels.sm90 import role2
+
+    rows = [0, 17, 3, 0, 40, 8]  # rows per local expert; token tile 8
+    tiles = [-(-r // 8) for r in rows]
+    prefix = [0]
+    for t in tiles:
+        prefix.append(prefix[-1] + t)
+    w1_ctas, w2_ctas = 3, 2
+    units = [role2.unit_of_ticket(t, prefix, w1_ctas, w2_ctas) for t in range(prefix[-1] * (w1_ctas + w2_ctas) + 4)]
+    drawn = [u for u in units if u is not None]
+    assert units[len(drawn):] == [None] * 4  # the final draws of the launch
+    expected = [(role, e, bx, bz) for role, ctas in (("w1", w1_ctas), ("w2", w2_ctas)) for e in range(len(rows))
+                for bx in range(ctas) for bz in range(tiles[e])]
+    assert drawn == expected  # every unit once; W1 first; expert by expert, token tiles fastest
+    assert role2.launch_ctas(8, 128, 10_000) == 128 and role2.launch_ctas(16, 128, 5) == 5
+    with pytest.raises(ValueError, match="allowed: \\(8, 16\\)"):
+        role2.Role2Config(32)

@@ -71,7 +71,7 @@ def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
         yield dispatch.variant()
         yield finalize.variant()
         yield dispatch.consumer_probe_variant()
-        yield from (sm90_layer.role2_variant(bn) for bn in sm90_layer.LAYER_BLOCK_N_CHOICES)
+        yield from (sm90_layer.role2_variant(bn) for bn in sm90_layer.role2.BLOCK_N_CHOICES)
 
 
 @family

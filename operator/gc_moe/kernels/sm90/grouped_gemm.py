@@ -59,6 +59,8 @@ SCALE_BYTE_OFFSET = 6 + 127  # stored K32 scale byte = d + 6 + 127 (weights.sm90
 # fused_role2: W2's activation scales of a token tile (rows x K128 blocks, I/128 <= 32: planning.MAX_INTERMEDIATE)
 # are read once into shared memory when the tile's W1 bits are set, not one coherent load per K128 step
 FUSED_MAX_K_BLOCKS = 32
+FUSED_MAX_LOCAL_EXPERTS = 256  # the fused role2 scheduler's per-expert token-tile prefix lives in shared memory
+FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA (16 bytes each)
 
 PARAMS_W1 = (
     ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
@@ -219,17 +221,24 @@ class GemmConfig:
 
     @property
     def ticket_offset(self) -> int:
-        """fused_role2: the word thread 0 broadcasts the CTA's ticket through."""
+        """fused_role2: the unit slots (ticket, expert, weight-row CTA, token tile) thread 0 broadcasts through."""
         return self.barrier_offset + (16 * self.stages if self.warp_specialized else 0)
+
+    @property
+    def prefix_offset(self) -> int:
+        """fused_role2: the experts' token-tile prefix (local experts + 1 words) of the persistent scheduler."""
+        return self.ticket_offset + 16 * FUSED_UNIT_SLOTS
 
     @property
     def scale_table_offset(self) -> int:
         """fused_role2 W2: the token tile's activation scales [block_n, K128 blocks] (read once per tile)."""
-        return self.ticket_offset + 16
+        return self.prefix_offset + -(-4 * (FUSED_MAX_LOCAL_EXPERTS + 1) // 16) * 16
 
     @property
     def fused_bytes(self) -> int:
-        return 16 + 4 * self.block_n * FUSED_MAX_K_BLOCKS
+        """fused_role2: unit slots, the token-tile prefix, W2's scale table (independent of the stages)."""
+        return (16 * FUSED_UNIT_SLOTS + -(-4 * (FUSED_MAX_LOCAL_EXPERTS + 1) // 16) * 16
+                + 4 * self.block_n * FUSED_MAX_K_BLOCKS)
 
     @property
     def smem_bytes(self) -> int:

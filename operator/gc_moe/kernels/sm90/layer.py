@@ -203,8 +203,9 @@ def kernel_variants() -> list:
     """Every cubin the layer may load: dispatch, finalize, the fused role2 kernel and the ring-consumer W1 / W2
     at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
+    out += [role2_variant(bn) for bn in role2.BLOCK_N_CHOICES]
     for bn in LAYER_BLOCK_N_CHOICES:
-        out += [role2_variant(bn)] + list(gemm_variants(bn))
+        out += list(gemm_variants(bn))
     return out
 
 
@@ -363,9 +364,9 @@ class Sm90Layer:
         # then only adds nodes, no module loads
         self.k_dispatch = _load(dispatch.variant())
         self.k_finalize = _load(finalize.variant())
-        for bn in LAYER_BLOCK_N_CHOICES:
-            for k in self.gemm_kernels(bn) + (self.role2_kernel(bn),):
-                k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
+        for k in [k for bn in LAYER_BLOCK_N_CHOICES for k in self.gemm_kernels(bn)] + [
+                self.role2_kernel(bn) for bn in role2.BLOCK_N_CHOICES]:
+            k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
         if shape.num_shared_experts:
             self.shared = SharedExpert(shape.hidden, shape.intermediate, shape.capacity, device,
@@ -402,8 +403,9 @@ class Sm90Layer:
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                          self.parts.comm_context)
         if self.role2_nodes == 1:
-            k_role2 = self.role2_kernel(plan.block_n)
-            grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s)
+            k_role2 = self.role2_kernel(min(plan.block_n, max(role2.BLOCK_N_CHOICES)))
+            grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
+                                            self.parts.describe()["compute_sms"])
             last = g.add_kernel("role2", k_role2, grid, args, self.parts.compute_context,
                                 depends_on=w1_dependencies(d, self.overlap_roots))
         else:

@@ -426,3 +426,8 @@ def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_
         [],
         [addr, bits, started, timeout_ns],
     )
+
+
+def mbarrier_inval(addr: Int32) -> None:
+    """Invalidate a barrier with no pending operations, so that the same shared memory may be initialized again."""
+    asm("mbarrier.inval.shared::cta.b64 [$0];", [], [addr])

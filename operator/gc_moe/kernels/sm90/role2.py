@@ -36,9 +36,10 @@ PARAMS = (
     ("ring_ready", "u64"), ("l1_full_count", "u64"), ("l1_empty_count", "u64"),
     ("ring_source", "u64"), ("peers", "u64"), ("w1_done_mask", "u64"), ("ticket", "u64"),
     ("hidden_blocks", "s32"), ("w1_row_tiles", "s32"), ("inter_blocks", "s32"), ("w2_row_tiles", "s32"),
-    ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("token_tiles", "s32"),
-    ("local_experts", "s32"), ("mask_stride", "s32"), ("timeout_ns", "s64"),
+    ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("local_experts", "s32"),
+    ("mask_stride", "s32"), ("timeout_ns", "s64"),
 )
+BLOCK_N_CHOICES = (8, 16)  # token tiles of the persistent kernel (layer.plan_call caps the tile at 16 for it)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
@@ -50,15 +51,18 @@ class Role2Config:
     producer_warps: int = 1
 
     def half(self, role: str) -> gg.GemmConfig:
-        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory)."""
+        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
+        CTA per SM at every token tile: the persistent loop, the scheduler and both halves do not fit the
+        registers of two (bn 8 spilled 120 bytes per thread there)."""
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
-                             fused_role2=True)
+                             ctas_per_sm=1, fused_role2=True)
 
     def __post_init__(self):
-        if self.block_n > gg.WS_MAX_BLOCK_N:
-            raise ValueError(f"block_n {self.block_n}: role2 runs the warp-specialized pipeline; allowed: "
-                             f"{[bn for bn in gg.BLOCK_N_CHOICES if bn <= gg.WS_MAX_BLOCK_N]}")
+        if self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"block_n {self.block_n}: the persistent role2 kernel fits the registers at {BLOCK_N_CHOICES} "
+                             f"(bn 32 spills 128 bytes per thread: both halves, the loop and the scheduler in 96 "
+                             f"registers); allowed: {BLOCK_N_CHOICES}")
         w1, w2 = self.half("w1"), self.half("w2")
         if (w1.stages, w1.threads, w1.smem_bytes, w1.ctas_per_sm) != (w2.stages, w2.threads, w2.smem_bytes,
                                                                       w2.ctas_per_sm):
@@ -71,11 +75,31 @@ class Role2Config:
 
 
 def units(block_n: int, hidden: int, intermediate: int, local_experts: int, expert_rows_bound: int) -> dict:
-    """How many CTAs the launch has: W1 units, W2 units (token tiles x weight-row CTAs x experts each)."""
+    """The most units one call can have: W1 units, W2 units (token tiles x weight-row CTAs x experts each)."""
     token_tiles = max(1, -(-expert_rows_bound // block_n))
     w1 = token_tiles * (2 * intermediate // gg.ROWS_PER_CTA) * local_experts
     w2 = token_tiles * (hidden // gg.ROWS_PER_CTA) * local_experts
-    return {"token_tiles": token_tiles, "w1": w1, "w2": w2, "grid": w1 + w2}
+    return {"token_tiles": token_tiles, "w1": w1, "w2": w2}
+
+
+def launch_ctas(block_n: int, compute_sms: int, max_units: int) -> int:
+    """Persistent CTAs of the launch: as many as the compute partition holds at once, never more than units."""
+    return max(1, min(max_units, compute_sms * Role2Config(block_n).half("w1").ctas_per_sm))
+
+
+def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int):
+    """Host twin of the scheduler: ticket -> ("w1" | "w2", expert, weight-row CTA, token tile), or None past the
+    last unit. prefix[e] = token tiles with rows of the experts before e (prefix[-1]: all of them); units of a
+    role run expert by expert, within an expert weight-row CTA by weight-row CTA, token tiles fastest."""
+    tiles = prefix[-1]
+    if ticket >= tiles * (w1_ctas + w2_ctas):
+        return None
+    role, ctas, u = ("w1", w1_ctas, ticket) if ticket < tiles * w1_ctas else ("w2", w2_ctas, ticket - tiles * w1_ctas)
+    j = u // ctas
+    e = max(k for k in range(len(prefix) - 1) if prefix[k] <= j)
+    te = prefix[e + 1] - prefix[e]
+    local = u - prefix[e] * ctas
+    return role, e, local // te, local % te
 
 
 def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int = 1):
@@ -95,9 +119,10 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
                                              "gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout"))
 
 
-def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: float) -> tuple:
+def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: float, compute_sms: int) -> tuple:
     """(grid, arguments) of the role2 node from the layer workspace `ws` (layer_layout regions) and its
-    `layer_layout.LayerShape`; l1 / l2: this rank's SM90 matrices (weights.sm90.Sm90Matrix)."""
+    `layer_layout.LayerShape`; l1 / l2: this rank's SM90 matrices (weights.sm90.Sm90Matrix); compute_sms: the
+    SMs of the partition it runs in (the persistent CTAs fill it once)."""
     from gc_moe.kernels.sm90 import layer_layout as ll
     from gc_moe.runtime.launch import i32, i64, ptr
 
@@ -106,6 +131,9 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
     if i // 128 > MAX_INTER_BLOCKS:
         raise ValueError(f"intermediate {i}: W2's {i // 128} K128 blocks exceed the {MAX_INTER_BLOCKS} a "
                          f"W1-completion word and W2's scale table hold; allowed: at most {128 * MAX_INTER_BLOCKS}")
+    if e > gg.FUSED_MAX_LOCAL_EXPERTS:
+        raise ValueError(f"{e} local experts; allowed: at most {gg.FUSED_MAX_LOCAL_EXPERTS} (the scheduler's "
+                         f"token-tile prefix lives in shared memory; role2_nodes=2 serves more)")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
     n = units(cfg.block_n, h, i, e, expert_rows_bound)
@@ -120,9 +148,9 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
             ptr(control + 4 * ll.RING_READY), ptr(ws.l1_full_count), ptr(ws.l1_empty_count),
             ptr(ws.ring_source), ptr(ws.peers), ptr(ws.w1_done_mask), ptr(control + 4 * ll.ROLE2_TICKET),
             i32(h // 128), i32(2 * i // 64), i32(i // 128), i32(h // 64),
-            i32(shape.block_m), i32(shape.ring_blocks), i32(shape.capacity * shape.topk), i32(n["token_tiles"]),
+            i32(shape.block_m), i32(shape.ring_blocks), i32(shape.capacity * shape.topk),
             i32(e), i32(mask_stride), i64(int(timeout_s * 1e9))]
-    return (n["grid"], 1, 1), args
+    return (launch_ctas(cfg.block_n, compute_sms, n["w1"] + n["w2"]), 1, 1), args
 
 
 # ------------------------------------------------------------------------------------------------- device code
@@ -136,7 +164,73 @@ def _make_kernel(cfg: Role2Config):
     half1, half2 = cfg.half("w1"), cfg.half("w2")
     w1_body = gg._make_kernel(half1)
     w2_body = gg._make_kernel(half2)
-    TICKET = half1.ticket_offset
+
+    STAGES = half1.stages
+    BN = cfg.block_n
+
+    @cute.jit
+    def build_prefix(expert_offsets, local_experts, prefix, lane):
+        """Warp 0: prefix[e] = token tiles with rows of the experts before e (an inclusive warp scan per 32
+        experts, carried across chunks); role1 wrote the offsets during this kernel: coherent loads."""
+        carry = Int32(0)
+        if lane == 0:
+            ring_protocol.sts(prefix, Int32(0))
+        for c in cutlass.range((local_experts + 31) // 32):
+            e = c * 32 + lane
+            tiles = Int32(0)
+            if e < local_experts:
+                rows = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4 + 4) - ptx.ld_relaxed_gpu_s32(
+                    expert_offsets + Int64(e) * 4)
+                tiles = (rows + (BN - 1)) // BN
+            incl = tiles
+            for d in cutlass.range_constexpr(5):
+                up = ptx.shfl_up_s32(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            if e < local_experts:
+                ring_protocol.sts(prefix + (e + 1) * 4, carry + incl)
+            carry = carry + ptx.shfl_idx_s32(incl, Int32(31))
+        ptx.warp_sync()
+
+    @cute.jit
+    def draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, launch_ctas, slot):
+        """Thread 0: the next ticket -> (ticket, expert, weight-row CTA, token tile) into `slot`; expert -1 once
+        every unit is drawn. The draw that completes the launch's count (units + one final draw per CTA)
+        resets the word for the next launch."""
+        tiles = ring_protocol.lds(prefix + local_experts * 4)
+        w1_units = tiles * w1_ctas
+        units = tiles * (w1_ctas + w2_ctas)
+        drawn = ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
+        if drawn == units + launch_ctas - 1:
+            ptx.st_relaxed_gpu_s32(ticket, Int32(0))
+        e = Int32(-1)
+        bx = Int32(0)
+        bz = Int32(0)
+        if drawn < units:
+            ctas = w1_ctas
+            u = drawn
+            if drawn >= w1_units:
+                ctas = w2_ctas
+                u = drawn - w1_units
+            j = u // ctas
+            lo = Int32(0)
+            hi = local_experts
+            while hi - lo > 1:  # the last expert whose prefix is <= j (it has tiles: its next prefix is > j)
+                mid = (lo + hi) // 2
+                if ring_protocol.lds(prefix + mid * 4) <= j:
+                    lo = mid
+                else:
+                    hi = mid
+            e = lo
+            first = ring_protocol.lds(prefix + e * 4)
+            te = ring_protocol.lds(prefix + (e + 1) * 4) - first
+            local = u - first * ctas
+            bx = local // te
+            bz = local - bx * te
+        ring_protocol.sts(slot, drawn)
+        ring_protocol.sts(slot + 4, e)
+        ring_protocol.sts(slot + 8, bx)
+        ring_protocol.sts(slot + 12, bz)
 
     @cute.kernel
     def kernel(w1_codes: Int64, w1_scales: Int64, w1_factor: Int64, w2_codes: Int64, w2_scales: Int64,
@@ -144,42 +238,54 @@ def _make_kernel(cfg: Role2Config):
                l2_act: Int64, l2_scale: Int64, dest_row: Int64, combine: Int64, ring_ready: Int64,
                l1_full_count: Int64, l1_empty_count: Int64, ring_source: Int64, peers: Int64, w1_done_mask: Int64,
                ticket: Int64, hidden_blocks: Int32, w1_row_tiles: Int32, inter_blocks: Int32, w2_row_tiles: Int32,
-               ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, token_tiles: Int32,
-               local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
+               ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, local_experts: Int32,
+               mask_stride: Int32, timeout_ns: Int64):
         tid = cute.arch.thread_idx()[0]
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        slots = smem + half1.ticket_offset
+        prefix = smem + half1.prefix_offset
         started = cute.arch.globaltimer()
-        launch_ctas = Int32(cute.arch.grid_dim()[0])
-        if tid == 0:
-            drawn = ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
-            if drawn == launch_ctas - 1:  # every ticket of this launch is drawn: the next launch starts at 0
-                ptx.st_relaxed_gpu_s32(ticket, Int32(0))
-            ring_protocol.sts(smem + TICKET, drawn)
-            ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
-        ptx.barrier_sync()
-        unit = ring_protocol.lds(smem + TICKET)
+        ctas = Int32(cute.arch.grid_dim()[0])
         w1_ctas = w1_row_tiles // gg.TILES_PER_CTA
         w2_ctas = w2_row_tiles // gg.TILES_PER_CTA
-        w1_units = token_tiles * w1_ctas * local_experts
+        if tid < 32:
+            if tid == 0:
+                ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
+            ptx.warp_sync()
+            build_prefix(expert_offsets, local_experts, prefix, tid)
+            if tid == 0:
+                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots)
+        ptx.barrier_sync()
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
-        if unit < w1_units:
-            bz = unit % token_tiles
-            rest = unit // token_tiles
-            bx = rest % w1_ctas
-            e = rest // w1_ctas
+        it = Int32(0)
+        e = ring_protocol.lds(slots + 4)
+        while e >= 0:
+            # everything of the unit comes from shared memory, not from registers kept across the loop (at
+            # bn 32 the halves use all 96 registers a 544-thread CTA gets)
+            slot = slots + (it % 2) * 16
+            drawn = ring_protocol.lds(slot)
+            bx = ring_protocol.lds(slot + 8)
+            bz = ring_protocol.lds(slot + 12)
+            if tid == 0:  # the next unit is drawn while this one runs (its slot was read an iteration ago)
+                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + ((it + 1) % 2) * 16)
+            unit_started = cute.arch.globaltimer()  # the bounded waits count from the unit's start
             done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
-            w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight, l2_act,
-                    l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, started, done_mask))
-        else:
-            u2 = unit - w1_units
-            bz = u2 % token_tiles
-            rest = u2 // token_tiles
-            bx = rest % w2_ctas
-            e = rest // w2_ctas
-            done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
-            w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
-                    inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
-                    (e, bx, bz, started, done_mask, timeout_ns))
+            if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
+                w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
+                        l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, unit_started, done_mask))
+            else:
+                w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
+                        inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
+                        (e, bx, bz, unit_started, done_mask, timeout_ns))
+            # every thread is done with the unit's shared memory and barriers: thread 0 retires the barriers
+            # (the next unit initializes them again); the next unit's slot is written and visible
+            ptx.barrier_sync()
+            if tid == 0:
+                for st in cutlass.range_constexpr(2 * STAGES):
+                    ptx.mbarrier_inval(smem + half1.barrier_offset + st * 8)
+            ptx.barrier_sync()
+            it = it + 1
+            e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
 
     launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
     if half1.ctas_per_sm > 1:  # .minnctapersm: ptxas budgets the registers for that many CTAs per SM
@@ -190,10 +296,10 @@ def _make_kernel(cfg: Role2Config):
              a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
              a17: Int64, a18: Int64, a19: Int64, a20: Int64, hidden_blocks: Int32, w1_row_tiles: Int32,
              inter_blocks: Int32, w2_row_tiles: Int32, ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32,
-             token_tiles: Int32, local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
+             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
         kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
                hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows,
-               token_tiles, local_experts, mask_stride, timeout_ns).launch(**launch)
+               local_experts, mask_stride, timeout_ns).launch(**launch)
 
     return host, half1
 
