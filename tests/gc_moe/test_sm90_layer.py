@@ -237,7 +237,7 @@ class _RecordingGraph:
         return name
 
 
-def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes: int = 1) -> dict:
+def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int = 8) -> dict:
     """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins."""
     from types import SimpleNamespace
     from unittest import mock
@@ -264,7 +264,7 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes: int = 1) -> dict:
     layer.role2_nodes = role2_nodes
     monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
     layer.role2_kernel = lambda block_n: "role2 kernel"
-    return layer.build_graph(None, 8, None, None).nodes
+    return layer.build_graph(None, num_tokens, None, None).nodes
 
 
 def test_graph_edges_follow_the_overlap_switch(monkeypatch):
@@ -280,16 +280,22 @@ def test_fused_role2_makes_a_three_node_graph(monkeypatch):
     assert on == {"dispatch": ("comm", []), "role2": ("compute", []), "finalize": ("compute", ["dispatch", "role2"])}
     off = _graph_of(monkeypatch, False)
     assert off == {**on, "role2": ("compute", ["dispatch"])}
+    assert _graph_of(monkeypatch, True, "auto", num_tokens=1) == on  # the default: fused at 1 token per rank
+    assert set(_graph_of(monkeypatch, True, "auto", num_tokens=2)) == {"dispatch", "w1", "w2", "finalize"}
 
 
 def test_role2_nodes_from_env_and_argument(monkeypatch):
-    assert sm90_layer.role2_nodes_from_env({}) == 1
+    assert sm90_layer.role2_nodes_from_env({}) == "auto"
+    assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "auto"}) == "auto"
+    assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "1"}) == 1
     assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "2"}) == 2
+    assert [sm90_layer.role2_fused("auto", t) for t in (0, 1, 2, 256)] == [True, True, False, False]
+    assert sm90_layer.role2_fused(1, 256) and not sm90_layer.role2_fused(2, 1)
     for bad in ("0", "3", "fused", " 1"):
-        with pytest.raises(ValueError, match=r"GC_MOE_ROLE2_NODES=.*allowed: 1 .* or 2 "):
+        with pytest.raises(ValueError, match=r"GC_MOE_ROLE2_NODES=.*allowed: auto .* 1 .* or 2 "):
             sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: bad})
     shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
-    with pytest.raises(ValueError, match="role2_nodes 3; allowed: 1"):
+    with pytest.raises(ValueError, match="role2_nodes 3; allowed: 'auto'"):
         sm90_layer.Sm90Layer(shape, device="cpu", role2_nodes=3)
 
 
@@ -297,7 +303,8 @@ def test_settings_note():
     from types import SimpleNamespace
 
     assert sm90_layer.settings_note(4, 128, True) == \
-        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
+        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node up to 1 token per rank, W1 and W2 " \
+        "nodes above"
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes = False, 2
@@ -424,6 +431,8 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     monkeypatch.setitem(api._BACKENDS, "sm90", fake)
     inv = get_operator("gc").prepare(_tiny_workload(0), None)
     assert inv.note == "gc_moe backend: sm90; partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
+    layer.role2_nodes = "auto"
+    assert get_operator("gc").prepare(_tiny_workload(0), None).note.endswith("W1 and W2 nodes above")
     assert partition_from_note(inv.note) == (4, 128)
 
 

@@ -43,8 +43,12 @@ DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
 OVERLAP_VALUES = {"1": True, "0": False}
-ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "1" (default): role2 as one fused kernel; "2": W1 and W2 as two nodes
-ROLE2_NODE_CHOICES = (1, 2)
+ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
+ROLE2_NODE_CHOICES = ("auto", 1, 2)
+# "auto": the fused role2 kernel at 1 token per rank, W1 and W2 nodes from 2 on. Measured on the H200
+# (docs/sm90-layer.md): the persistent fused kernel (one CTA per SM) is 10-15% faster at 1 token and 20-40%
+# slower from 2 tokens, where two W1 / W2 CTAs per SM stream more weights than one persistent CTA
+ROLE2_FUSED_MAX_TOKENS = 1
 # Ring block rows: the smallest token tile, so the first ring block is full after as few pulled rows as possible
 # (W1 of any token tile acquires every block its rows touch, so the GEMM's tile need not equal it).
 RING_BLOCK_M = 8
@@ -253,16 +257,22 @@ def overlap_from_env(environ=os.environ) -> bool:
     return OVERLAP_VALUES[raw]
 
 
-def role2_nodes_from_env(environ=os.environ) -> int:
-    """How role2 runs: GC_MOE_ROLE2_NODES "1" (the default when unset or empty: one fused kernel) or "2" (W1
-    and W2 as two graph nodes)."""
+def role2_nodes_from_env(environ=os.environ):
+    """How role2 runs: GC_MOE_ROLE2_NODES "auto" (the default when unset or empty: one fused kernel at 1 token
+    per rank, W1 and W2 nodes above), "1" (always one fused kernel) or "2" (always W1 and W2 nodes)."""
     raw = environ.get(ROLE2_ENV, "")
-    if raw == "":
-        return 1
+    if raw in ("", "auto"):
+        return "auto"
     if raw not in ("1", "2"):
-        raise ValueError(f"{ROLE2_ENV}={raw!r}; allowed: 1 (role2 as one fused kernel, the default) or 2 (W1 and "
-                         f"W2 as two graph nodes)")
+        raise ValueError(f"{ROLE2_ENV}={raw!r}; allowed: auto (the default: one fused kernel at 1 token per "
+                         f"rank, W1 and W2 nodes above), 1 (role2 as one fused kernel) or 2 (W1 and W2 as two "
+                         f"graph nodes)")
     return int(raw)
+
+
+def role2_fused(role2_nodes, num_tokens: int) -> bool:
+    """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel."""
+    return role2_nodes == 1 or (role2_nodes == "auto" and num_tokens <= ROLE2_FUSED_MAX_TOKENS)
 
 
 def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
@@ -271,10 +281,12 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
     return [] if overlap_roots else [dispatch_node]
 
 
-def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes: int = 1) -> str:
+def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto") -> str:
     """How a layer runs, as the harness records it beside each measurement."""
+    role2_text = {"auto": f"one fused node up to {ROLE2_FUSED_MAX_TOKENS} token per rank, W1 and W2 nodes above",
+                  1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
-            f"role2 {'one fused node' if role2_nodes == 1 else 'W1 and W2 nodes'}")
+            f"role2 {role2_text}")
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -309,7 +321,7 @@ class Sm90Layer:
     """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
 
     def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 overlap_roots: bool | None = None, role2_nodes: int | None = None):
+                 overlap_roots: bool | None = None, role2_nodes=None):
         import torch
 
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -322,8 +334,8 @@ class Sm90Layer:
         if role2_nodes is None:
             role2_nodes = role2_nodes_from_env()
         if role2_nodes not in ROLE2_NODE_CHOICES or isinstance(role2_nodes, bool):
-            raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 1 (one fused kernel), 2 (W1 and W2 nodes) or "
-                             f"None ({ROLE2_ENV})")
+            raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel at 1 token per rank), "
+                             f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
         device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         if device.type != "cuda":
@@ -402,7 +414,7 @@ class Sm90Layer:
         d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                          self.parts.comm_context)
-        if self.role2_nodes == 1:
+        if role2_fused(self.role2_nodes, num_tokens):
             k_role2 = self.role2_kernel(min(plan.block_n, max(role2.BLOCK_N_CHOICES)))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
                                             self.parts.describe()["compute_sms"])
