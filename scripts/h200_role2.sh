@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fused role2 kernel on the H200: the layer's GPU tests (fused against W1 and W2 nodes bit for bit, the
 # float32 reference, 1,000 graph replays), the backend check through the public API (points, 1,000 replays
-# each, 100,000 replays of one point, latency per call), and the latency with role2 as W1 and W2 nodes
-# (GC_MOE_ROLE2_NODES=2) for the comparison. Logs and JSON under OUT; a short table last.
+# each, 100,000 replays of one point, latency per call) with role2 as the fused kernel at every token count
+# (GC_MOE_ROLE2_NODES=1), and the latency with role2 as W1 and W2 nodes (GC_MOE_ROLE2_NODES=2) beside it. Logs and JSON under OUT; a short table last.
 #
 #   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [nodes2]
 set -u
@@ -22,8 +22,8 @@ for s in $steps; do
   case $s in
     tests) run tests "${TESTS_LIMIT:-220}" python -m pytest -q -x -m gpu -p no:cacheprovider \
              tests/gc_moe/test_sm90_layer_gpu.py ;;
-    backend) run backend "${BACKEND_LIMIT:-260}" python scripts/device_layer_backend.py --skip bounded \
-               --out "$OUT/backend" ;;
+    backend) run backend "${BACKEND_LIMIT:-260}" env GC_MOE_ROLE2_NODES=1 python scripts/device_layer_backend.py \
+               --skip "${BACKEND_SKIP:-bounded}" --out "$OUT/backend" ;;
     nodes2) run nodes2 "${NODES2_LIMIT:-100}" env GC_MOE_ROLE2_NODES=2 python scripts/device_layer_backend.py \
               --skip points,shared,long,bounded --out "$OUT/nodes2" ;;
     *) echo "unknown step $s (allowed: tests backend nodes2)"; exit 2 ;;

@@ -545,6 +545,8 @@ def _make_kernel(cfg: GemmConfig):
             if pidx % 32 == 0:
                 ptx.wait_all_bits_relaxed_gpu(done_mask, all_bits, started, timeout_ns)
             ptx.warp_sync()
+            for kb in cutlass.range(prefetched):  # the token rows of the first stages, before the scale table
+                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
             table = smem + cfg.scale_table_offset
             if pidx < 32:
                 # producer warp 0 reads the tile's scales once: rows [row0, row0 + tile rows) x k_blocks are one
@@ -575,16 +577,12 @@ def _make_kernel(cfg: GemmConfig):
                 if kb >= prefetched:
                     ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
                     issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
+                    copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
             else:
                 if kb >= STAGES:
                     ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
                 issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
-            k_off = Int64(kb * 128)
-            for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
-                if cutlass.const_expr(BN * 8 % PT == 0):
-                    ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
-                elif pidx + PT * r < BN * 8:
-                    ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
+                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
             if cutlass.const_expr(FUSED and not W1):
                 if pidx < BN:  # the scale lanes, all in producer warp 0 (BN <= 32): the table's row pidx
                     xv = Float32(0.0)
@@ -601,6 +599,17 @@ def _make_kernel(cfg: GemmConfig):
                                              x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+
+    @cute.jit
+    def copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx):
+        """Stage kb's token tile: 16-byte cp.async pieces (rows past the count zero-filled)."""
+        sbase = smem + (kb % STAGES) * cfg.stage_bytes
+        k_off = Int64(kb * 128)
+        for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
+            if cutlass.const_expr(BN * 8 % PT == 0):
+                ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
+            elif pidx + PT * r < BN * 8:
+                ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
 
     @cute.jit
     def issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx):

@@ -39,6 +39,7 @@ PARAMS = (
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("local_experts", "s32"),
     ("mask_stride", "s32"), ("timeout_ns", "s64"),
 )
+LOCAL_BYTES_BUDGET = 16
 BLOCK_N_CHOICES = (8, 16)  # token tiles of the persistent kernel (layer.plan_call caps the tile at 16 for it)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
@@ -51,12 +52,11 @@ class Role2Config:
     producer_warps: int = 1
 
     def half(self, role: str) -> gg.GemmConfig:
-        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
-        CTA per SM at every token tile: the persistent loop, the scheduler and both halves do not fit the
-        registers of two (bn 8 spilled 120 bytes per thread there)."""
+        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory): two
+        CTAs per SM at bn 8 (as the separate GEMMs: twice the weight streams per SM), one at bn 16."""
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
-                             ctas_per_sm=1, fused_role2=True)
+                             ctas_per_sm=2 if self.block_n == 8 else 1, fused_role2=True)
 
     def __post_init__(self):
         if self.block_n not in BLOCK_N_CHOICES:
@@ -113,8 +113,10 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
+    # bn 8 runs two CTAs per SM (56 registers): ptxas keeps two loop values on the stack (8 bytes), stored at
+    # a unit's start and loaded once after each K loop (SASS checked), not in the K loops
     return KernelVariant.make("sm90.role2", __name__, "build_role2", params, promises=promises,
-                              local_bytes_budget=0,
+                              local_bytes_budget=LOCAL_BYTES_BUDGET,
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
                                              "gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout"))
 
@@ -266,8 +268,6 @@ def _make_kernel(cfg: Role2Config):
             drawn = ring_protocol.lds(slot)
             bx = ring_protocol.lds(slot + 8)
             bz = ring_protocol.lds(slot + 12)
-            if tid == 0:  # the next unit is drawn while this one runs (its slot was read an iteration ago)
-                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + ((it + 1) % 2) * 16)
             unit_started = cute.arch.globaltimer()  # the bounded waits count from the unit's start
             done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
             if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
@@ -277,6 +277,10 @@ def _make_kernel(cfg: Role2Config):
                 w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
                         inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
                         (e, bx, bz, unit_started, done_mask, timeout_ns))
+            if tid == gg.THREADS:
+                # the producer warp is done with this unit long before the consumers: its lane 0 draws the next
+                # unit meanwhile (its slot was read an iteration ago), off the consumers' path
+                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + ((it + 1) % 2) * 16)
             # every thread is done with the unit's shared memory and barriers: thread 0 retires the barriers
             # (the next unit initializes them again); the next unit's slot is written and visible
             ptx.barrier_sync()
