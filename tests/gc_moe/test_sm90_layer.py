@@ -462,6 +462,6 @@ def test_role2_tickets_cover_every_unit_with_rows_once_w1_first():
     expected = [(role, e, bx, bz) for role, ctas in (("w1", w1_ctas), ("w2", w2_ctas)) for e in range(len(rows))
                 for bx in range(ctas) for bz in range(tiles[e])]
     assert drawn == expected  # every unit once; W1 first; expert by expert, token tiles fastest
-    assert role2.launch_ctas(8, 128, 10_000) == 256 and role2.launch_ctas(16, 128, 10_000) == 128 and role2.launch_ctas(16, 128, 5) == 5
+    assert role2.launch_ctas(8, 128, 10_000) == 128 and role2.launch_ctas(16, 128, 5) == 5
     with pytest.raises(ValueError, match="allowed: \\(8, 16\\)"):
         role2.Role2Config(32)

@@ -52,11 +52,12 @@ class Role2Config:
     producer_warps: int = 1
 
     def half(self, role: str) -> gg.GemmConfig:
-        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory): two
-        CTAs per SM at bn 8 (as the separate GEMMs: twice the weight streams per SM), one at bn 16."""
+        """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
+        persistent CTA per SM: the layer runs this kernel at 1 token per rank, where one CTA per SM measured
+        99.1 / 87.7 us (GLM-5.2 / DeepSeek) against 117.5 / 107.1 with two at bn 8 (docs/sm90-layer.md)."""
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
-                             ctas_per_sm=2 if self.block_n == 8 else 1, fused_role2=True)
+                             ctas_per_sm=1, fused_role2=True)
 
     def __post_init__(self):
         if self.block_n not in BLOCK_N_CHOICES:
@@ -113,8 +114,8 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
-    # bn 8 runs two CTAs per SM (56 registers): ptxas keeps two loop values on the stack (8 bytes), stored at
-    # a unit's start and loaded once after each K loop (SASS checked), not in the K loops
+    # bn 16 (96 registers, the cap of a 544-thread CTA): ptxas keeps a loop value on the stack (8 bytes),
+    # stored at a unit's start and loaded once after a K loop (SASS checked), never inside the K loops
     return KernelVariant.make("sm90.role2", __name__, "build_role2", params, promises=promises,
                               local_bytes_budget=LOCAL_BYTES_BUDGET,
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
