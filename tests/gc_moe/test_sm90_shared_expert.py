@@ -121,8 +121,9 @@ def built(request, tmp_path_factory):
 
 
 def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order(built):
-    assert len(built) == 2 * len(se.BLOCK_N_CHOICES)
-    for variant, entry in built.items():
+    separate = {v: e for v, e in built.items() if v.name == "sm90.shared_expert"}
+    assert len(separate) == 2 * len(se.BLOCK_N_CHOICES)
+    for variant, entry in separate.items():
         params = dict(variant.params)
         cfg = se.SharedConfig(params["role"], params["block_n"], params["recipe"])
         ptx = entry.ptx_path.read_text()
@@ -154,6 +155,31 @@ def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order
         scale_mov = len(re.findall(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx))
         if cfg.recipe == "k32" or cfg.role == "w1":
             assert scale_mov > 0  # UE8M0 bytes become exponent fields (weights k32, or W1's x_sf)
+
+
+def test_fused_variants_hold_both_halves_and_the_hand_over(built):
+    """Role4 as one kernel: both GEMMs' WGMMAs, the ticket, W1's release per CTA and W2's bounded acquire; no
+    local memory except the one slot bn 64 keeps outside its K loops."""
+    fused = {v: e for v, e in built.items() if v.name == "sm90.shared_fused"}
+    assert sorted(dict(v.params)["block_n"] for v in fused) == list(se.BLOCK_N_CHOICES)
+    for variant, entry in fused.items():
+        bn = dict(variant.params)["block_n"]
+        ptx = entry.ptx_path.read_text()
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 ", ptx)) == 8
+        assert "atom.relaxed.gpu.global.add.s32" in ptx  # the ticket
+        assert "atom.release.gpu.global.add.s32" in ptx  # a W1 CTA done, after its stores
+        assert "ld.acquire.gpu.global.b32" in ptx and "trap;" in ptx  # W2's bounded wait
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16.f32" in ptx
+        res = entry.resources
+        assert res["registers"] <= 128 and res["frame_bytes"] <= (8 if bn == 64 else 0), (variant.describe(), res)
+        assert [size for _, size in res["params"]] == [8 if k in ("u64", "s64") else 4 for _, k in se.FUSED_PARAMS]
+
+
+def test_fused_ctas_are_both_grids():
+    plan = se.plan_launch(1, 6144, 2048, 132)
+    a, b, c = se.grid("w1", plan, 6144, 2048)
+    d, e, f = se.grid("w2", plan, 6144, 2048)
+    assert se.fused_ctas(plan, 6144, 2048) == (a * b * c, d * e * f)
 
 
 # --------------------------------------------------------------------------------------------- the GPU checks, on CPU

@@ -153,13 +153,22 @@ class SharedExpert:
         self.ws = self.se.SharedExpertWorkspace.allocate(hidden, intermediate, capacity, device, num_sms)
         self.kernels = {}
         for recipe in self.se.RECIPES:  # loaded now: a graph first built inside a capture loads nothing
-            self.kernels[recipe] = {key: _load(self.se.variant(key[0], key[1], self.se.recipe_name(recipe)))
+            name = self.se.recipe_name(recipe)
+            self.kernels[recipe] = {key: _load(self.se.variant(key[0], key[1], name))
                                     for key in ((r, bn) for r in ("w1", "w2") for bn in self.se.BLOCK_N_CHOICES)}
+            self.kernels[recipe].update({("fused", bn): _load(self.se.fused_variant(bn, name))
+                                         for bn in self.se.BLOCK_N_CHOICES})
             for k in self.kernels[recipe].values():
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
 
-    def nodes(self, shared, x, x_sf, out, out_row_stride: int, num_tokens: int) -> list:
+    def nodes(self, shared, x, x_sf, out, out_row_stride: int, num_tokens: int, fused: bool = False,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+        """The launches of one call: W1 then W2, or (fused) one kernel doing both (`shared_expert.FUSED_PARAMS`)."""
         plan = self.se.plan_launch(max(1, num_tokens), self.hidden, self.intermediate, self.ws.num_sms)
+        if fused:
+            return self.se.fused_launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out,
+                                             out_row_stride, num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA,
+                                             clamp=SWIGLU_CLAMP, timeout_s=timeout_s)
         return self.se.launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out, out_row_stride,
                                    num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA, clamp=SWIGLU_CLAMP)
 
@@ -433,7 +442,9 @@ class Sm90Layer:
             last = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
         before_finalize = [d, last]
         if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
-            nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens)
+            # role4 as one node (W1 and W2 in one kernel) unless role2_nodes asks for the earlier two-node forms
+            nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
+                                      fused=self.role2_nodes != 2, timeout_s=self.timeout_s)
             before_finalize.append(self.shared.se.add_to_graph(g, self.parts.compute_context, nodes)[-1])
         g.add_kernel("finalize", self.k_finalize, self.finalize_ctas,
                      finalize.finalize_args(ws, shape, y, num_tokens, self.dispatch_ctas, self.timeout_s),

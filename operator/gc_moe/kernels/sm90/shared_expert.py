@@ -232,9 +232,10 @@ def workspace_sizes(hidden: int, inter: int, capacity: int, num_sms: int = 132) 
 class SharedExpertWorkspace:
     """The shared expert's device buffers: the requantized intermediate and the fixup's scratch/counters."""
 
-    def __init__(self, hidden, inter, capacity, act, act_scale, scratch, counters, num_sms):
+    def __init__(self, hidden, inter, capacity, act, act_scale, scratch, counters, num_sms, sync=None):
         self.hidden, self.inter, self.capacity, self.num_sms = hidden, inter, capacity, num_sms
         self.act, self.act_scale, self.scratch, self.counters = act, act_scale, scratch, counters
+        self.sync = sync  # the fused kernel's ticket and hand-over words (SYNC_WORDS int32, zero between launches)
 
     @classmethod
     def allocate(cls, hidden: int, inter: int, capacity: int, device, num_sms: int = 132):
@@ -245,7 +246,8 @@ class SharedExpertWorkspace:
                    torch.empty(capacity, inter, dtype=torch.float8_e4m3fn, device=device),
                    torch.empty(capacity, inter // 128, dtype=torch.float32, device=device),
                    torch.empty(max(1, scratch), dtype=torch.float32, device=device),
-                   torch.zeros(max(1, counters), dtype=torch.int32, device=device), num_sms)
+                   torch.zeros(max(1, counters), dtype=torch.int32, device=device), num_sms,
+                   torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device))
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -325,7 +327,7 @@ def _device_helpers():
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-def _make_kernel(cfg: SharedConfig):
+def _make_kernel(cfg: SharedConfig, body_only: bool = False):
     import cutlass  # the CuTe DSL is needed to build only; launching needs the cubin and the driver
     from cutlass import Float32, Int32, Int64, cute
 
@@ -528,12 +530,9 @@ def _make_kernel(cfg: SharedConfig):
                 acc[i] = acc[i] + ptx.ld_relaxed_f32(scratch + ((Int64(slot) * HALF + i) * 128 + t) * 4)
 
     if W1:
-        @cute.kernel
-        def kernel(w: Int64, w_sf: Int64, x: Int64, x_sf: Int64, act: Int64, act_scale: Int64, scratch: Int64,
-                   counters: Int64, num_tokens: Int32, k_blocks: Int32, inter: Int32, k_splits: Int32,
-                   alpha: Float32, clamp: Float32):
-            tt, split, tile = cute.arch.block_idx()
-            token_tiles, _, _ = cute.arch.grid_dim()
+        @cute.jit
+        def w1_body(w, w_sf, x, x_sf, act, act_scale, scratch, counters, num_tokens, k_blocks, inter, k_splits,
+                    alpha, clamp, tt, split, tile, token_tiles):
             count = num_tokens - tt * BN
             if count > 0:
                 row0 = tt * BN
@@ -579,6 +578,16 @@ def _make_kernel(cfg: SharedConfig):
                                 if tid < 4:
                                     ptx.stg_f32(act_scale + (nrow * Int64(inter // 128) + Int64(group)) * 4,
                                                 amax * Float32(1.0 / FP8_MAX))
+
+        @cute.kernel
+        def kernel(w: Int64, w_sf: Int64, x: Int64, x_sf: Int64, act: Int64, act_scale: Int64, scratch: Int64,
+                   counters: Int64, num_tokens: Int32, k_blocks: Int32, inter: Int32, k_splits: Int32,
+                   alpha: Float32, clamp: Float32):
+            tt, split, tile = cute.arch.block_idx()
+            token_tiles, _, _ = cute.arch.grid_dim()
+            w1_body(w, w_sf, x, x_sf, act, act_scale, scratch, counters, num_tokens, k_blocks, inter, k_splits,
+                    alpha, clamp, tt, split, tile, Int32(token_tiles))
+        body = w1_body
     else:
         @cute.jit
         def store_rows(acc, out, out_row_stride, tile, row0, count, warp, g, q):
@@ -591,11 +600,9 @@ def _make_kernel(cfg: SharedConfig):
                         ptx.stg_bf16(base, acc[4 * i + c])
                         ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c])
 
-        @cute.kernel
-        def kernel(w: Int64, w_sf: Int64, act: Int64, act_scale: Int64, out: Int64, scratch: Int64,
-                   counters: Int64, num_tokens: Int32, k_blocks: Int32, out_row_stride: Int32, k_splits: Int32):
-            tt, split, tile = cute.arch.block_idx()
-            token_tiles, _, _ = cute.arch.grid_dim()
+        @cute.jit
+        def w2_body(w, w_sf, act, act_scale, out, scratch, counters, num_tokens, k_blocks, out_row_stride, k_splits,
+                    tt, split, tile, token_tiles):
             count = num_tokens - tt * BN
             if count > 0:
                 row0 = tt * BN
@@ -615,6 +622,17 @@ def _make_kernel(cfg: SharedConfig):
                             sum_slots(acc, scratch, tile * k_splits * token_tiles + tt, token_tiles, k_splits, t)
                             store_rows(acc, out, out_row_stride, tile, row0, count, warp, g, q)
 
+        @cute.kernel
+        def kernel(w: Int64, w_sf: Int64, act: Int64, act_scale: Int64, out: Int64, scratch: Int64,
+                   counters: Int64, num_tokens: Int32, k_blocks: Int32, out_row_stride: Int32, k_splits: Int32):
+            tt, split, tile = cute.arch.block_idx()
+            token_tiles, _, _ = cute.arch.grid_dim()
+            w2_body(w, w_sf, act, act_scale, out, scratch, counters, num_tokens, k_blocks, out_row_stride, k_splits,
+                    tt, split, tile, Int32(token_tiles))
+        body = w2_body
+
+    if body_only:  # a half of the fused role4 kernel (`_make_fused_kernel`)
+        return body
     return kernel
 
 
@@ -653,6 +671,128 @@ def build_shared_expert(arch: str = "sm_90a", role: str = "w1", block_n: int = 8
     return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
+# ---------------------------------------------------------------------------------------------- fused (role4 as one node)
+# W1 and W2 in one launch: the layer graph's fourth node. CTAs draw tickets (W1's CTAs first, token tiles
+# fastest as the grids), so a W2 CTA waits only for W1 CTAs already drawn by resident CTAs; every W1 CTA adds 1
+# to SYNC_W1_DONE with release once its share (and, for a group's last CTA, the requantized rows) is stored;
+# W2's CTAs acquire SYNC_W1_DONE = all W1 CTAs before their first copy (act and act_scale are then complete, so
+# no cached line of this kernel can be stale), and the last of them to get there resets the words.
+FUSED_PARAMS = (
+    ("w1", "u64"), ("w1_sf", "u64"), ("w2", "u64"), ("w2_sf", "u64"), ("x", "u64"), ("x_sf", "u64"),
+    ("act", "u64"), ("act_scale", "u64"), ("out", "u64"), ("scratch1", "u64"), ("counters1", "u64"),
+    ("scratch2", "u64"), ("counters2", "u64"), ("sync", "u64"),
+    ("num_tokens", "s32"), ("hidden_blocks", "s32"), ("inter_blocks", "s32"), ("out_row_stride", "s32"),
+    ("k_splits_w1", "s32"), ("k_splits_w2", "s32"), ("token_tiles", "s32"), ("alpha", "f32"), ("clamp", "f32"),
+    ("timeout_ns", "s64"),
+)
+SYNC_TICKET, SYNC_W1_DONE, SYNC_W2_PASSED = 0, 1, 2
+SYNC_WORDS = 4
+
+
+def fused_ctas(plan, hidden: int, inter: int) -> tuple[int, int]:
+    """(W1 CTAs, W2 CTAs) of the fused launch: the two grids' sizes."""
+    a, b, c = grid("w1", plan, hidden, inter)
+    d, e, f = grid("w2", plan, hidden, inter)
+    return a * b * c, d * e * f
+
+
+def _make_fused_kernel(block_n: int, recipe: str):
+    import cutlass
+    from cutlass import Float32, Int32, Int64, cute
+
+    from gc_moe.kernels.sm90 import dispatch as ring_protocol
+    from gc_moe.kernels.sm90 import ptx
+
+    cfg1, cfg2 = SharedConfig("w1", block_n, recipe), SharedConfig("w2", block_n, recipe)
+    assert cfg1.smem_bytes == cfg2.smem_bytes and cfg1.flag_offset == cfg2.flag_offset
+    w1_body, w2_body = _make_kernel(cfg1, True), _make_kernel(cfg2, True)
+    TICKET = cfg1.flag_offset + 4  # past the fixup's flag word
+
+    @cute.kernel
+    def kernel(w1: Int64, w1_sf: Int64, w2: Int64, w2_sf: Int64, x: Int64, x_sf: Int64, act: Int64,
+               act_scale: Int64, out: Int64, scratch1: Int64, counters1: Int64, scratch2: Int64, counters2: Int64,
+               sync: Int64, num_tokens: Int32, hidden_blocks: Int32, inter_blocks: Int32, out_row_stride: Int32,
+               k_splits_w1: Int32, k_splits_w2: Int32, token_tiles: Int32, alpha: Float32, clamp: Float32,
+               timeout_ns: Int64):
+        tid = cute.arch.thread_idx()[0]
+        smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        inter = inter_blocks * 128
+        w1_ctas = token_tiles * k_splits_w1 * (2 * inter // TILE_ROWS)
+        w2_ctas = token_tiles * k_splits_w2 * (hidden_blocks * 128 // TILE_ROWS)
+        if tid == 0:
+            drawn = ptx.atom_add_relaxed_gpu_s32(sync + SYNC_TICKET * 4, Int32(1))
+            if drawn == w1_ctas + w2_ctas - 1:  # every ticket of this launch is drawn
+                ptx.st_relaxed_gpu_s32(sync + SYNC_TICKET * 4, Int32(0))
+            ring_protocol.sts(smem + TICKET, drawn)
+        ptx.barrier_sync()
+        unit = ring_protocol.lds(smem + TICKET)
+        if unit < w1_ctas:
+            tt = unit % token_tiles
+            rest = unit // token_tiles
+            w1_body(w1, w1_sf, x, x_sf, act, act_scale, scratch1, counters1, num_tokens, hidden_blocks, inter,
+                    k_splits_w1, alpha, clamp, tt, rest % k_splits_w1, rest // k_splits_w1, token_tiles)
+            ptx.barrier_sync()  # every store of this CTA precedes thread 0's release
+            if tid == 0:
+                ring_protocol.fence_gpu()
+                ring_protocol.atom_add_release_gpu(sync + SYNC_W1_DONE * 4, Int32(1))
+        else:
+            u = unit - w1_ctas
+            tt = u % token_tiles
+            rest = u // token_tiles
+            if tid == 0:
+                ring_protocol.wait_at_least(sync + SYNC_W1_DONE * 4, w1_ctas, cute.arch.globaltimer(), timeout_ns,
+                                            False)
+                passed = ptx.atom_add_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(1))
+                if passed == w2_ctas - 1:  # every W2 CTA is past its wait: the words are free for the next launch
+                    ptx.st_relaxed_gpu_s32(sync + SYNC_W1_DONE * 4, Int32(0))
+                    ptx.st_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(0))
+            ptx.barrier_sync()
+            w2_body(w2, w2_sf, act, act_scale, out, scratch2, counters2, num_tokens, inter_blocks, out_row_stride,
+                    k_splits_w2, tt, rest % k_splits_w2, rest // k_splits_w2, token_tiles)
+
+    launch = {"grid": (1, 1, 1), "block": (THREADS, 1, 1), "smem": cfg1.smem_bytes}
+
+    @cute.jit
+    def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
+             a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, num_tokens: Int32, hidden_blocks: Int32,
+             inter_blocks: Int32, out_row_stride: Int32, k_splits_w1: Int32, k_splits_w2: Int32,
+             token_tiles: Int32, alpha: Float32, clamp: Float32, timeout_ns: Int64):
+        kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, num_tokens, hidden_blocks,
+               inter_blocks, out_row_stride, k_splits_w1, k_splits_w2, token_tiles, alpha, clamp,
+               timeout_ns).launch(**launch)
+
+    return host, cfg1
+
+
+def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k32"):
+    """The runtime's builder of the fused role4 kernel (no GPU needed)."""
+    from cutlass import Float32, Int32, Int64
+
+    from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 shared-expert kernels are built for sm_90a only, not {arch!r}")
+    host, cfg = _make_fused_kernel(block_n, recipe)
+    args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Float32(1.0) if kind == "f32"
+                 else Int32(1) for _, kind in FUSED_PARAMS)
+    return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
+
+
+def fused_variant(block_n: int, recipe: str = "k32"):
+    """The runtime KernelVariant of the fused role4 kernel (W1 and W2 in one launch)."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    SharedConfig("w1", block_n, recipe)
+    return KernelVariant.make(
+        "sm90.shared_fused", MODULE, "build_shared_fused", {"block_n": block_n, "recipe": recipe},
+        promises=PROMISES_W1 + ("cvt.rn.bf16.f32", "atom.release.gpu.global.add", "ld.acquire.gpu", "trap"),
+        # bn 64 (128 registers, the cap of 512 threads): one 4-byte value on the stack, stored before W2's K loop
+        # and loaded after it (SASS checked), never inside a K loop
+        local_bytes_budget=8 if block_n == 64 else 0,
+        extra_sources=("gc_moe.kernels.sm90.ptx", "gc_moe.kernels.sm90.dispatch",
+                                             "gc_moe.kernels.sm90.layer_layout"))
+
+
 MODULE = "gc_moe.kernels.sm90.shared_expert"  # by name: also when this file runs as __main__ (the timing)
 PROMISES = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global", "atom.acq_rel.gpu.global.add",
             "fence.acq_rel.gpu", "ld.relaxed.gpu.global.f32")
@@ -672,9 +812,10 @@ def variant(role: str, block_n: int, recipe: str = "k32"):
 
 
 def all_variants():
-    """Both roles, every block_n, both shared recipes."""
+    """Both roles and the fused kernel, every block_n, both shared recipes."""
     return [variant(role, bn, recipe) for recipe in ("k32", "block128") for role in ("w1", "w2")
-            for bn in BLOCK_N_CHOICES]
+            for bn in BLOCK_N_CHOICES] + [fused_variant(bn, recipe) for recipe in ("k32", "block128")
+                                          for bn in BLOCK_N_CHOICES]
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -683,8 +824,10 @@ def load(arch: str = "sm_90a", recipe=(1, 1, 32), cache_dir=None) -> dict:
     from gc_moe.runtime import jit
 
     name = recipe_name(recipe)
-    return {(role, bn): jit.load_kernel(variant(role, bn, name), arch, cache_dir)
-            for role in ("w1", "w2") for bn in BLOCK_N_CHOICES}
+    kernels = {(role, bn): jit.load_kernel(variant(role, bn, name), arch, cache_dir)
+               for role in ("w1", "w2") for bn in BLOCK_N_CHOICES}
+    kernels.update({("fused", bn): jit.load_kernel(fused_variant(bn, name), arch, cache_dir) for bn in BLOCK_N_CHOICES})
+    return kernels
 
 
 def _check_cuda(what, t, dtype, shape=None):
@@ -749,6 +892,35 @@ def launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_t
                ptr(counters2), i32(num_tokens), i32(inter // 128), i32(out_row_stride), i32(plan.k_splits_w2)]
     return [("shared_w1", k1, grid("w1", plan, hidden, inter), w1_args),
             ("shared_w2", k2, grid("w2", plan, hidden, inter), w2_args)]
+
+
+def fused_launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_tokens: int, ws,
+                      plan: LaunchPlan | None = None, alpha: float = 1.0, clamp: float | None = 10.0,
+                      timeout_s: float = 3600.0) -> list:
+    """[(name, kernel, grid, args)] of the fused launch (one node: W1 and W2 in one kernel, see FUSED_PARAMS);
+    kernels: `load(...)`'s dict (its ("fused", block_n) entries); the rest as `launch_args`, whose checks apply."""
+    from gc_moe.runtime.launch import i64, ptr
+
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    if ws.sync is None:
+        raise ValueError("the workspace has no sync words: allocate it with SharedExpertWorkspace.allocate")
+    plan = plan or plan_launch(max(1, num_tokens), weights.hidden, weights.intermediate, ws.num_sms)
+    (_, _, _, a1), (_, _, _, a2) = launch_args(kernels, weights, x, x_sf, out, out_row_stride, num_tokens, ws,
+                                               plan=plan, alpha=alpha, clamp=clamp)
+    kernel = kernels[("fused", plan.block_n)]
+    params = dict(kernel.entry.variant.params)
+    if params["recipe"] != recipe_name(weights.recipe):
+        raise ValueError(f"kernel {kernel.name} is not the fused kernel of recipe {weights.recipe}")
+    # W1's (w, w_sf, x, x_sf, act, act_scale, scratch, counters, tokens, H/128, Is, splits, alpha, clamp) and
+    # W2's (w, w_sf, act, act_scale, out, scratch, counters, tokens, Is/128, stride, splits) in FUSED_PARAMS order
+    from gc_moe.runtime.launch import i32
+
+    args = [a1[0], a1[1], a2[0], a2[1], a1[2], a1[3], a1[4], a1[5], a2[4], a1[6], a1[7], a2[5], a2[6], ptr(ws.sync),
+            a1[8], a1[9], a2[8], a2[9], a1[11], a2[10], i32(plan.token_tiles), a1[12], a1[13],
+            i64(int(timeout_s * 1e9))]
+    n1, n2 = fused_ctas(plan, weights.hidden, weights.intermediate)
+    return [("shared", kernel, (n1 + n2, 1, 1), args)]
 
 
 def launch(stream, nodes: list) -> None:
