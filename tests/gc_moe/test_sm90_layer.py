@@ -261,7 +261,7 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int =
     layer.dispatch_ctas, layer.finalize_ctas = 4, 64
     layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
     layer.overlap_roots = overlap_roots
-    layer.role2_nodes = role2_nodes
+    layer.role2_nodes, layer.role4_fused = role2_nodes, False
     monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
     layer.role2_kernel = lambda block_n: "role2 kernel"
     return layer.build_graph(None, num_tokens, None, None).nodes
@@ -297,6 +297,8 @@ def test_role2_nodes_from_env_and_argument(monkeypatch):
     shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
     with pytest.raises(ValueError, match="role2_nodes 3; allowed: 'auto'"):
         sm90_layer.Sm90Layer(shape, device="cpu", role2_nodes=3)
+    with pytest.raises(TypeError, match="role4_fused 1; allowed: True or False"):
+        sm90_layer.Sm90Layer(shape, device="cpu", role4_fused=1)
 
 
 def test_settings_note():

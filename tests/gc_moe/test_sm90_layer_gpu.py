@@ -142,23 +142,23 @@ def test_fused_shared_expert_matches_the_float32_reference(shared_layer, num_tok
 @needs_sm90
 @pytest.mark.parametrize("num_tokens", [1, 8, 256])
 def test_fused_nodes_with_the_shared_expert_write_what_the_separate_nodes_write(shared_layer, num_tokens):
-    """Role2 and role4 each as one kernel (role2_nodes 1) against W1 / W2 nodes for both (role2_nodes 2): y
-    bit-equal on the same staged inputs."""
+    """Role2 and role4 each as one kernel (role2_nodes 1, role4_fused) against W1 / W2 nodes for both
+    (role2_nodes 2, role4 not fused): y bit-equal on the same staged inputs."""
     from gc_moe.kernels.sm90 import layer_checks as lc
 
     layer = shared_layer.buffer.extras["sm90_layer"]
     default = layer.role2_nodes
     try:
-        layer.role2_nodes = 1
+        layer.role2_nodes, layer.role4_fused = 1, True
         r = lc.check_point(shared_layer, num_tokens, seed=num_tokens * 59 + int(time.time()) % 1000)
         fused = r.pop("y")
         assert r["nonfinite"] == 0 and r["cosine"] >= 0.99, r
-        layer.role2_nodes = 2
+        layer.role2_nodes, layer.role4_fused = 2, False
         two = torch.full_like(fused, float("nan"))
         shared_layer.call(two, num_tokens)
         torch.cuda.synchronize()
     finally:
-        layer.role2_nodes = default
+        layer.role2_nodes, layer.role4_fused = default, False
     assert torch.equal(fused.view(torch.int16), two.view(torch.int16))
 
 

@@ -330,7 +330,7 @@ class Sm90Layer:
     """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
 
     def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 overlap_roots: bool | None = None, role2_nodes=None):
+                 overlap_roots: bool | None = None, role2_nodes=None, role4_fused: bool = False):
         import torch
 
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -346,6 +346,11 @@ class Sm90Layer:
             raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel at 1 token per rank), "
                              f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
+        if not isinstance(role4_fused, bool):
+            raise TypeError(f"role4_fused {role4_fused!r}; allowed: True or False")
+        # role4 as one kernel (shared_expert's fused launch): built and checked offline, not yet run on a GPU,
+        # so off by default (docs/sm90-layer.md)
+        self.role4_fused = role4_fused
         device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         if device.type != "cuda":
             raise ValueError(f"device {device}; allowed: an sm_90 CUDA device")
@@ -442,9 +447,9 @@ class Sm90Layer:
             last = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
         before_finalize = [d, last]
         if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
-            # role4 as one node (W1 and W2 in one kernel) unless role2_nodes asks for the earlier two-node forms
+            # role4 as one node (W1 and W2 in one kernel) when asked for, else W1 -> W2
             nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
-                                      fused=self.role2_nodes != 2, timeout_s=self.timeout_s)
+                                      fused=self.role4_fused, timeout_s=self.timeout_s)
             before_finalize.append(self.shared.se.add_to_graph(g, self.parts.compute_context, nodes)[-1])
         g.add_kernel("finalize", self.k_finalize, self.finalize_ctas,
                      finalize.finalize_args(ws, shape, y, num_tokens, self.dispatch_ctas, self.timeout_s),
@@ -466,7 +471,7 @@ class Sm90Layer:
         """The cached child graph for (token count, output rows, weights); built on first use."""
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
-               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots)
+               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)
