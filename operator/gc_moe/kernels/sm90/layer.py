@@ -7,18 +7,19 @@
 - the workspace of `layer_layout` (one plain device allocation at P = 1, one torch symmetric-memory allocation
   rendezvoused over the group at P > 1), its signals zeroed once (`layer_layout.initialize_state`);
 - the kernels: dispatch (role1), role2 at the token tile the token-bound heuristic picks for the call's token
-  count (`plan_call`): by default one kernel (`role2`: W1 and W2 units of the ring-consumer grouped GEMM in one
-  launch, W2 driven by the W1-completion bitmap), else the two ring-consumer GEMMs as two nodes; finalize (role3);
+  count (`plan_call`), finalize (role3), role4 when the layer has a shared expert. Role2 is one persistent
+  kernel (`role2`: W1 and W2 units of the ring-consumer grouped GEMM, W2 driven by the W1-completion bitmap) at
+  1 token per rank and W1 -> W2 as two nodes from 2 tokens (`role2_nodes` "auto", measured faster each way);
 - one child graph per (token count, output, weights): dispatch (communication context) and role2 (compute
-  context) as concurrent roots, finalize after both: three nodes (four with the shared expert's role4 as two
-  nodes, W1 -> W2, so five). With the separate GEMMs, W2 after W1 (one node more). Every replay leaves the state
-  ready for the next (role3 resets the ring signals and the W1-completion words and flips the parity), so a
-  graph replays, eagerly or inside an outer torch CUDA graph capture, without host work in between.
+  context) as concurrent roots, finalize after both: three nodes with the fused role2, four with W1 and W2; the
+  shared expert adds W1 -> W2 (or one node with `role4_fused`). Every replay leaves the state ready for the next
+  (role3 resets the ring signals and the W1-completion words and flips the parity), so a graph replays, eagerly
+  or inside an outer torch CUDA graph capture, without host work in between.
 - the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, role2 (W1) depends on dispatch,
   so the two roots run one after the other (the ablation of the overlap; the ring holds the whole pool, so
   dispatch finishes without W1 consuming anything).
-- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "1"): 1, the fused role2 kernel; 2, W1 and W2 as
-  two nodes joined by an edge (the earlier form, kept to measure what the fusion gives).
+- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" as above; 1, the fused role2
+  kernel at every token count; 2, W1 and W2 as two nodes at every token count.
 
 Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
 Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only
