@@ -5,11 +5,13 @@ fills it and drives W2 by the W1-completion bitmap, so the layer graph has three
 finalize), four with the shared expert. The two GEMMs are the halves of `grouped_gemm` (`GemmConfig.fused_role2`);
 this module only decides which unit each CTA runs and how the halves hand over:
 
-- **units and tickets**: the launch has one CTA per unit, W1's (token tile fastest, then weight-row CTA, then
-  expert) before W2's in the same order. A CTA's thread 0 draws a ticket (`atom.add` on the control word
-  ROLE2_TICKET) and runs the ticket's unit, not the block index's: a CTA that holds a ticket is resident, so every
-  W1 unit a W2 unit waits for has started (or finished) on a resident CTA whatever order the block scheduler
-  uses, and the waits cannot deadlock. The CTA that draws the last ticket resets the word for the next launch.
+- **persistent CTAs and compact tickets**: one CTA per compute SM (`launch_ctas`). After RING_READY, warp 0 of
+  each CTA builds the experts' token-tile prefix in shared memory; tickets (`atom.add` on the control word
+  ROLE2_TICKET) number only the units with rows, W1's (expert, weight-row CTA, token tile fastest) before W2's
+  in the same order (`unit_of_ticket` is the host twin). The producer warp draws the CTA's next unit after its
+  last copy. A W2 unit waits only for W1 units with smaller tickets, each held by a resident CTA that runs it
+  (or runs an earlier W1 unit first, which waits for nothing but role1), so the waits cannot deadlock. The draw
+  that completes the launch's count (units + one final draw per CTA) resets the word for the next launch.
 - **W1 -> W2**: W1 unit (expert e, weight-row CTA bx, token tile bz) writes 128 intermediate channels, exactly
   K128 block bx of W2's input rows, then (after a consumer barrier) sets bit bx of the word
   `w1_done_mask[e, bz]` with release. A W2 unit of (e, bz) issues the bulk copies of its first weight stages at
@@ -17,10 +19,10 @@ this module only decides which unit each CTA runs and how the halves hand over:
   and reads their scales, routing destinations and sources with coherent loads (they were written during this
   kernel, so neither the non-coherent path nor an L1 line may serve them). Role3 (finalize) clears the words for
   the next replay.
-- both halves wait for RING_READY (role1 published expert_offsets) once, in thread 0, before drawing a unit.
+- the layer runs this kernel at 1 token per rank (`layer.role2_fused`); docs/sm90-layer.md has the measurements.
 
 Kernel parameters (all scalars, in order): `PARAMS`. Host side (no DSL needed): `PARAMS`, `Role2Config`,
-`variant`, `units`, `role2_launch`.
+`variant`, `units`, `launch_ctas`, `unit_of_ticket`, `role2_launch`.
 """
 
 
@@ -68,11 +70,6 @@ class Role2Config:
         if (w1.stages, w1.threads, w1.smem_bytes, w1.ctas_per_sm) != (w2.stages, w2.threads, w2.smem_bytes,
                                                                       w2.ctas_per_sm):
             raise AssertionError(f"role2 halves differ: {w1} / {w2}")
-
-    @property
-    def name(self) -> str:
-        w1 = self.half("w1")
-        return w1.name.replace("sm90_grouped_gemm_w1", "sm90_role2")
 
 
 def units(block_n: int, hidden: int, intermediate: int, local_experts: int, expert_rows_bound: int) -> dict:
