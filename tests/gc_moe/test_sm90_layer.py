@@ -297,8 +297,18 @@ def test_role2_nodes_from_env_and_argument(monkeypatch):
     shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
     with pytest.raises(ValueError, match="role2_nodes 3; allowed: 'auto'"):
         sm90_layer.Sm90Layer(shape, device="cpu", role2_nodes=3)
-    with pytest.raises(TypeError, match="role4_fused 1; allowed: True or False"):
+    with pytest.raises(TypeError, match="role4_fused 1; allowed: True, False or None"):
         sm90_layer.Sm90Layer(shape, device="cpu", role4_fused=1)
+
+
+def test_role4_switch_reads_the_environment():
+    assert sm90_layer.role4_fused_from_env({}) is False
+    assert sm90_layer.role4_fused_from_env({sm90_layer.ROLE4_ENV: ""}) is False
+    assert sm90_layer.role4_fused_from_env({sm90_layer.ROLE4_ENV: "0"}) is False
+    assert sm90_layer.role4_fused_from_env({sm90_layer.ROLE4_ENV: "1"}) is True
+    for bad in ("yes", "2", "true"):
+        with pytest.raises(ValueError, match=r"GC_MOE_ROLE4_FUSED=.*allowed: 0 .* or 1 "):
+            sm90_layer.role4_fused_from_env({sm90_layer.ROLE4_ENV: bad})
 
 
 def test_settings_note():
@@ -309,8 +319,10 @@ def test_settings_note():
         "nodes above"
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
-    layer.overlap_roots, layer.role2_nodes = False, 2
+    layer.overlap_roots, layer.role2_nodes, layer.role4_fused = False, 2, False
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
+    layer.role4_fused = True
+    assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node")
 
 
 # ------------------------------------------------------------------------------------------------ weights
@@ -423,7 +435,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
 
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
-    layer.overlap_roots, layer.role2_nodes = True, 1
+    layer.overlap_roots, layer.role2_nodes, layer.role4_fused = True, 1, False
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}

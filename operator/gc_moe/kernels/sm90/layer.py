@@ -20,6 +20,8 @@
   dispatch finishes without W1 consuming anything).
 - the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" as above; 1, the fused role2
   kernel at every token count; 2, W1 and W2 as two nodes at every token count.
+- the role4 switch (`role4_fused`, default GC_MOE_ROLE4_FUSED, "0"): the shared expert as one fused node ("1")
+  instead of W1 -> W2 (measured 2-6% slower on the H200, so off by default).
 
 Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
 Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only
@@ -46,6 +48,8 @@ OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concu
 OVERLAP_VALUES = {"1": True, "0": False}
 ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
+ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
+ROLE4_VALUES = {"0": False, "1": True}
 # "auto": the fused role2 kernel at 1 token per rank, W1 and W2 nodes from 2 on. Measured on the H200
 # (docs/sm90-layer.md): the persistent fused kernel (one CTA per SM) is 10-15% faster at 1 token and 20-40%
 # slower from 2 tokens, where two W1 / W2 CTAs per SM stream more weights than one persistent CTA
@@ -280,6 +284,18 @@ def role2_nodes_from_env(environ=os.environ):
     return int(raw)
 
 
+def role4_fused_from_env(environ=os.environ) -> bool:
+    """Whether the shared expert (role4) runs as one fused kernel: GC_MOE_ROLE4_FUSED "0" (the default when unset
+    or empty: W1 and W2 nodes) or "1" (one node)."""
+    raw = environ.get(ROLE4_ENV, "")
+    if raw == "":
+        return False
+    if raw not in ROLE4_VALUES:
+        raise ValueError(f"{ROLE4_ENV}={raw!r}; allowed: 0 (the shared expert as W1 and W2 nodes, the default) or 1 "
+                         f"(one fused node)")
+    return ROLE4_VALUES[raw]
+
+
 def role2_fused(role2_nodes, num_tokens: int) -> bool:
     """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel."""
     return role2_nodes == 1 or (role2_nodes == "auto" and num_tokens <= ROLE2_FUSED_MAX_TOKENS)
@@ -291,12 +307,13 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
     return [] if overlap_roots else [dispatch_node]
 
 
-def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto") -> str:
-    """How a layer runs, as the harness records it beside each measurement."""
+def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
+                  role4_fused: bool = False) -> str:
+    """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node)."""
     role2_text = {"auto": f"one fused node up to {ROLE2_FUSED_MAX_TOKENS} token per rank, W1 and W2 nodes above",
                   1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
-            f"role2 {role2_text}")
+            f"role2 {role2_text}" + ("; role4 one fused node" if role4_fused else ""))
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -331,7 +348,7 @@ class Sm90Layer:
     """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
 
     def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 overlap_roots: bool | None = None, role2_nodes=None, role4_fused: bool = False):
+                 overlap_roots: bool | None = None, role2_nodes=None, role4_fused: bool | None = None):
         import torch
 
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -347,10 +364,12 @@ class Sm90Layer:
             raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel at 1 token per rank), "
                              f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
+        if role4_fused is None:
+            role4_fused = role4_fused_from_env()
         if not isinstance(role4_fused, bool):
-            raise TypeError(f"role4_fused {role4_fused!r}; allowed: True or False")
-        # role4 as one kernel (shared_expert's fused launch): built and checked offline, not yet run on a GPU,
-        # so off by default (docs/sm90-layer.md)
+            raise TypeError(f"role4_fused {role4_fused!r}; allowed: True, False or None ({ROLE4_ENV})")
+        # role4 as one kernel (shared_expert's fused launch): correct on the H200 but 2-6% slower than its two
+        # nodes (W2 CTAs wait resident for all W1 CTAs), so off by default (docs/sm90-layer.md)
         self.role4_fused = role4_fused
         device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         if device.type != "cuda":
@@ -409,7 +428,7 @@ class Sm90Layer:
         """The partition and the overlap switch, e.g. "partition comm/compute 4/128 SMs; overlap on"."""
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
-                             self.role2_nodes)
+                             self.role2_nodes, self.role4_fused)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
