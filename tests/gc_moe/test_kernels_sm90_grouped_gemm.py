@@ -49,6 +49,29 @@ def test_shared_memory_plan_fits_the_sm():
         gg.GemmConfig("w2", 8, warp_specialized=False, ctas_per_sm=2)
 
 
+def test_consumer_registers_move_within_the_ctas_pool():
+    cfg = gg.GemmConfig("w1", 32, producer_warps=4, consumer_registers=112)
+    assert cfg.threads == 640 and cfg.producer_registers == 32
+    assert gg.GemmConfig("w2", 16, producer_warps=4, consumer_registers=104).producer_registers == 64
+    for c in gg.CONSUMER_REGISTER_CHOICES:
+        split = gg.GemmConfig("w2", 32, producer_warps=4, consumer_registers=c)
+        # the pool is the launch's 640 x 96; setmaxnreg takes multiples of 8 in 24..256
+        assert 128 * split.producer_registers + 512 * c <= 640 * gg.WS_ENTRY_REGISTERS
+        assert split.producer_registers % 8 == 0 and split.producer_registers >= 24
+        assert split.name.endswith("_p4_r%d" % c)
+    for bad in (dict(producer_warps=2, consumer_registers=112),  # the producer must be a whole warpgroup
+                dict(producer_warps=4, consumer_registers=120),  # more than the pool holds
+                dict(producer_warps=4, consumer_registers=112, ctas_per_sm=2, block_n=8),
+                dict(producer_warps=1, consumer_registers=112, warp_specialized=False)):
+        knobs = {"block_n": 32, **bad}
+        with pytest.raises(ValueError, match="consumer_registers .*allowed None, or one of \\(104, 112\\)"):
+            gg.GemmConfig("w1", **knobs)
+    assert gg.launch_register_bounds(gg.GemmConfig("w1", 32)) == {}
+    assert gg.launch_register_bounds(gg.GemmConfig("w1", 8)) == {"min_blocks_per_mp": 2,
+                                                                 "preferred_smem_carveout": 100}
+    assert dict(gg.variant("w1", 32, producer_warps=4, consumer_registers=112).params)["consumer_registers"] == 112
+
+
 def test_pipeline_knob_defaults_and_errors():
     assert not gg.GemmConfig("w1", 64).warp_specialized  # bn 64 needs more than 96 registers per thread
     assert gg.GemmConfig("w1", 8, ring_consumer=True).warp_specialized  # the ring consumer too, up to bn 32

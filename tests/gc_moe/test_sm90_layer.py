@@ -172,7 +172,7 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     names = [v.name for v in vs]
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
     fused = [dict(v.params) for v in vs if v.name == "sm90.role2"]
-    assert sorted(p["block_n"] for p in fused) == [8, 16]
+    assert sorted(p["block_n"] for p in fused) == [8, 16, 32]
     assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in fused)
     gemms = [dict(v.params) for v in vs[2:] if v.name == "sm90.grouped_gemm"]
     assert len(gemms) + len(fused) == len(vs) - 2
@@ -477,5 +477,21 @@ def test_role2_tickets_cover_every_unit_with_rows_once_w1_first():
                 for bx in range(ctas) for bz in range(tiles[e])]
     assert drawn == expected  # every unit once; W1 first; expert by expert, token tiles fastest
     assert role2.launch_ctas(8, 128, 10_000) == 128 and role2.launch_ctas(16, 128, 5) == 5
-    with pytest.raises(ValueError, match="allowed: \\(8, 16\\)"):
-        role2.Role2Config(32)
+    with pytest.raises(ValueError, match="allowed: \\(8, 16, 32\\)"):
+        role2.Role2Config(64)
+
+
+def test_role2_at_bn32_splits_the_registers_with_a_producer_warpgroup():
+    from gc_moe.kernels.sm90 import role2
+
+    cfg = role2.Role2Config(32)
+    assert (cfg.producer_warps, cfg.consumer_registers) == (4, 112)
+    half = cfg.half("w1")
+    assert half.threads == 640 and half.producer_registers == 32
+    assert 128 * half.producer_registers + 512 * half.consumer_registers == 640 * gg.WS_ENTRY_REGISTERS
+    assert gg.launch_register_bounds(half) == {"min_blocks_per_mp": 1}  # setmaxnreg needs the entry's count
+    for bn in (8, 16):
+        small = role2.Role2Config(bn)
+        assert (small.producer_warps, small.consumer_registers) == (1, None)
+        assert "consumer_registers" not in dict(role2.variant(bn).params)  # their cache keys stay as measured
+    assert dict(role2.variant(32).params)["consumer_registers"] == 112

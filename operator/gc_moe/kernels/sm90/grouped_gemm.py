@@ -43,6 +43,10 @@ SMEM_PER_SM = 228 * 1024  # of which the driver reserves 1 KiB per resident CTA
 STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
 # ptxas budgets a 544-thread CTA as 640 threads (whole warpgroups): 96 registers per thread, enough up to bn 32
 WS_MAX_BLOCK_N = 32
+WS_ENTRY_REGISTERS = 96  # what every thread of a 544..640-thread CTA gets at launch (the CTA's register pool / 640)
+# consumer_registers: what the four consumer warpgroups may raise their share to once the producer warpgroup
+# (producer_warps=4) has lowered its own; the pool stays 640 x 96, so the producer keeps (640 x 96 - 512 x C) / 128
+CONSUMER_REGISTER_CHOICES = (104, 112)
 # the mbarrier waits' suspend-time hint (ns); 0: the polling loop, the default (a 10 ms hint, CUTLASS's value,
 # measured 0-1.5% slower: NANOSLEEP.SYNCS wakes on any barrier traffic, the polls stay, see step 7 of the docs)
 WAIT_SUSPEND_NS = 0
@@ -131,6 +135,11 @@ class GemmConfig:
     # finished unit in the W1-completion bitmap of its (expert, token tile), W2 waits for all of its tile's bits
     # before its first token copy and reads what W1 wrote through coherent loads
     fused_role2: bool = False
+    # warp_specialized with a producer warpgroup (producer_warps=4, one CTA per SM): the consumer warpgroups raise
+    # their registers to this many per thread (`setmaxnreg.inc`) for the main loop while the producer lowers its
+    # own (`setmaxnreg.dec` to `producer_registers`); both return to the launch's 96 after it. None: no change.
+    # Room for the persistent role2 kernel's bn 32, which spills in 96
+    consumer_registers: int | None = None
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -162,6 +171,12 @@ class GemmConfig:
                                      and self.token_tiles_fastest and not self.fold_scales):
             raise ValueError("fused_role2 is a half of the layer's role2 kernel: it needs ring_consumer=True on the "
                              "warp-specialized pipeline, unfolded scales, token tiles fastest, no compact_grid")
+        if self.consumer_registers is not None and (
+                self.consumer_registers not in CONSUMER_REGISTER_CHOICES or not self.warp_specialized
+                or self.producer_warps != 4 or self.ctas_per_sm != 1):
+            raise ValueError(f"consumer_registers {self.consumer_registers}: allowed None, or one of "
+                             f"{CONSUMER_REGISTER_CHOICES} on the warp-specialized pipeline with a producer warpgroup "
+                             f"(producer_warps=4) and one CTA per SM (the registers move within one CTA's pool)")
         if self.stages is None:
             object.__setattr__(self, "stages", self.max_stages if self.warp_specialized else 6)
         if not 2 <= self.stages <= 16:
@@ -185,6 +200,13 @@ class GemmConfig:
     @property
     def producer_threads(self) -> int:
         return PRODUCER_THREADS * self.producer_warps
+
+    @property
+    def producer_registers(self) -> int | None:
+        """consumer_registers: the producer warpgroup's share of the CTA's pool during the main loop."""
+        if self.consumer_registers is None:
+            return None
+        return (640 * WS_ENTRY_REGISTERS - THREADS * self.consumer_registers) // (32 * self.producer_warps)
 
     @property
     def max_stages(self) -> int:
@@ -287,6 +309,8 @@ class GemmConfig:
             s += "_ws" if self.ctas_per_sm == 1 else f"_ws{self.ctas_per_sm}"
             if self.producer_warps != 1:
                 s += f"_p{self.producer_warps}"
+            if self.consumer_registers is not None:
+                s += f"_r{self.consumer_registers}"
             if self.wait_suspend_ns != WAIT_SUSPEND_NS:
                 s += f"_sus{self.wait_suspend_ns}"
         return s
@@ -385,6 +409,7 @@ def _make_kernel(cfg: GemmConfig):
     B_PIECES_PER_THREAD = -(-BN * 8 // PT)  # 16-byte pieces of the token tile per producer thread
     SUSPEND = cfg.wait_suspend_ns
     FUSED = cfg.fused_role2
+    SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers
     FULL_ARRIVALS = PT + 1 + (1 if FUSED and not W1 else 0)
@@ -739,7 +764,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready):
+    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready, w_factor, epilogue):
         tid = cute.arch.thread_idx()[0]
         wg = tid // 128
         t = tid % 128
@@ -754,11 +779,25 @@ def _make_kernel(cfg: GemmConfig):
             ptx.fence_mbarrier_init()
         ptx.barrier_sync()
         if tid >= THREADS:
+            # consumer_registers: the producer's registers go to the consumers for the unit (main loop and
+            # epilogue). The producer takes its back only where it has more to run (the fused role2 kernel's
+            # next unit: `role2` after its draw); a kernel of one unit lets it exit with fewer
+            if cutlass.const_expr(SPLIT):
+                cute.arch.setmaxregister_decrease(cfg.producer_registers)
             produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready)
-        elif cutlass.const_expr(cfg.pipelined):
-            consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
         else:
-            consume_folded(k_blocks, smem, wg, t, warp, g, q, acc)
+            if cutlass.const_expr(SPLIT):
+                cute.arch.setmaxregister_increase(cfg.consumer_registers)
+            if cutlass.const_expr(cfg.pipelined):
+                consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
+            else:
+                consume_folded(k_blocks, smem, wg, t, warp, g, q, acc)
+            if cutlass.const_expr(epilogue is not None):
+                # inside the consumers' branch: ptxas allocates a region reached from both branches within the
+                # entry's 96 registers, so an epilogue after the branches merge would not get the split's
+                epilogue[0](tid, wg, warp, g, q, weight_factor(w_factor, e), acc, *epilogue[1])
+            if cutlass.const_expr(SPLIT):  # the registers go back to the pool; the producer may take its own
+                cute.arch.setmaxregister_decrease(WS_ENTRY_REGISTERS)
         return tid, wg, warp, g, q
 
     @cute.jit
@@ -797,19 +836,27 @@ def _make_kernel(cfg: GemmConfig):
         return tid, wg, warp, g, q
 
     @cute.jit
-    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready=None):
+    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready=None, epilogue=None):
         """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply.
-        ready: the fused W2 half's wait on its tile's W1-completion bits (else None)."""
+        ready: the fused W2 half's wait on its tile's W1-completion bits (else None). epilogue: (function, its
+        arguments after (tid, wg, warp, g, q, factor, acc)) that the consumers run inside their branch of the
+        warp-specialized split (consumer_registers: in the registers they took), else None: the caller runs it."""
         for i in cutlass.range_constexpr(BN // 2):
             acc[i] = Float32(0.0)
         if cutlass.const_expr(WS):
-            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready)
+            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready,
+                                               w_factor, epilogue)
         else:
             tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
+        return tid, wg, warp, g, q, weight_factor(w_factor, e)
+
+    @cute.jit
+    def weight_factor(w_factor, e):
+        """The expert's compensating factor (weights.sm90), times what the folded decode leaves out."""
         factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
         if cutlass.const_expr(cfg.fold_scales):
             factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
-        return tid, wg, warp, g, q, factor
+        return factor
 
     if RING:
         from gc_moe.kernels.sm90 import dispatch as ring_protocol  # the ring's wait and release helpers
@@ -857,6 +904,98 @@ def _make_kernel(cfg: GemmConfig):
         r = b - found_start
         return found_e, r // found_tiles, r % found_tiles
 
+    @cute.jit
+    def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
+                    out_scale, ring, done_mask):
+        """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
+        rows with FP32 K128 scales; the ring consumer releases its ring blocks, the fused half its bit."""
+        if cutlass.const_expr(RING):
+            ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+        inter = m_tiles * 32
+        channel = bx * 128 + wg * 32 + warp * 8 + g
+        hv = cute.make_rmem_tensor((BN // 4,), Float32)
+        for i in cutlass.range_constexpr(NSUB):
+            for c in cutlass.range_constexpr(2):
+                n = 8 * i + 2 * q + c
+                nrow = Int64(row0) + Int64(n)
+                if n >= count:
+                    nrow = Int64(row0)
+                gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
+                up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
+                              Float32(-cfg.swiglu_clamp))
+                if cutlass.const_expr(RING):
+                    rw = ptx.ld_global_f32(routing_weight + nrow * 4)
+                else:
+                    rw = ptx.ldg_f32(routing_weight + nrow * 4)
+                h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
+                hv[2 * i + c] = h
+                m = ptx.fabs(h)
+                m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
+                m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
+                m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
+                if g == 0:
+                    ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
+        consumer_sync()
+        if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
+            # every read of the tile's ring rows (copies, scales, routing weights) precedes the
+            # barrier above: release the blocks so role1 may refill them (a later generation)
+            if tid == 0:
+                block = row0 // ring_block_m
+                while block <= (row0 + rows - 1) // ring_block_m:
+                    generation = block // ring_blocks
+                    ring_protocol.atom_add_release_gpu(
+                        l1_empty_count + Int64(block - generation * ring_blocks) * 4, Int32(1))
+                    block = block + 1
+        for i in cutlass.range_constexpr(NSUB):
+            for c in cutlass.range_constexpr(2):
+                n = 8 * i + 2 * q + c
+                amax = Float32(0.0)
+                for p in cutlass.range_constexpr(16):
+                    amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
+                amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
+                inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
+                if n < count:
+                    nrow = Int64(row0) + Int64(n)
+                    ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
+                    if tid < 4:
+                        ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
+                                    amax * Float32(1.0 / FP8_MAX))
+        if cutlass.const_expr(FUSED):
+            # every consumer's stores of this unit precede the barrier; thread 0's release of bit bx
+            # (W2's K128 block bx) then carries them to whoever acquires the word
+            consumer_sync()
+            if tid == 0:
+                ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
+
+    @cute.jit
+    def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring):
+        """A consumer thread's W2 epilogue: BF16 partials to each row's combine row (the ring consumer's: in the
+        source rank's buffer)."""
+        hidden = m_tiles * 64
+        h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
+        for i in cutlass.range_constexpr(NSUB):
+            for c in cutlass.range_constexpr(2):
+                n = 8 * i + 2 * q + c
+                if n < count:
+                    if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
+                        d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                    else:
+                        d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                    if cutlass.const_expr(RING):
+                        # the row's source rank owns the combine buffer: its peer offset moves the address
+                        ring_source, peers, source_rows = ring
+                        if cutlass.const_expr(FUSED):
+                            source = ptx.ld_relaxed_gpu_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+                        else:
+                            source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+                        source = source // source_rows
+                        base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
+                            + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                    else:
+                        base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                    ptx.stg_bf16(base, acc[4 * i + c] * factor)
+                    ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+
     if W1:
         @cute.jit
         def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
@@ -868,6 +1007,7 @@ def _make_kernel(cfg: GemmConfig):
                 e, bx, bz, started, done_mask = fused
             else:
                 bx, e, bz = cute.arch.block_idx()
+                done_mask = None
             if cutlass.const_expr(cfg.token_tiles_fastest and not FUSED):
                 bz, bx, e = cute.arch.block_idx()
             if cutlass.const_expr(RING and not FUSED):
@@ -899,67 +1039,19 @@ def _make_kernel(cfg: GemmConfig):
                         ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m,
                                                         ring_blocks, started, timeout_ns)
                     ptx.barrier_sync()  # every thread's copies of the tile's rows follow thread 0's acquire
+                if cutlass.const_expr(not RING):
+                    rows = count  # only the ring consumer's release reads it
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
+                epilogue = (w1_epilogue, (smem, row0, count, rows, bx, m_tiles, routing_weight, out, out_scale, ring,
+                                          done_mask))
                 tid, wg, warp, g, q, factor = tile_product(
-                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc
+                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc,
+                    None, epilogue if SPLIT else None,
                 )
-                if tid < THREADS:  # the warp-specialized producer warp has no outputs
-                    inter = m_tiles * 32
-                    channel = bx * 128 + wg * 32 + warp * 8 + g
-                    hv = cute.make_rmem_tensor((BN // 4,), Float32)
-                    for i in cutlass.range_constexpr(NSUB):
-                        for c in cutlass.range_constexpr(2):
-                            n = 8 * i + 2 * q + c
-                            nrow = Int64(row0) + Int64(n)
-                            if n >= count:
-                                nrow = Int64(row0)
-                            gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
-                            up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
-                                          Float32(-cfg.swiglu_clamp))
-                            if cutlass.const_expr(RING):
-                                rw = ptx.ld_global_f32(routing_weight + nrow * 4)
-                            else:
-                                rw = ptx.ldg_f32(routing_weight + nrow * 4)
-                            h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
-                            hv[2 * i + c] = h
-                            m = ptx.fabs(h)
-                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
-                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
-                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
-                            if g == 0:
-                                ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
-                    consumer_sync()
-                    if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
-                        # every read of the tile's ring rows (copies, scales, routing weights) precedes the
-                        # barrier above: release the blocks so role1 may refill them (a later generation)
-                        if tid == 0:
-                            block = row0 // ring_block_m
-                            while block <= (row0 + rows - 1) // ring_block_m:
-                                generation = block // ring_blocks
-                                ring_protocol.atom_add_release_gpu(
-                                    l1_empty_count + Int64(block - generation * ring_blocks) * 4, Int32(1))
-                                block = block + 1
-                    for i in cutlass.range_constexpr(NSUB):
-                        for c in cutlass.range_constexpr(2):
-                            n = 8 * i + 2 * q + c
-                            amax = Float32(0.0)
-                            for p in cutlass.range_constexpr(16):
-                                amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
-                            amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
-                            inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
-                            if n < count:
-                                nrow = Int64(row0) + Int64(n)
-                                ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
-                                if tid < 4:
-                                    ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
-                                                amax * Float32(1.0 / FP8_MAX))
-                    if cutlass.const_expr(FUSED):
-                        # every consumer's stores of this unit precede the barrier; thread 0's release of bit bx
-                        # (W2's K128 block bx) then carries them to whoever acquires the word
-                        consumer_sync()
-                        if tid == 0:
-                            ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
+                if cutlass.const_expr(not SPLIT):
+                    if tid < THREADS:  # the warp-specialized producer warp has no outputs
+                        w1_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -1007,35 +1099,14 @@ def _make_kernel(cfg: GemmConfig):
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((BN // 2,), Float32)
+                epilogue = (w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, ring))
                 tid, wg, warp, g, q, factor = tile_product(
                     (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc,
-                    ready,
+                    ready, epilogue if SPLIT else None,
                 )
-                if tid < THREADS:  # the warp-specialized producer warp has no outputs
-                    hidden = m_tiles * 64
-                    h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
-                    for i in cutlass.range_constexpr(NSUB):
-                        for c in cutlass.range_constexpr(2):
-                            n = 8 * i + 2 * q + c
-                            if n < count:
-                                if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
-                                    d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
-                                else:
-                                    d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
-                                if cutlass.const_expr(RING):
-                                    # the row's source rank owns the combine buffer: its peer offset moves the address
-                                    ring_source, peers, source_rows = ring
-                                    if cutlass.const_expr(FUSED):
-                                        source = ptx.ld_relaxed_gpu_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
-                                    else:
-                                        source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
-                                    source = source // source_rows
-                                    base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
-                                        + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
-                                else:
-                                    base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
-                                ptx.stg_bf16(base, acc[4 * i + c] * factor)
-                                ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+                if cutlass.const_expr(not SPLIT):
+                    if tid < THREADS:  # the warp-specialized producer warp has no outputs
+                        w2_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -1058,14 +1129,24 @@ def _make_kernel(cfg: GemmConfig):
 
 
 # ---------------------------------------------------------------------------------------------- build
+def launch_register_bounds(cfg: GemmConfig) -> dict:
+    """The launch's `.minnctapersm` where the registers need it: ctas_per_sm > 1 (ptxas budgets the registers for
+    that many CTAs per SM), or consumer_registers (ptxas honours setmaxnreg only when the entry's register count
+    follows from the launch bounds: one CTA of 640 threads -> 96 per thread)."""
+    if cfg.ctas_per_sm > 1:
+        return {"min_blocks_per_mp": cfg.ctas_per_sm, "preferred_smem_carveout": 100}
+    if cfg.consumer_registers is not None:
+        return {"min_blocks_per_mp": 1}
+    return {}
+
+
 def _host_launcher(cfg: GemmConfig, kernel):
     """The DSL host function that launches `kernel` with the parameters of `cfg.params` (one per variant kind:
     the DSL needs each scalar named in the signature)."""
     from cutlass import Int32, Int64, cute
 
     launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
-    if cfg.ctas_per_sm > 1:  # .minnctapersm: ptxas budgets the registers for that many CTAs per SM
-        launch.update(min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
+    launch.update(launch_register_bounds(cfg))
     if cfg.role == "w1" and cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -1097,7 +1178,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, l2_evict_first: bool = False,
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
-               wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False):
+               wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
+               consumer_registers: int | None = None):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1107,7 +1189,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
         raise ValueError(f"the SM90 grouped GEMM is built for sm_90a only, not {arch!r}")
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
-                     compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns)
+                     compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
+                     consumer_registers=consumer_registers)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1118,7 +1201,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
-            compact_grid: bool = False):
+            compact_grid: bool = False, consumer_registers: int | None = None):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1129,9 +1212,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                       warp_specialized=warp_specialized).warp_specialized:
         producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
         compact_grid = False  # likewise (the cp.async pipeline's bn 64 has no registers left for the scan)
+        consumer_registers = None
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
-                     producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid)
+                     producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
+                     consumer_registers=consumer_registers)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1151,6 +1236,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["fold_scales"] = True
     if compact_grid:
         params["compact_grid"] = True
+    if consumer_registers is not None:
+        params["consumer_registers"] = consumer_registers
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")

@@ -41,8 +41,14 @@ PARAMS = (
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("local_experts", "s32"),
     ("mask_stride", "s32"), ("timeout_ns", "s64"),
 )
-LOCAL_BYTES_BUDGET = 16
-BLOCK_N_CHOICES = (8, 16)  # token tiles of the persistent kernel (layer.plan_call caps the tile at 16 for it)
+# stack bytes per thread a variant may use, never inside a K loop (SASS checked): bn 16 keeps one 8-byte loop
+# value; bn 32 spills 11 words of the W1 epilogue (the 64-bit rows of its routing-weight loop, live across its
+# barrier), stored and loaded once per unit even with the consumers' 112 registers
+LOCAL_BYTES_BUDGET = {8: 16, 16: 16, 32: 48}
+BLOCK_N_CHOICES = (8, 16, 32)  # token tiles of the persistent kernel
+# bn 32 spills 128 bytes per thread in the 96 registers a 544-thread CTA gets (both halves, the loop and the
+# scheduler): there the producer is a warpgroup that lends the consumers registers for the main loop
+SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
@@ -51,7 +57,8 @@ class Role2Config:
     block_n: int = 8
     swiglu_alpha: float = 1.0
     swiglu_clamp: float = 10.0
-    producer_warps: int = 1
+    producer_warps: int | None = None  # None: 4 where the registers are split (SPLIT_BLOCK_N), else 1
+    consumer_registers: int | None = None  # None: SPLIT_BLOCK_N's where it names the token tile
 
     def half(self, role: str) -> gg.GemmConfig:
         """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
@@ -59,13 +66,17 @@ class Role2Config:
         99.1 / 87.7 us (GLM-5.2 / DeepSeek) against 117.5 / 107.1 with two at bn 8 (docs/sm90-layer.md)."""
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
-                             ctas_per_sm=1, fused_role2=True)
+                             ctas_per_sm=1, fused_role2=True, consumer_registers=self.consumer_registers)
 
     def __post_init__(self):
+        split = SPLIT_BLOCK_N.get(self.block_n, (1, None))
+        if self.producer_warps is None:
+            object.__setattr__(self, "producer_warps", split[0])
+        if self.consumer_registers is None and self.producer_warps == split[0]:
+            object.__setattr__(self, "consumer_registers", split[1])
         if self.block_n not in BLOCK_N_CHOICES:
-            raise ValueError(f"block_n {self.block_n}: the persistent role2 kernel fits the registers at {BLOCK_N_CHOICES} "
-                             f"(bn 32 spills 128 bytes per thread: both halves, the loop and the scheduler in 96 "
-                             f"registers); allowed: {BLOCK_N_CHOICES}")
+            raise ValueError(f"block_n {self.block_n}: the persistent role2 kernel is built at {BLOCK_N_CHOICES} (bn 64 "
+                             f"needs more registers than a consumer can get); allowed: {BLOCK_N_CHOICES}")
         w1, w2 = self.half("w1"), self.half("w2")
         if (w1.stages, w1.threads, w1.smem_bytes, w1.ctas_per_sm) != (w2.stages, w2.threads, w2.smem_bytes,
                                                                       w2.ctas_per_sm):
@@ -100,21 +111,24 @@ def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int):
     return role, e, local // te, local % te
 
 
-def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int = 1):
+def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int | None = None,
+            consumer_registers: int | None = None):
     """The runtime KernelVariant of the fused role2 kernel at one token tile."""
     from gc_moe.runtime.jit import KernelVariant
 
-    Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps)  # validates
+    cfg = Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers)  # validates
     params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
-    if producer_warps != 1:
-        params["producer_warps"] = producer_warps
+    if cfg.producer_warps != 1:
+        params["producer_warps"] = cfg.producer_warps
+    if cfg.consumer_registers is not None:
+        params["consumer_registers"] = cfg.consumer_registers
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
     # bn 16 (96 registers, the cap of a 544-thread CTA): ptxas keeps a loop value on the stack (8 bytes),
     # stored at a unit's start and loaded once after a K loop (SASS checked), never inside the K loops
     return KernelVariant.make("sm90.role2", __name__, "build_role2", params, promises=promises,
-                              local_bytes_budget=LOCAL_BYTES_BUDGET,
+                              local_bytes_budget=LOCAL_BYTES_BUDGET[block_n],
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
                                              "gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout"))
 
@@ -167,6 +181,7 @@ def _make_kernel(cfg: Role2Config):
 
     STAGES = half1.stages
     BN = cfg.block_n
+    SPLIT = half1.consumer_registers is not None
 
     @cute.jit
     def build_prefix(expert_offsets, local_experts, prefix, lane):
@@ -279,6 +294,9 @@ def _make_kernel(cfg: Role2Config):
                 # the producer warp is done with this unit long before the consumers: its lane 0 draws the next
                 # unit meanwhile (its slot was read an iteration ago), off the consumers' path
                 draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + ((it + 1) % 2) * 16)
+            if cutlass.const_expr(SPLIT):
+                if tid >= gg.THREADS:  # every unit drawn has rows, so the producer lowered its registers in it
+                    cute.arch.setmaxregister_increase(gg.WS_ENTRY_REGISTERS)
             # every thread is done with the unit's shared memory and barriers: thread 0 retires the barriers
             # (the next unit initializes them again); the next unit's slot is written and visible
             ptx.barrier_sync()
@@ -290,8 +308,7 @@ def _make_kernel(cfg: Role2Config):
             e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
 
     launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
-    if half1.ctas_per_sm > 1:  # .minnctapersm: ptxas budgets the registers for that many CTAs per SM
-        launch.update(min_blocks_per_mp=half1.ctas_per_sm, preferred_smem_carveout=100)
+    launch.update(gg.launch_register_bounds(half1))
 
     @cute.jit
     def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
@@ -307,7 +324,7 @@ def _make_kernel(cfg: Role2Config):
 
 
 def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-                producer_warps: int = 1):
+                producer_warps: int | None = None, consumer_registers: int | None = None):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -315,6 +332,6 @@ def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 role2 kernel is built for sm_90a only, not {arch!r}")
-    host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps))
+    host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers))
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
