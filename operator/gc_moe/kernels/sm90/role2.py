@@ -169,6 +169,46 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
 
 # ------------------------------------------------------------------------------------------------- device code
 def _make_kernel(cfg: Role2Config):
+    """The role2 kernel (host launcher) and its GEMM half's configuration."""
+    from cutlass import Int32, Int64, cute
+
+    half1 = cfg.half("w1")
+    run_units = make_unit_loop(cfg)
+
+    @cute.kernel
+    def kernel(w1_codes: Int64, w1_scales: Int64, w1_factor: Int64, w2_codes: Int64, w2_scales: Int64,
+               w2_factor: Int64, ring_act: Int64, ring_scale: Int64, expert_offsets: Int64, routing_weight: Int64,
+               l2_act: Int64, l2_scale: Int64, dest_row: Int64, combine: Int64, ring_ready: Int64,
+               l1_full_count: Int64, l1_empty_count: Int64, ring_source: Int64, peers: Int64, w1_done_mask: Int64,
+               ticket: Int64, hidden_blocks: Int32, w1_row_tiles: Int32, inter_blocks: Int32, w2_row_tiles: Int32,
+               ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, local_experts: Int32,
+               mask_stride: Int32, timeout_ns: Int64):
+        run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
+                  expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
+                  l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
+                  inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows, local_experts, mask_stride,
+                  timeout_ns)
+
+    launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
+    launch.update(gg.launch_register_bounds(half1))
+
+    @cute.jit
+    def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
+             a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
+             a17: Int64, a18: Int64, a19: Int64, a20: Int64, hidden_blocks: Int32, w1_row_tiles: Int32,
+             inter_blocks: Int32, w2_row_tiles: Int32, ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32,
+             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
+        kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+               hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows,
+               local_experts, mask_stride, timeout_ns).launch(**launch)
+
+    return host, half1
+
+
+def make_unit_loop(cfg: Role2Config):
+    """The persistent scheduler and unit loop of role2 as one device function (`run_units`, parameters as the
+    kernel's `PARAMS`): the role2 kernel is just this; the SM90 Mega MoE port runs it after its dispatch phase.
+    Every CTA of the launch must call it once (the ticket word's reset counts one final draw per CTA)."""
     import cutlass
     from cutlass import Int32, Int64, cute
 
@@ -247,14 +287,12 @@ def _make_kernel(cfg: Role2Config):
         ring_protocol.sts(slot + 8, bx)
         ring_protocol.sts(slot + 12, bz)
 
-    @cute.kernel
-    def kernel(w1_codes: Int64, w1_scales: Int64, w1_factor: Int64, w2_codes: Int64, w2_scales: Int64,
-               w2_factor: Int64, ring_act: Int64, ring_scale: Int64, expert_offsets: Int64, routing_weight: Int64,
-               l2_act: Int64, l2_scale: Int64, dest_row: Int64, combine: Int64, ring_ready: Int64,
-               l1_full_count: Int64, l1_empty_count: Int64, ring_source: Int64, peers: Int64, w1_done_mask: Int64,
-               ticket: Int64, hidden_blocks: Int32, w1_row_tiles: Int32, inter_blocks: Int32, w2_row_tiles: Int32,
-               ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, local_experts: Int32,
-               mask_stride: Int32, timeout_ns: Int64):
+    @cute.jit
+    def run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
+                  expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
+                  l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
+                  inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows, local_experts, mask_stride,
+                  timeout_ns):
         tid = cute.arch.thread_idx()[0]
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         slots = smem + half1.ticket_offset
@@ -307,20 +345,7 @@ def _make_kernel(cfg: Role2Config):
             it = it + 1
             e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
 
-    launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
-    launch.update(gg.launch_register_bounds(half1))
-
-    @cute.jit
-    def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
-             a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
-             a17: Int64, a18: Int64, a19: Int64, a20: Int64, hidden_blocks: Int32, w1_row_tiles: Int32,
-             inter_blocks: Int32, w2_row_tiles: Int32, ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32,
-             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
-        kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
-               hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows,
-               local_experts, mask_stride, timeout_ns).launch(**launch)
-
-    return host, half1
+    return run_units
 
 
 def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
