@@ -225,20 +225,17 @@ def _device_helpers():
     return h
 
 
-# ---------------------------------------------------------------------------------------------- device code
-def _make_kernel(cfg: PortConfig):
-    import cutlass  # the DSL is needed to build only
+def _phase_helpers(ptx):
+    """The memory-model, conversion and combine helpers of the port's phases (routing, dispatch, combine, tail),
+    for `_make_kernel` and the warp-specialized port (`mega_port_ws`). ptx: `_device_helpers()`."""
+    from types import SimpleNamespace
+
+    import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
 
-    ptx = _device_helpers()
     asm = ptx.asm
 
-    BN = cfg.block_n
-    STAGES = cfg.stages
-    NSUB = BN // 8
-    NP = cfg.wgmmas_per_wait
-
-    # ---- memory-model helpers (global addresses Int64, shared Int32)
+    # global addresses Int64, shared Int32
     def ld_acquire_gpu(addr):
         return asm("ld.acquire.gpu.global.b32 $0, [$1];", [Int32], [addr])
 
@@ -343,6 +340,24 @@ def _make_kernel(cfg: PortConfig):
             red_release_sys(control + ldg_s64_nc(peers + Int64(p) * 8) + Int64(4 * word), Int32(1))
         wait_at_least(control + Int64(4 * word), num_ranks, started, timeout_ns, True)
 
+    return SimpleNamespace(ld_acquire_gpu=ld_acquire_gpu, ld_acquire_sys=ld_acquire_sys, ld_relaxed=ld_relaxed, ld_relaxed_f32=ld_relaxed_f32, ld_relaxed_s64=ld_relaxed_s64, st_relaxed=st_relaxed, st_release_gpu=st_release_gpu, red_release_gpu=red_release_gpu, atom_release_gpu=atom_release_gpu, atom_acq_rel_gpu=atom_acq_rel_gpu, red_release_sys=red_release_sys, fence_gpu=fence_gpu, lds_s32=lds_s32, sts_s32=sts_s32, atom_shared_add=atom_shared_add, warp_sync=warp_sync, ldg_s64_nc=ldg_s64_nc, convert_row_chunk=convert_row_chunk, bits_f32=bits_f32, combine_add8=combine_add8, store_bf16x8=store_bf16x8, wait_at_least=wait_at_least, tag_barrier=tag_barrier)
+
+
+# ---------------------------------------------------------------------------------------------- device code
+def _make_kernel(cfg: PortConfig):
+    import cutlass  # the DSL is needed to build only
+    from cutlass import Float32, Int32, Int64, Uint32, cute
+
+    ptx = _device_helpers()
+    asm = ptx.asm
+
+    BN = cfg.block_n
+    STAGES = cfg.stages
+    NSUB = BN // 8
+    NP = cfg.wgmmas_per_wait
+
+    phase = _phase_helpers(ptx)
+
     # ---- the GEMM pipeline of one work item
     @cute.jit
     def issue_stage(smem, stage, kb, tile0, tid, wg, t, row0, count, k_blocks, w_codes, w_scales, act, act_scale):
@@ -442,10 +457,10 @@ def _make_kernel(cfg: PortConfig):
         offsets = counts + 4 * MAX_LOCAL_EXPERTS
         prefix = offsets + 4 * (MAX_LOCAL_EXPERTS + 1)
         e = Int32(0)
-        while lds_s32(prefix + 4 * (e + 1)) <= tile:
+        while phase.lds_s32(prefix + 4 * (e + 1)) <= tile:
             e = e + 1
-        first = lds_s32(offsets + 4 * e) + (tile - lds_s32(prefix + 4 * e)) * BN
-        rows = lds_s32(offsets + 4 * (e + 1)) - first
+        first = phase.lds_s32(offsets + 4 * e) + (tile - phase.lds_s32(prefix + 4 * e)) * BN
+        rows = phase.lds_s32(offsets + 4 * (e + 1)) - first
         if rows > BN:
             rows = Int32(BN)
         return e, first, rows
@@ -475,66 +490,66 @@ def _make_kernel(cfg: PortConfig):
         if cta == 0:
             e = tid
             while e < local_experts:
-                sts_s32(counts + 4 * e, Int32(0))
+                phase.sts_s32(counts + 4 * e, Int32(0))
                 e = e + THREADS
             ptx.barrier_sync()
             a = tid
             while a < assignments:
-                le = Int32(ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
+                le = Int32(phase.ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
                 if le >= 0 and le < local_experts:
-                    atom_shared_add(counts + 4 * le, Int32(1))
+                    phase.atom_shared_add(counts + 4 * le, Int32(1))
                 a = a + THREADS
             ptx.barrier_sync()
             if tid == 0:
                 run = Int32(0)
                 for le in cutlass.range(local_experts):
-                    sts_s32(offsets + 4 * le, run)
-                    st_relaxed(expert_offsets + Int64(le) * 4, run)
-                    c = lds_s32(counts + 4 * le)
-                    sts_s32(counts + 4 * le, run)  # from here on: the expert's next free grouped row
+                    phase.sts_s32(offsets + 4 * le, run)
+                    phase.st_relaxed(expert_offsets + Int64(le) * 4, run)
+                    c = phase.lds_s32(counts + 4 * le)
+                    phase.sts_s32(counts + 4 * le, run)  # from here on: the expert's next free grouped row
                     run = run + c
-                sts_s32(offsets + 4 * local_experts, run)
-                st_relaxed(expert_offsets + Int64(local_experts) * 4, run)
+                phase.sts_s32(offsets + 4 * local_experts, run)
+                phase.st_relaxed(expert_offsets + Int64(local_experts) * 4, run)
             ptx.barrier_sync()
             a = tid
             while a < assignments:
-                le = Int32(ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
+                le = Int32(phase.ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
                 if le >= 0 and le < local_experts:
-                    row = atom_shared_add(counts + 4 * le, Int32(1))
-                    st_relaxed(g_src + Int64(row) * 4, a)
+                    row = phase.atom_shared_add(counts + 4 * le, Int32(1))
+                    phase.st_relaxed(g_src + Int64(row) * 4, a)
                 a = a + THREADS
             ptx.barrier_sync()
             if tid == 0:
-                tag_barrier(control, TAG1_ARRIVE, peers, num_ranks, started, timeout_ns)
-                fence_gpu()
-                st_release_gpu(control + Int64(4 * ROUTING_READY), Int32(1))
+                phase.tag_barrier(control, TAG1_ARRIVE, peers, num_ranks, started, timeout_ns)
+                phase.fence_gpu()
+                phase.st_release_gpu(control + Int64(4 * ROUTING_READY), Int32(1))
         if tid == 0:
-            wait_at_least(control + Int64(4 * ROUTING_READY), Int32(1), started, timeout_ns, False)
+            phase.wait_at_least(control + Int64(4 * ROUTING_READY), Int32(1), started, timeout_ns, False)
         ptx.barrier_sync()
         e = tid
         while e <= local_experts:
-            sts_s32(offsets + 4 * e, ld_relaxed(expert_offsets + Int64(e) * 4))
+            phase.sts_s32(offsets + 4 * e, phase.ld_relaxed(expert_offsets + Int64(e) * 4))
             e = e + THREADS
         ptx.barrier_sync()
         if tid == 0:
             run = Int32(0)
             for le in cutlass.range(local_experts):
-                sts_s32(prefix + 4 * le, run)
-                rows = lds_s32(offsets + 4 * (le + 1)) - lds_s32(offsets + 4 * le)
+                phase.sts_s32(prefix + 4 * le, run)
+                rows = phase.lds_s32(offsets + 4 * (le + 1)) - phase.lds_s32(offsets + 4 * le)
                 run = run + (rows + (BN - 1)) // BN
-            sts_s32(prefix + 4 * local_experts, run)
+            phase.sts_s32(prefix + 4 * local_experts, run)
         ptx.barrier_sync()
-        total_rows = lds_s32(offsets + 4 * local_experts)
-        token_tiles = lds_s32(prefix + 4 * local_experts)
+        total_rows = phase.lds_s32(offsets + 4 * local_experts)
+        token_tiles = phase.lds_s32(prefix + 4 * local_experts)
 
         # ---------------------------------------------------------------- 2. dispatch: one grouped row per warp
         h_blocks = hidden // 128
         row = cta * WARPS + warp_id
         while row < total_rows:
-            a = ld_relaxed(g_src + Int64(row) * 4)
+            a = phase.ld_relaxed(g_src + Int64(row) * 4)
             token = a // topk
             slot = a - token * topk
-            le = Int32(ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
+            le = Int32(phase.ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
             chunk = lane
             while chunk < h_blocks * 8:
                 blk = chunk // 8
@@ -551,17 +566,17 @@ def _make_kernel(cfg: PortConfig):
                 step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
                 if step < 0:
                     step = Int32(0)
-                convert_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16),
-                                  g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16), bits_f32(step << 23))
+                phase.convert_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16),
+                                  g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16), phase.bits_f32(step << 23))
                 if chunk % 8 == 0:
-                    ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(blk)) * 4, bits_f32(emax << 23))
+                    ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(blk)) * 4, phase.bits_f32(emax << 23))
                 chunk = chunk + 32
             if lane == 0:
                 ptx.stg_f32(g_weight + Int64(row) * 4, ptx.ldg_f32(topk_weights + Int64(a) * 4))
-                st_relaxed(g_dest + Int64(row) * 4, slot * num_tokens + token)
-            warp_sync()
+                phase.st_relaxed(g_dest + Int64(row) * 4, slot * num_tokens + token)
+            phase.warp_sync()
             if lane == 0:
-                atom_release_gpu(control + Int64(4 * (ROWS_READY + le)), Int32(1))
+                phase.atom_release_gpu(control + Int64(4 * (ROWS_READY + le)), Int32(1))
             row = row + ctas * WARPS
 
         # ---------------------------------------------------------------- 3. W1 items, then W2 items
@@ -582,14 +597,14 @@ def _make_kernel(cfg: PortConfig):
                 local_item = item - items1
             mt = local_item // token_tiles
             expert, row0, count = find_tile(smem, local_experts, local_item - mt * token_tiles)
-            expert_tiles = lds_s32(prefix + 4 * (expert + 1)) - lds_s32(prefix + 4 * expert)
+            expert_tiles = phase.lds_s32(prefix + 4 * (expert + 1)) - phase.lds_s32(prefix + 4 * expert)
             if tid == 0:
                 if item < items1:
-                    rows_of_e = lds_s32(offsets + 4 * (expert + 1)) - lds_s32(offsets + 4 * expert)
-                    wait_at_least(control + Int64(4 * (ROWS_READY + expert)), rows_of_e, started, timeout_ns,
+                    rows_of_e = phase.lds_s32(offsets + 4 * (expert + 1)) - phase.lds_s32(offsets + 4 * expert)
+                    phase.wait_at_least(control + Int64(4 * (ROWS_READY + expert)), rows_of_e, started, timeout_ns,
                                   False)
                 else:
-                    wait_at_least(control + Int64(4 * (W1_DONE + expert)), m1 * expert_tiles, started,
+                    phase.wait_at_least(control + Int64(4 * (W1_DONE + expert)), m1 * expert_tiles, started,
                                   timeout_ns, False)
             ptx.barrier_sync()  # the wait above, and every thread is past the previous item's shared reads
             # one pipeline for both GEMMs: the item picks its operands
@@ -614,7 +629,7 @@ def _make_kernel(cfg: PortConfig):
                         gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
                         up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
                                       Float32(-cfg.swiglu_clamp))
-                        weight = ld_relaxed_f32(g_weight + nrow * 4)
+                        weight = phase.ld_relaxed_f32(g_weight + nrow * 4)
                         h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * weight
                         hv[2 * i + c] = h
                         m = ptx.fabs(h)
@@ -639,33 +654,33 @@ def _make_kernel(cfg: PortConfig):
                                             amax * Float32(1.0 / FP8_MAX))
                 ptx.barrier_sync()
                 if tid == 0:
-                    fence_gpu()
-                    red_release_gpu(control + Int64(4 * (W1_DONE + expert)), Int32(1))
+                    phase.fence_gpu()
+                    phase.red_release_gpu(control + Int64(4 * (W1_DONE + expert)), Int32(1))
             else:
                 h_row = mt * ROWS_PER_CTA + wg * 64 + warp * 16 + g
                 for i in cutlass.range_constexpr(NSUB):
                     for c in cutlass.range_constexpr(2):
                         n = 8 * i + 2 * q + c
                         if n < count:
-                            d = ld_relaxed(g_dest + (Int64(row0) + Int64(n)) * 4)
+                            d = phase.ld_relaxed(g_dest + (Int64(row0) + Int64(n)) * 4)
                             base = partials + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
                             ptx.stg_bf16(base, acc[4 * i + c] * factor)
                             ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
                 ptx.barrier_sync()
                 if tid == 0:
-                    fence_gpu()
-                    red_release_gpu(control + Int64(4 * W2_DONE), Int32(1))
+                    phase.fence_gpu()
+                    phase.red_release_gpu(control + Int64(4 * W2_DONE), Int32(1))
             item = item + ctas
 
         # ---------------------------------------------------------------- 4. combine (after every W2 item)
         if tid == 0:
-            wait_at_least(control + Int64(4 * W2_DONE), items2, started, timeout_ns, False)
+            phase.wait_at_least(control + Int64(4 * W2_DONE), items2, started, timeout_ns, False)
         ptx.barrier_sync()
         if cta == 0:  # overlapped with the combine: no one reads the per-expert counters any more
             e = tid
             while e < local_experts:
-                st_relaxed(control + Int64(4 * (ROWS_READY + e)), Int32(0))
-                st_relaxed(control + Int64(4 * (W1_DONE + e)), Int32(0))
+                phase.st_relaxed(control + Int64(4 * (ROWS_READY + e)), Int32(0))
+                phase.st_relaxed(control + Int64(4 * (W1_DONE + e)), Int32(0))
                 e = e + THREADS
         per_token = hidden // 8
         unit = cta * THREADS + tid
@@ -676,22 +691,22 @@ def _make_kernel(cfg: PortConfig):
             for i in cutlass.range_constexpr(8):
                 out[i] = Float32(0.0)
             for s in cutlass.range(topk):
-                le = Int32(ldg_s64_nc(topk_idx + (Int64(token) * Int64(topk) + Int64(s)) * 8)) - expert_base
+                le = Int32(phase.ldg_s64_nc(topk_idx + (Int64(token) * Int64(topk) + Int64(s)) * 8)) - expert_base
                 if le >= 0 and le < local_experts:
-                    combine_add8(out, partials + ((Int64(s) * Int64(num_tokens) + Int64(token)) * Int64(hidden)
+                    phase.combine_add8(out, partials + ((Int64(s) * Int64(num_tokens) + Int64(token)) * Int64(hidden)
                                                   + Int64(col)) * 2)
-            store_bf16x8(y + (Int64(token) * Int64(hidden) + Int64(col)) * 2, out)
+            phase.store_bf16x8(y + (Int64(token) * Int64(hidden) + Int64(col)) * 2, out)
             unit = unit + ctas * THREADS
 
         # ---------------------------------------------------------------- 5. tail: tag-2 barrier, clean
         ptx.barrier_sync()
         if tid == 0:
-            fence_gpu()
-            arrived = atom_acq_rel_gpu(control + Int64(4 * FINISH), Int32(1))
+            phase.fence_gpu()
+            arrived = phase.atom_acq_rel_gpu(control + Int64(4 * FINISH), Int32(1))
             if arrived == ctas - 1:  # the last CTA: every other one is past all its waits
-                tag_barrier(control, TAG2_ARRIVE, peers, num_ranks, started, timeout_ns)
+                phase.tag_barrier(control, TAG2_ARRIVE, peers, num_ranks, started, timeout_ns)
                 for word in (ROUTING_READY, TAG1_ARRIVE, TAG2_ARRIVE, W2_DONE, FINISH):
-                    st_relaxed(control + Int64(4 * word), Int32(0))
+                    phase.st_relaxed(control + Int64(4 * word), Int32(0))
 
     return kernel
 
