@@ -1,10 +1,12 @@
 """SM90 Mega MoE port: offline build + PTX checks and host arithmetic (CPU); against the float32 reference (GPU)."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 from gc_moe.kernels.sm90 import mega_port as mp
+from gc_moe.kernels.sm90 import mega_port_ws as kws
 
 from baselines.mega_moe import port_sm90
 from baselines.mega_moe.port_sm90 import device_check, host
@@ -126,7 +128,8 @@ def _fake_port_prepare(monkeypatch, launches: list):
     from gc_moe.runtime import jit
 
     monkeypatch.setattr(port_sm90, "available", lambda device: (True, ""))
-    monkeypatch.setattr(jit, "load_kernel", lambda variant, arch: "kernel")
+    kernel = SimpleNamespace(entry=SimpleNamespace(launch=SimpleNamespace(block=(512, 1, 1))))
+    monkeypatch.setattr(jit, "load_kernel", lambda variant, arch: kernel)
     monkeypatch.setattr(host, "kernel_args", lambda *a, **k: [])
     monkeypatch.setattr(host, "sm_count", lambda device=0: 132)
     monkeypatch.setattr(host, "launch", lambda *a, **k: launches.append("routed"))
@@ -224,9 +227,17 @@ def _body(entry):
     return entry.ptx_path.read_text()
 
 
+def _cp_async(built):
+    return {v: e for v, e in built.items() if v.name == "mega_port.sm90"}
+
+
+def _ws(built):
+    return {v: e for v, e in built.items() if v.name == "mega_port_ws.sm90"}
+
+
 def test_builds_offline_with_register_a_wgmma_and_no_local_memory(built):
-    assert len(built) == len(mp.BLOCK_N_CHOICES)
-    for variant, entry in built.items():
+    assert len(_cp_async(built)) == len(mp.BLOCK_N_CHOICES)
+    for variant, entry in _cp_async(built).items():
         bn = dict(variant.params)["block_n"]
         ptx = _body(entry)
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, "
@@ -240,8 +251,41 @@ def test_builds_offline_with_register_a_wgmma_and_no_local_memory(built):
         assert entry.launch.dynamic_smem_bytes == mp.PortConfig(bn, host.BUILT_STAGES).smem_bytes
 
 
+def test_ws_pipeline_builds_on_the_persistent_gemm_loop(built):
+    """The ws pipeline: role2's persistent loop (producer warp(s), mbarrier ring, bulk copies, W1-completion bits)
+    between the port's phases; registers split at bn 32; stack within its budget (outside the K loops: SASS)."""
+    ws = _ws(built)
+    assert sorted(dict(v.params)["block_n"] for v in ws) == list(kws.BLOCK_N_CHOICES)
+    for variant, entry in ws.items():
+        bn = dict(variant.params)["block_n"]
+        cfg = kws.PortWsConfig(bn)
+        ptx = _body(entry)
+        for promise in ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity",
+                        "red.release.gpu.global.or.b64", "red.release.sys.global.add", "cvt.rn.f16x2.e4m3x2",
+                        f"m64n{bn}k32.f32.e4m3.e4m3"):
+            assert promise in ptx, (variant.describe(), promise)
+        assert ("setmaxnreg.inc.sync.aligned.u32" in ptx) == (bn == 32), variant.describe()
+        res = entry.resources
+        assert res["frame_bytes"] <= kws.LOCAL_BYTES_BUDGET[bn] and res["registers"] <= 96, res
+        assert [size for _, size in res["params"]] == [8 if kind in ("u64", "s64") else 4 for _, kind in kws.PARAMS]
+        assert entry.launch.block == (cfg.threads, 1, 1) and entry.launch.dynamic_smem_bytes == cfg.smem_bytes
+
+
+def test_ws_kernel_args_and_workspace():
+    ws = host.PortWorkspace.allocate(256, 8, 512, 256, 4, "cpu")
+    assert ws.l1_full_count.shape == (kws.ring_blocks(256, 8),) == (256,)
+    assert ws.w1_done_mask.shape == (4, kws.mask_stride(256)) == (4, 32)
+    assert ws.control.numel() >= kws.CONTROL_WORDS
+    assert host.choose_block_n_ws(1, 8, 32) == 8 and host.choose_block_n_ws(256, 8, 32) == 32
+    assert host.pipeline_from_env({}) == "cp_async" and host.pipeline_from_env({host.PIPELINE_ENV: "ws"}) == "ws"
+    with pytest.raises(ValueError, match="GCMOE_MEGA_PORT_PIPELINE='tma'; allowed: cp_async, ws"):
+        host.pipeline_from_env({host.PIPELINE_ENV: "tma"})
+    with pytest.raises(ValueError, match="allowed: at most 4096"):
+        host.check_shape(6144, 8192, 32, 8, "ws")
+
+
 def test_ptx_has_the_hand_over_protocol(built):
-    for variant, entry in built.items():
+    for variant, entry in _cp_async(built).items():
         ptx = _body(entry)
         counts = {m: ptx.count(m) for m in ("ld.acquire.gpu.global.b32", "ld.acquire.sys.global.b32",
                                              "st.release.gpu.global.b32", "red.release.gpu.global.add.s32",
@@ -277,12 +321,18 @@ def test_kernel_args_follow_the_parameter_table():
         l1, l2 = FakeMatrix(4096, 6144, 32), FakeMatrix(6144, 2048, 32)
 
     t, k = 3, 8
-    ws = host.PortWorkspace(*[FakeTensor((256 * k,), torch.int32) for _ in range(11)])
+    ws = host.PortWorkspace(*[FakeTensor((256 * k,), torch.int32) for _ in range(11)],
+                            FakeTensor((256,), torch.int32), FakeTensor((256,), torch.int32),
+                            FakeTensor((32, 32), torch.int64))
     args = host.kernel_args(ws, FakeTensor((t, 6144), torch.float8_e4m3fn), FakeTensor((t, 48), torch.int32),
                             FakeTensor((t, k), torch.int64), FakeTensor((t, k), torch.float32), FakeWeights(),
                             FakeTensor((t, 6144), torch.bfloat16))
     assert [a.size for a in args] == [8 if kind in ("u64", "s64") else 4 for _, kind in mp.PARAMS]
     assert len(natural_layout(args)) == len(mp.PARAMS)
+    args_ws = host.kernel_args(ws, FakeTensor((t, 6144), torch.float8_e4m3fn), FakeTensor((t, 48), torch.int32),
+                               FakeTensor((t, k), torch.int64), FakeTensor((t, k), torch.float32), FakeWeights(),
+                               FakeTensor((t, 6144), torch.bfloat16), pipeline="ws")
+    assert [a.size for a in args_ws] == [8 if kind in ("u64", "s64") else 4 for _, kind in kws.PARAMS]
     with pytest.raises(ValueError, match="the workspace holds"):
         host.kernel_args(ws, FakeTensor((300, 6144), torch.float8_e4m3fn), FakeTensor((300, 48), torch.int32),
                          FakeTensor((300, k), torch.int64), FakeTensor((300, k), torch.float32), FakeWeights(),
@@ -291,10 +341,13 @@ def test_kernel_args_follow_the_parameter_table():
 
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", host.PIPELINES)
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256])
 @pytest.mark.parametrize("model", list(device_check.MODELS))
-def test_port_matches_float32_reference_at_the_model_slices(model, tokens):
+def test_port_matches_float32_reference_at_the_model_slices(model, tokens, pipeline, monkeypatch):
+    monkeypatch.setenv(host.PIPELINE_ENV, pipeline)
     p = device_check.check_point(model, tokens, seed=1000 + tokens)
+    assert pipeline != "ws" or "ws pipeline" in p.note
     assert p.finite, "an element of y was not written (poisoned with NaN)"
     assert p.replay_equal, "a CUDA-graph replay differs from the eager call"
     assert p.cosine >= device_check.COSINE_MIN and p.processed_diff <= device_check.PROCESSED_DIFF_MAX, p

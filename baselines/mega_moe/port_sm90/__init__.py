@@ -127,9 +127,11 @@ def _world_size(group: Any) -> int:
 
 
 def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAULT_TIMEOUT_S,
-            block_n: int | None = None, stages: int = host.BUILT_STAGES, cooperative: bool = True) -> MegaMoeCall:
+            block_n: int | None = None, stages: int = host.BUILT_STAGES, cooperative: bool = True,
+            pipeline: str | None = None) -> MegaMoeCall:
     """Transform the weights, allocate the workspace, and return one launch of the persistent kernel that writes
-    ``output`` (bf16 [T, H]) in place; graph-capturable."""
+    ``output`` (bf16 [T, H]) in place; graph-capturable. pipeline: "cp_async" or "ws" (``host.PIPELINES``);
+    None: GCMOE_MEGA_PORT_PIPELINE, else "cp_async". `stages` is a knob of the cp.async pipeline."""
     from gc_moe.runtime import jit
     from gc_moe.weights import sm90 as weights_sm90
 
@@ -146,11 +148,17 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
     t, hidden, topk = inputs.tokens, inputs.hidden, inputs.topk_idx.shape[1]
     weights = weights_sm90.transform(tuple(inputs.l1_weights), tuple(inputs.l2_weights))
     local_experts = weights.l1.num_experts
-    host.check_shape(hidden, inputs.intermediate, local_experts, topk)
-    bn = block_n or host.choose_block_n(t, topk, local_experts)
+    pipeline = pipeline if pipeline is not None else host.pipeline_from_env()
+    host.check_shape(hidden, inputs.intermediate, local_experts, topk, pipeline)
+    alpha, clamp = float(inputs.activation_alpha), float(inputs.activation_clamp)
+    if pipeline == "ws":
+        bn = block_n or host.choose_block_n_ws(t, topk, local_experts)
+        wanted = host.variant_ws(bn, alpha, clamp)
+    else:
+        bn = block_n or host.choose_block_n(t, topk, local_experts)
+        wanted = host.variant(bn, stages, alpha, clamp)
     try:
-        kernel = jit.load_kernel(host.variant(bn, stages, float(inputs.activation_alpha),
-                                              float(inputs.activation_clamp)), ARCH)
+        kernel = jit.load_kernel(wanted, ARCH)
     except jit.KernelNotBuiltError as exc:  # e.g. a SwiGLU alpha / clamp the registry does not build
         raise PortUnavailable(str(exc)) from exc
     ws = host.PortWorkspace.allocate(inputs.num_max_tokens_per_rank, topk, hidden, inputs.intermediate,
@@ -158,14 +166,20 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
     x, x_sf = inputs.x.contiguous(), inputs.x_sf.contiguous()
     topk_idx, topk_weights = inputs.topk_idx.contiguous(), inputs.topk_weights.contiguous()
     output = torch.empty(t, hidden, dtype=torch.bfloat16, device=device)
-    args = host.kernel_args(ws, x, x_sf, topk_idx, topk_weights, weights, output, timeout_s=timeout_s)
+    args = host.kernel_args(ws, x, x_sf, topk_idx, topk_weights, weights, output, timeout_s=timeout_s,
+                            pipeline=pipeline)
     grid = host.sm_count(device.index or 0)
 
     def run() -> None:
         host.launch(kernel, args, grid, torch.cuda.current_stream(device), cooperative=cooperative)
 
-    note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {host.k.THREADS} threads, block_n {bn}, "
-            f"{stages} stages")
+    threads = kernel.entry.launch.block[0]
+    if pipeline == "ws":
+        note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {threads} threads, ws pipeline "
+                f"(producer warp{'group' if threads > 544 else ''}, mbarrier ring, ticketed units), block_n {bn}")
+    else:
+        note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {threads} threads, block_n {bn}, "
+                f"{stages} stages")
     keep = (weights, ws, x, x_sf, topk_idx, topk_weights, kernel)
     if inputs.shared_weights is not None:
         reason = shared_expert_kernel_reason(inputs)

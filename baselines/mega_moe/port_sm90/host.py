@@ -1,17 +1,26 @@
 """Host side of the SM90 Mega MoE port (no CuTe DSL needed): variants, workspace, arguments, launch.
 
-The kernel (gc_moe.kernels.sm90.mega_port) is built offline into the cubin cache (`gcmoe-bench build --arch sm_90a --profile h200`)
-and launched here through gc_moe.runtime: grid = the SM count, one CTA per SM, cooperative (the phases wait
-on each other's counters, so every CTA must be resident).
+Two pipelines of the same design, built offline into the cubin cache (`gcmoe-bench build --arch sm_90a --profile
+h200`) and launched here through gc_moe.runtime: `cp_async` (gc_moe.kernels.sm90.mega_port: every thread copies
+and computes each work item) and `ws` (gc_moe.kernels.sm90.mega_port_ws: the GEMMs on GC-MoE's warp-specialized
+persistent loop). Grid = the SM count, one CTA per SM, cooperative (the phases wait on each other's counters, so
+every CTA must be resident). PIPELINE_ENV picks the harness's pipeline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 from gc_moe.kernels.sm90 import mega_port as k
+from gc_moe.kernels.sm90 import mega_port_ws as kws
 
 MODULE = "gc_moe.kernels.sm90.mega_port"
+MODULE_WS = "gc_moe.kernels.sm90.mega_port_ws"
+PIPELINES = ("cp_async", "ws")
+PIPELINE_ENV = "GCMOE_MEGA_PORT_PIPELINE"  # "cp_async" (default) or "ws"
+DEFAULT_PIPELINE = "cp_async"
 DEFAULT_TIMEOUT_S = 10.0
 BUILT_BLOCK_N = k.BLOCK_N_CHOICES
 BUILT_STAGES = 5
@@ -28,9 +37,34 @@ def variant(block_n: int, stages: int = BUILT_STAGES, swiglu_alpha: float = 1.0,
                               local_bytes_budget=0)
 
 
+def variant_ws(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """The runtime KernelVariant of the warp-specialized pipeline at one token tile."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    kws.PortWsConfig(block_n, swiglu_alpha, swiglu_clamp)  # validates
+    params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    return KernelVariant.make("mega_port_ws.sm90", MODULE_WS, "build_port_ws", params, promises=kws.PROMISES,
+                              local_bytes_budget=kws.LOCAL_BYTES_BUDGET[block_n],
+                              extra_sources=("gc_moe.kernels.sm90.mega_port", "gc_moe.kernels.sm90.role2",
+                                             "gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
+                                             "gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout"))
+
+
 def all_variants(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
-    """What the registry builds: every block_n at the default stage count (both models: alpha 1, clamp 10)."""
-    return [variant(bn, BUILT_STAGES, swiglu_alpha, swiglu_clamp) for bn in BUILT_BLOCK_N]
+    """What the registry builds: every block_n of both pipelines (the cp.async one at the default stage count;
+    both models: alpha 1, clamp 10)."""
+    return ([variant(bn, BUILT_STAGES, swiglu_alpha, swiglu_clamp) for bn in BUILT_BLOCK_N]
+            + [variant_ws(bn, swiglu_alpha, swiglu_clamp) for bn in kws.BLOCK_N_CHOICES])
+
+
+def pipeline_from_env(environ=os.environ) -> str:
+    """The harness's pipeline: GCMOE_MEGA_PORT_PIPELINE, "cp_async" when unset or empty."""
+    raw = environ.get(PIPELINE_ENV, "")
+    if raw == "":
+        return DEFAULT_PIPELINE
+    if raw not in PIPELINES:
+        raise ValueError(f"{PIPELINE_ENV}={raw!r}; allowed: {', '.join(PIPELINES)}")
+    return raw
 
 
 def choose_block_n(tokens: int, topk: int, local_experts: int) -> int:
@@ -40,13 +74,26 @@ def choose_block_n(tokens: int, topk: int, local_experts: int) -> int:
     return 8 if tokens * topk / local_experts < SWITCH_TO_16_ROWS else 16
 
 
+def choose_block_n_ws(tokens: int, topk: int, local_experts: int) -> int:
+    """The ws pipeline's token tile: the layer's token-bound rule (mean rows per expert plus one standard
+    deviation, the smallest of 8 / 16 / 32 covering it), so the port and GC-MoE tile the same way."""
+    from gc_moe.planning import choose_block_m
+
+    return min(choose_block_m(max(tokens, 1), 1, topk, local_experts, arch="sm90"), max(kws.BLOCK_N_CHOICES))
+
+
 def work_items(expert_counts: list[int], block_n: int, hidden: int, intermediate: int) -> tuple[int, int]:
     """(W1 items, W2 items) the kernel walks for these per-expert row counts: the host twin of its schedule."""
     tiles = sum(-(-c // block_n) for c in expert_counts)
     return (2 * intermediate // k.ROWS_PER_CTA) * tiles, (hidden // k.ROWS_PER_CTA) * tiles
 
 
-def check_shape(hidden: int, intermediate: int, local_experts: int, topk: int) -> None:
+def check_shape(hidden: int, intermediate: int, local_experts: int, topk: int, pipeline: str = "cp_async") -> None:
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline {pipeline!r}; allowed: {', '.join(PIPELINES)}")
+    if pipeline == "ws" and intermediate // 128 > kws.role2.MAX_INTER_BLOCKS:
+        raise ValueError(f"intermediate {intermediate}: the ws pipeline's W1-completion word holds "
+                         f"{kws.role2.MAX_INTER_BLOCKS} K128 blocks; allowed: at most {128 * kws.role2.MAX_INTER_BLOCKS}")
     if hidden % k.ROWS_PER_CTA:
         raise ValueError(f"hidden {hidden} must be a multiple of {k.ROWS_PER_CTA} (W2 rows per CTA tile)")
     if intermediate % 128:
@@ -72,6 +119,10 @@ class PortWorkspace:
     expert_offsets: object  # int32 [E + 1]
     control: object  # int32 [CONTROL_WORDS], zero between launches
     peers: object  # int64 [P]: peer base - local base of `control`
+    # the ws pipeline's ring and GEMM-loop signals, zero between launches
+    l1_full_count: object  # int32 [ring blocks of RING_BLOCK_M rows]
+    l1_empty_count: object  # int32 [ring blocks]
+    w1_done_mask: object  # int64 [E, mask stride]: the W1-completion bits of each (expert, token tile)
 
     @classmethod
     def allocate(cls, capacity: int, topk: int, hidden: int, intermediate: int, local_experts: int, device,
@@ -90,21 +141,25 @@ class PortWorkspace:
             mid_scale=torch.zeros(rows, intermediate // 128, dtype=torch.float32, device=device),
             partials=torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device),
             expert_offsets=torch.zeros(local_experts + 1, dtype=torch.int32, device=device),
-            control=torch.zeros(k.CONTROL_WORDS, dtype=torch.int32, device=device),
+            control=torch.zeros(max(k.CONTROL_WORDS, kws.CONTROL_WORDS), dtype=torch.int32, device=device),
             peers=torch.zeros(num_ranks, dtype=torch.int64, device=device),  # P = 1: the rank itself
+            l1_full_count=torch.zeros(kws.ring_blocks(capacity, topk), dtype=torch.int32, device=device),
+            l1_empty_count=torch.zeros(kws.ring_blocks(capacity, topk), dtype=torch.int32, device=device),
+            w1_done_mask=torch.zeros(local_experts, kws.mask_stride(capacity), dtype=torch.int64, device=device),
         )
 
 
 def kernel_args(ws: PortWorkspace, x, x_sf, topk_idx, topk_weights, w, y, *, rank: int = 0, num_ranks: int = 1,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-    """Arguments in `kernel.PARAMS` order. w: gc_moe.weights.sm90.Sm90Weights of the rank's local experts."""
+                timeout_s: float = DEFAULT_TIMEOUT_S, pipeline: str = "cp_async") -> list:
+    """Arguments in the pipeline's kernel `PARAMS` order. w: gc_moe.weights.sm90.Sm90Weights of the rank's local
+    experts."""
     import torch
     from gc_moe.runtime.launch import i32, i64, ptr
 
     tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     local_experts, intermediate = w.l1.num_experts, w.l1.rows // 2
-    check_shape(hidden, intermediate, local_experts, topk)
+    check_shape(hidden, intermediate, local_experts, topk, pipeline)
     rows = ws.g_dest.shape[0]
     if tokens * topk > rows:
         raise ValueError(f"{tokens} tokens x top-{topk} = {tokens * topk} rows; the workspace holds {rows}")
@@ -121,9 +176,13 @@ def kernel_args(ws: PortWorkspace, x, x_sf, topk_idx, topk_weights, w, y, *, ran
     pointers = [x, x_sf, topk_idx, topk_weights, w.l1.codes, w.l1.scales, w.l1.factor, w.l2.codes, w.l2.scales,
                 w.l2.factor, ws.g_act, ws.g_scale, ws.g_weight, ws.g_dest, ws.g_src, ws.mid, ws.mid_scale,
                 ws.partials, y, ws.expert_offsets, ws.control, ws.peers]
-    return [ptr(p) for p in pointers] + [
-        i32(tokens), i32(topk), i32(local_experts), i32(rank * local_experts), i32(hidden), i32(intermediate),
-        i32(num_ranks), i64(int(timeout_s * 1e9))]
+    scalars = [i32(tokens), i32(topk), i32(local_experts), i32(rank * local_experts), i32(hidden),
+               i32(intermediate), i32(num_ranks)]
+    if pipeline == "cp_async":
+        return [ptr(p) for p in pointers] + scalars + [i64(int(timeout_s * 1e9))]
+    capacity = rows // topk
+    return [ptr(p) for p in pointers + [ws.l1_full_count, ws.l1_empty_count, ws.w1_done_mask]] + scalars + [
+        i32(capacity), i32(ws.l1_full_count.shape[0]), i32(ws.w1_done_mask.shape[1]), i64(int(timeout_s * 1e9))]
 
 
 def sm_count(device: int = 0) -> int:
@@ -146,7 +205,7 @@ def launch(kernel, args: list, grid: int, stream, cooperative: bool = True):
     kernel.ensure_dynamic_smem(smem)
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
-    config.blockDimX, config.blockDimY, config.blockDimZ = k.THREADS, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = kernel.entry.launch.block[0], 1, 1
     config.sharedMemBytes = smem
     config.hStream = stream_handle(stream)
     attrs = []
