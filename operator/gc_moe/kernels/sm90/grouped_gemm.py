@@ -25,7 +25,10 @@ barrier per step. docs/sm90-grouped-gemm.md has the measurements behind the defa
 
 Tuning knobs: `block_n` (tokens per CTA tile, 8/16/32/64: the token-bound BM of the paper's swapped
 orientation), `stages` (K128 steps in flight; each step moves 17 KB of weights per CTA; default: the
-deepest ring that fits), `ctas_per_sm`, `producer_warps`. One CTA = 4 consumer warpgroups = 4 tiles of 64
+deepest ring that fits), `ctas_per_sm`, `producer_warps`, `consumer_registers` (with a producer warpgroup: the
+consumers raise their registers for a unit, `setmaxnreg`; the persistent role2 kernel's bn 32 needs it). The
+halves W1 / W2 also serve `kernels.sm90.role2` (`fused_role2`) and through it the Mega MoE port's ws pipeline
+(`kernels.sm90.mega_port_ws`). One CTA = 4 consumer warpgroups = 4 tiles of 64
 weight rows (256 rows: 128 intermediate channels of W1, or 256 output channels of W2);
 grid = (token tiles, M / 256, local experts); a CTA past its expert's token count exits at once.
 
