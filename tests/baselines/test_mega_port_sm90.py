@@ -265,10 +265,22 @@ def test_ws_pipeline_builds_on_the_persistent_gemm_loop(built):
                         f"m64n{bn}k32.f32.e4m3.e4m3"):
             assert promise in ptx, (variant.describe(), promise)
         assert ("setmaxnreg.inc.sync.aligned.u32" in ptx) == (bn == 32), variant.describe()
+        # dispatch warps beside the loop at bn 8 / 16: the loop's CTA barriers leave them out
+        assert cfg.dispatch_warps == (3 if bn < 32 else 0) and cfg.threads == 640
+        assert (f"bar.sync 2, {cfg.gemm_threads};" in ptx) == (cfg.dispatch_warps > 0), variant.describe()
         res = entry.resources
         assert res["frame_bytes"] <= kws.LOCAL_BYTES_BUDGET[bn] and res["registers"] <= 96, res
         assert [size for _, size in res["params"]] == [8 if kind in ("u64", "s64") else 4 for _, kind in kws.PARAMS]
         assert entry.launch.block == (cfg.threads, 1, 1) and entry.launch.dynamic_smem_bytes == cfg.smem_bytes
+
+
+def test_ws_config_bounds_the_dispatch_warps():
+    assert kws.PortWsConfig(8, dispatch_warps=0).threads == 544
+    with pytest.raises(ValueError, match="dispatch_warps 4 at block_n 16: allowed 0..3"):
+        kws.PortWsConfig(16, dispatch_warps=4)
+    with pytest.raises(ValueError, match="dispatch_warps 1 at block_n 32: allowed 0..0"):
+        kws.PortWsConfig(32, dispatch_warps=1)
+    assert dict(host.variant_ws(16).params)["dispatch_warps"] == 3
 
 
 def test_ws_kernel_args_and_workspace():

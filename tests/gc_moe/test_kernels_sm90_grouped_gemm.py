@@ -70,6 +70,8 @@ def test_consumer_registers_move_within_the_ctas_pool():
     assert gg.launch_register_bounds(gg.GemmConfig("w1", 8)) == {"min_blocks_per_mp": 2,
                                                                  "preferred_smem_carveout": 100}
     assert dict(gg.variant("w1", 32, producer_warps=4, consumer_registers=112).params)["consumer_registers"] == 112
+    with pytest.raises(ValueError, match="side_threads 64: allowed 0, or whole warps"):
+        gg.GemmConfig("w1", 16, side_threads=64)  # only beside a fused_role2 half
 
 
 def test_pipeline_knob_defaults_and_errors():

@@ -37,12 +37,15 @@ def variant(block_n: int, stages: int = BUILT_STAGES, swiglu_alpha: float = 1.0,
                               local_bytes_budget=0)
 
 
-def variant_ws(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
-    """The runtime KernelVariant of the warp-specialized pipeline at one token tile."""
+def variant_ws(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
+               dispatch_warps: int | None = None):
+    """The runtime KernelVariant of the warp-specialized pipeline at one token tile (dispatch warps beside the
+    GEMM loop: `kws.DISPATCH_WARPS` unless given)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    kws.PortWsConfig(block_n, swiglu_alpha, swiglu_clamp)  # validates
-    params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    cfg = kws.PortWsConfig(block_n, swiglu_alpha, swiglu_clamp, dispatch_warps)  # validates
+    params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp,
+              "dispatch_warps": cfg.dispatch_warps}
     return KernelVariant.make("mega_port_ws.sm90", MODULE_WS, "build_port_ws", params, promises=kws.PROMISES,
                               local_bytes_budget=kws.LOCAL_BYTES_BUDGET[block_n],
                               extra_sources=("gc_moe.kernels.sm90.mega_port", "gc_moe.kernels.sm90.role2",

@@ -143,6 +143,9 @@ class GemmConfig:
     # own (`setmaxnreg.dec` to `producer_registers`); both return to the launch's 96 after it. None: no change.
     # Room for the persistent role2 kernel's bn 32, which spills in 96
     consumer_registers: int | None = None
+    # fused_role2: threads of the CTA beside the GEMM's (the Mega MoE port's dispatch warps, after the GEMM's):
+    # the GEMM's CTA-wide barriers become a named barrier over its own `threads`
+    side_threads: int = 0
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -180,6 +183,9 @@ class GemmConfig:
             raise ValueError(f"consumer_registers {self.consumer_registers}: allowed None, or one of "
                              f"{CONSUMER_REGISTER_CHOICES} on the warp-specialized pipeline with a producer warpgroup "
                              f"(producer_warps=4) and one CTA per SM (the registers move within one CTA's pool)")
+        if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
+            raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
+                             f"a fused_role2 half")
         if self.stages is None:
             object.__setattr__(self, "stages", self.max_stages if self.warp_specialized else 6)
         if not 2 <= self.stages <= 16:
@@ -780,7 +786,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             ptx.fence_mbarrier_init()
-        ptx.barrier_sync()
+        gemm_sync()
         if tid >= THREADS:
             # consumer_registers: the producer's registers go to the consumers for the unit (main loop and
             # epilogue). The producer takes its back only where it has more to run (the fused role2 kernel's
@@ -802,6 +808,14 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool; the producer may take its own
                 cute.arch.setmaxregister_decrease(WS_ENTRY_REGISTERS)
         return tid, wg, warp, g, q
+
+    @cute.jit
+    def gemm_sync():
+        """A barrier over the GEMM's threads: the whole CTA, or all but its side threads (side_threads)."""
+        if cutlass.const_expr(cfg.side_threads):
+            ptx.named_barrier_sync(2, cfg.threads)
+        else:
+            ptx.barrier_sync()
 
     @cute.jit
     def consumer_sync():
@@ -1041,7 +1055,7 @@ def _make_kernel(cfg: GemmConfig):
                     if cute.arch.thread_idx()[0] == 0:
                         ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m,
                                                         ring_blocks, started, timeout_ns)
-                    ptx.barrier_sync()  # every thread's copies of the tile's rows follow thread 0's acquire
+                    gemm_sync()  # every thread's copies of the tile's rows follow thread 0's acquire
                 if cutlass.const_expr(not RING):
                     rows = count  # only the ring consumer's release reads it
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())

@@ -9,18 +9,22 @@ scheduler roles; the arithmetic is GC-MoE's grouped GEMM, so the two operators d
 1. routing (CTA 0), as `mega_port`: counts, grouped-row offsets, each row's routing entry; the tag-1 barrier;
    then the last partial ring block's count is padded (BM - tail) and ROUTING_READY released, which is also the
    ring-ready word of the GEMM loop.
-2. dispatch (every warp of every CTA, one grouped row at a time), as `mega_port`: the token's E4M3 row converted to
-   one FP32 scale per K128 block, its routing weight, combine row and source; then +1 with release on the row's
-   ring block (`l1_full_count`, blocks of RING_BLOCK_M rows), where the GEMM's W1 units acquire them.
-3. GEMMs: `role2.make_unit_loop` (tickets over the units with rows, W1's before W2's; a W1 unit acquires its ring
-   blocks, a W2 unit its token tile's W1-completion word). A CTA enters as soon as its share of the dispatch is
-   done, so its first W1 units overlap the dispatch of other CTAs.
+2. dispatch, one grouped row per warp at a time, as `mega_port`: the token's E4M3 row converted to one FP32 scale
+   per K128 block, its routing weight, combine row and source; then +1 with release on the row's ring block
+   (`l1_full_count`, blocks of RING_BLOCK_M rows), where the GEMM's W1 units acquire them. At bn 8 / 16 three
+   dispatch warps per CTA (`dispatch_warps`) pull all rows while the CTA's other warps already run phase 3
+   (Figure 1(a)'s dispatch warps beside the GEMM roles); at bn 32, where the GEMM takes all 640 threads' registers,
+   every warp pulls its share first and then enters phase 3.
+3. GEMMs: `role2.make_unit_loop` over the GEMM's warps (tickets over the units with rows, W1's before W2's; a W1
+   unit acquires its ring blocks, a W2 unit its token tile's W1-completion word), its CTA barriers a named barrier
+   that leaves the dispatch warps out.
 4. combine: every CTA past the loop adds 1 to GEMM_DONE (release) and waits for all of them (acquire); CTA 0
    clears the ring counts and the W1-completion words (nobody reads them any more); the top-k sum of `mega_port`.
 5. tail, as `mega_port`: FINISH; the last CTA runs the tag-2 barrier and clears the control words.
 
-What stays different from Figure 1(a): dispatch is a phase of every warp before the GEMM loop, not warps that run
-beside it for the whole kernel (a CTA's GEMM starts when its own rows are pulled; other CTAs still dispatch).
+What stays different from Figure 1(a): the dispatch warps idle once every row is pulled (no token of a later
+layer to fetch), the epilogue is the consumer warpgroups' (no separate epilogue warps), and at bn 32 dispatch
+is a phase.
 Every wait is bounded by `timeout_ns` and ends in `trap`. P = 1 (the peer table carries the tag barriers).
 """
 
@@ -72,23 +76,44 @@ PROMISES = (
 )
 
 
+# dispatch warps beside the GEMM loop where the registers allow them: the GEMM's 544 threads count as 640 for
+# ptxas anyway, so 3 more warps cost nothing at bn 8 / 16; bn 32 already fills 640 (its producer warpgroup lends
+# the consumers registers, which warps outside a warpgroup could not), so there the dispatch stays a phase
+DISPATCH_WARPS = {8: 3, 16: 3, 32: 0}
+
+
 @dataclass(frozen=True)
 class PortWsConfig:
     block_n: int = 16  # tokens per unit (the WGMMA N)
     swiglu_alpha: float = 1.0
     swiglu_clamp: float = 10.0
+    # warps after the GEMM loop's that pull the grouped rows while the loop runs (0: every warp pulls its share
+    # first, then enters the loop). None: DISPATCH_WARPS
+    dispatch_warps: int | None = None
 
     def __post_init__(self):
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
+        if self.dispatch_warps is None:
+            object.__setattr__(self, "dispatch_warps", DISPATCH_WARPS[self.block_n])
+        gemm = role2.Role2Config(self.block_n).half("w1").threads
+        if not (isinstance(self.dispatch_warps, int) and 0 <= self.dispatch_warps
+                and -(-(gemm + 32 * self.dispatch_warps) // 128) * 128 <= 640):
+            raise ValueError(f"dispatch_warps {self.dispatch_warps} at block_n {self.block_n}: allowed 0.."
+                             f"{(640 - gemm) // 32} (the CTA stays within 640 threads, 96 registers each)")
 
     @property
     def loop(self) -> role2.Role2Config:
-        return role2.Role2Config(self.block_n, self.swiglu_alpha, self.swiglu_clamp)
+        return role2.Role2Config(self.block_n, self.swiglu_alpha, self.swiglu_clamp,
+                                 side_threads=32 * self.dispatch_warps)
+
+    @property
+    def gemm_threads(self) -> int:
+        return self.loop.half("w1").threads
 
     @property
     def threads(self) -> int:
-        return self.loop.half("w1").threads
+        return self.gemm_threads + 32 * self.dispatch_warps
 
     @property
     def smem_bytes(self) -> int:
@@ -122,6 +147,9 @@ def _make_kernel(cfg: PortWsConfig):
     run_units = role2.make_unit_loop(cfg.loop)
     threads = cfg.threads
     warps = threads // 32
+    gemm_warps = cfg.gemm_threads // 32
+    side = cfg.dispatch_warps  # dispatch warps beside the loop (0: every warp dispatches, then loops)
+    pullers = side if side else warps  # warps of a CTA that pull rows
     assert cfg.routing_bytes <= cfg.loop.half("w1").stage_bytes
 
     @cute.kernel
@@ -195,8 +223,14 @@ def _make_kernel(cfg: PortWsConfig):
         ptx.barrier_sync()  # every thread read the table before the GEMM loop may reuse the stage
 
         # ---------------------------------------------------------------- 2. dispatch: one grouped row per warp
+        # (the dispatch warps beside the loop, or every warp before it)
         h_blocks = hidden // 128
-        row = cta * warps + warp_id
+        puller = warp_id
+        if cutlass.const_expr(side):
+            puller = warp_id - gemm_warps
+        row = cta * pullers + puller
+        if puller < 0:
+            row = total_rows  # a GEMM warp: its loop runs meanwhile
         while row < total_rows:
             a = phase.ld_relaxed(g_src + Int64(row) * 4)
             token = a // topk
@@ -230,16 +264,17 @@ def _make_kernel(cfg: PortWsConfig):
             phase.warp_sync()  # the whole row precedes lane 0's release
             if lane == 0:
                 phase.atom_release_gpu(l1_full_count + Int64(row // RING_BLOCK_M) * 4, Int32(1))
-            row = row + ctas * warps
+            row = row + ctas * pullers
 
         # ---------------------------------------------------------------- 3. GEMMs: the persistent unit loop
         # g_src holds routing entries (< C k = source_rows): every row's source is this rank, whose combine
         # buffer is `partials` itself (peers[0] = 0 at P = 1)
-        run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, g_act, g_scale, expert_offsets,
-                  g_weight, mid, mid_scale, g_dest, partials, ring_ready, l1_full_count, l1_empty_count, g_src,
-                  peers, w1_done_mask, control + Int64(4 * TICKET), h_blocks, 2 * intermediate // 64,
-                  intermediate // 128, hidden // 64, Int32(RING_BLOCK_M), ring_blocks, capacity * topk,
-                  local_experts, mask_stride, timeout_ns)
+        if warp_id < gemm_warps:
+            run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, g_act, g_scale,
+                      expert_offsets, g_weight, mid, mid_scale, g_dest, partials, ring_ready, l1_full_count,
+                      l1_empty_count, g_src, peers, w1_done_mask, control + Int64(4 * TICKET), h_blocks,
+                      2 * intermediate // 64, intermediate // 128, hidden // 64, Int32(RING_BLOCK_M), ring_blocks,
+                      capacity * topk, local_experts, mask_stride, timeout_ns)
 
         # ---------------------------------------------------------------- 4. combine (after every CTA's loop)
         # what the phases after the loop need is read again, not kept in registers across it (the loop's
@@ -307,7 +342,8 @@ def _make_kernel(cfg: PortWsConfig):
     return host
 
 
-def build_port_ws(arch: str = "sm_90a", block_n: int = 16, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+def build_port_ws(arch: str = "sm_90a", block_n: int = 16, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
+                  dispatch_warps: int | None = None):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -315,7 +351,7 @@ def build_port_ws(arch: str = "sm_90a", block_n: int = 16, swiglu_alpha: float =
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 Mega MoE port is built for sm_90a only, not {arch!r}")
-    cfg = PortWsConfig(block_n, swiglu_alpha, swiglu_clamp)
+    cfg = PortWsConfig(block_n, swiglu_alpha, swiglu_clamp, dispatch_warps)
     host = _make_kernel(cfg)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))

@@ -59,6 +59,7 @@ class Role2Config:
     swiglu_clamp: float = 10.0
     producer_warps: int | None = None  # None: 4 where the registers are split (SPLIT_BLOCK_N), else 1
     consumer_registers: int | None = None  # None: SPLIT_BLOCK_N's where it names the token tile
+    side_threads: int = 0  # threads of the CTA beside the loop's (the Mega MoE port's dispatch warps)
 
     def half(self, role: str) -> gg.GemmConfig:
         """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
@@ -66,7 +67,8 @@ class Role2Config:
         99.1 / 87.7 us (GLM-5.2 / DeepSeek) against 117.5 / 107.1 with two at bn 8 (docs/sm90-layer.md)."""
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
-                             ctas_per_sm=1, fused_role2=True, consumer_registers=self.consumer_registers)
+                             ctas_per_sm=1, fused_role2=True, consumer_registers=self.consumer_registers,
+                             side_threads=self.side_threads)
 
     def __post_init__(self):
         split = SPLIT_BLOCK_N.get(self.block_n, (1, None))
@@ -288,6 +290,14 @@ def make_unit_loop(cfg: Role2Config):
         ring_protocol.sts(slot + 12, bz)
 
     @cute.jit
+    def loop_sync():
+        """A barrier over the loop's threads: the whole CTA, or all but its side threads."""
+        if cutlass.const_expr(half1.side_threads):
+            ptx.named_barrier_sync(2, half1.threads)
+        else:
+            ptx.barrier_sync()
+
+    @cute.jit
     def run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
@@ -308,7 +318,7 @@ def make_unit_loop(cfg: Role2Config):
             build_prefix(expert_offsets, local_experts, prefix, tid)
             if tid == 0:
                 draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots)
-        ptx.barrier_sync()
+        loop_sync()
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
         it = Int32(0)
         e = ring_protocol.lds(slots + 4)
@@ -337,11 +347,11 @@ def make_unit_loop(cfg: Role2Config):
                     cute.arch.setmaxregister_increase(gg.WS_ENTRY_REGISTERS)
             # every thread is done with the unit's shared memory and barriers: thread 0 retires the barriers
             # (the next unit initializes them again); the next unit's slot is written and visible
-            ptx.barrier_sync()
+            loop_sync()
             if tid == 0:
                 for st in cutlass.range_constexpr(2 * STAGES):
                     ptx.mbarrier_inval(smem + half1.barrier_offset + st * 8)
-            ptx.barrier_sync()
+            loop_sync()
             it = it + 1
             e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
 
