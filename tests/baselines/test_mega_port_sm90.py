@@ -289,9 +289,13 @@ def test_ws_kernel_args_and_workspace():
     assert ws.w1_done_mask.shape == (4, kws.mask_stride(256)) == (4, 32)
     assert ws.control.numel() >= kws.CONTROL_WORDS
     assert host.choose_block_n_ws(1, 8, 32) == 8 and host.choose_block_n_ws(256, 8, 32) == 32
-    assert host.pipeline_from_env({}) == "cp_async" and host.pipeline_from_env({host.PIPELINE_ENV: "ws"}) == "ws"
-    with pytest.raises(ValueError, match="GCMOE_MEGA_PORT_PIPELINE='tma'; allowed: cp_async, ws"):
+    assert host.pipeline_from_env({}) == "auto" and host.pipeline_from_env({host.PIPELINE_ENV: "ws"}) == "ws"
+    with pytest.raises(ValueError, match="GCMOE_MEGA_PORT_PIPELINE='tma'; allowed: auto, cp_async, ws"):
         host.pipeline_from_env({host.PIPELINE_ENV: "tma"})
+    # auto: ws where its token tile is 32 (GLM-5.2's slice from 64 tokens, DeepSeek's from 128), cp_async below
+    assert [host.resolve_pipeline("auto", t, 8, 32) for t in (1, 32, 64, 256)] == ["cp_async"] * 2 + ["ws"] * 2
+    assert [host.resolve_pipeline("auto", t, 6, 48) for t in (64, 128)] == ["cp_async", "ws"]
+    assert host.resolve_pipeline("cp_async", 256, 8, 32) == "cp_async"
     with pytest.raises(ValueError, match="allowed: at most 4096"):
         host.check_shape(6144, 8192, 32, 8, "ws")
 
@@ -353,13 +357,14 @@ def test_kernel_args_follow_the_parameter_table():
 
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", host.PIPELINES)
+@pytest.mark.parametrize("pipeline", host.PIPELINES + ("auto",))
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256])
 @pytest.mark.parametrize("model", list(device_check.MODELS))
 def test_port_matches_float32_reference_at_the_model_slices(model, tokens, pipeline, monkeypatch):
     monkeypatch.setenv(host.PIPELINE_ENV, pipeline)
     p = device_check.check_point(model, tokens, seed=1000 + tokens)
-    assert pipeline != "ws" or "ws pipeline" in p.note
+    _, _, experts, topk = device_check.MODELS[model]
+    assert ("ws pipeline" in p.note) == (host.resolve_pipeline(pipeline, tokens, topk, experts) == "ws"), p.note
     assert p.finite, "an element of y was not written (poisoned with NaN)"
     assert p.replay_equal, "a CUDA-graph replay differs from the eager call"
     assert p.cosine >= device_check.COSINE_MIN and p.processed_diff <= device_check.PROCESSED_DIFF_MAX, p

@@ -130,8 +130,8 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
             block_n: int | None = None, stages: int = host.BUILT_STAGES, cooperative: bool = True,
             pipeline: str | None = None) -> MegaMoeCall:
     """Transform the weights, allocate the workspace, and return one launch of the persistent kernel that writes
-    ``output`` (bf16 [T, H]) in place; graph-capturable. pipeline: "cp_async" or "ws" (``host.PIPELINES``);
-    None: GCMOE_MEGA_PORT_PIPELINE, else "cp_async". `stages` is a knob of the cp.async pipeline."""
+    ``output`` (bf16 [T, H]) in place; graph-capturable. pipeline: "auto" (the one measured faster for this
+    call), "cp_async" or "ws"; None: GCMOE_MEGA_PORT_PIPELINE, else "auto". `stages` is a knob of cp_async."""
     from gc_moe.runtime import jit
     from gc_moe.weights import sm90 as weights_sm90
 
@@ -148,7 +148,8 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
     t, hidden, topk = inputs.tokens, inputs.hidden, inputs.topk_idx.shape[1]
     weights = weights_sm90.transform(tuple(inputs.l1_weights), tuple(inputs.l2_weights))
     local_experts = weights.l1.num_experts
-    pipeline = pipeline if pipeline is not None else host.pipeline_from_env()
+    pipeline = host.resolve_pipeline(pipeline if pipeline is not None else host.pipeline_from_env(), t, topk,
+                                     local_experts)
     host.check_shape(hidden, inputs.intermediate, local_experts, topk, pipeline)
     alpha, clamp = float(inputs.activation_alpha), float(inputs.activation_clamp)
     if pipeline == "ws":

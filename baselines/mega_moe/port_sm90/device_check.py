@@ -109,7 +109,7 @@ def _block_n(model: str, tokens: int) -> int:
     from baselines.mega_moe.port_sm90 import host
 
     _, _, experts, topk = MODELS[model]
-    if host.pipeline_from_env() == "ws":  # GCMOE_MEGA_PORT_PIPELINE, as prepare reads it
+    if host.resolve_pipeline(host.pipeline_from_env(), tokens, topk, experts) == "ws":  # as prepare picks it
         return host.choose_block_n_ws(tokens, topk, experts)
     return host.choose_block_n(tokens, topk, experts)
 
