@@ -176,8 +176,12 @@ def prepare(inputs: MegaMoeInputs, group: Any, *, timeout_s: float = host.DEFAUL
 
     threads = kernel.entry.launch.block[0]
     if pipeline == "ws":
+        ws_cfg = host.kws.PortWsConfig(bn)
+        producer = "producer warpgroup" if ws_cfg.loop.producer_warps == 4 else "producer warp"
+        dispatch = (f"{ws_cfg.dispatch_warps} dispatch warps beside the GEMM" if ws_cfg.dispatch_warps
+                    else "dispatch before the GEMM loop")
         note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {threads} threads, ws pipeline "
-                f"(producer warp{'group' if threads > 544 else ''}, mbarrier ring, ticketed units), block_n {bn}")
+                f"({producer}, mbarrier ring, ticketed units, {dispatch}), block_n {bn}")
     else:
         note = (f"SM90 Mega MoE port: one persistent kernel, {grid} CTAs x {threads} threads, block_n {bn}, "
                 f"{stages} stages")
