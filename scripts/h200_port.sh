@@ -12,13 +12,8 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache}
 CHECK_TOKENS=${CHECK_TOKENS:-1,8,64,256}
 TIME_TOKENS=${TIME_TOKENS:-1,2,4,8,16,32,64,128,256}
 steps=${*:-tests cp_async ws}
-declare -a NAMES RCS SECS
-run() {  # name limit command...
-  local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
-  echo "=== $name: $*"
-  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?; NAMES+=("$name"); RCS+=("$rc"); SECS+=("$(( $(date +%s) - t0 ))"); tail -n 24 "$OUT/$name.log"
-}
+TAIL_LINES=24
+source scripts/steps.sh
 for s in $steps; do
   case $s in
     tests) run tests "${TESTS_LIMIT:-240}" python -m pytest -q -x -m gpu -p no:cacheprovider \
@@ -29,5 +24,4 @@ for s in $steps; do
     *) echo "unknown step $s (allowed: tests cp_async ws)"; exit 2 ;;
   esac
 done
-echo; printf '%-10s %5s %7s\n' step rc seconds
-for i in "${!NAMES[@]}"; do printf '%-10s %5s %7s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"; done
+print_steps

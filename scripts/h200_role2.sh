@@ -14,13 +14,7 @@ OUT=${OUT:-role2-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEOUT_S=${GC_MOE_WAIT_TIMEOUT_S:-30}
 steps=${*:-tests backend nodes2}
-declare -a NAMES RCS SECS
-run() {  # name limit command...
-  local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
-  echo "=== $name: $*"
-  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?; NAMES+=("$name"); RCS+=("$rc"); SECS+=("$(( $(date +%s) - t0 ))"); tail -n 6 "$OUT/$name.log"
-}
+source scripts/steps.sh
 for s in $steps; do
   case $s in
     tests) run tests "${TESTS_LIMIT:-220}" python -m pytest -q -x -m gpu -p no:cacheprovider \
@@ -38,5 +32,4 @@ for s in $steps; do
     *) echo "unknown step $s (allowed: tests backend nodes2 role4 role4off)"; exit 2 ;;
   esac
 done
-echo; printf '%-10s %5s %7s\n' step rc seconds
-for i in "${!NAMES[@]}"; do printf '%-10s %5s %7s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"; done
+print_steps

@@ -786,7 +786,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             ptx.fence_mbarrier_init()
-        gemm_sync()
+        ptx.gemm_barrier(cfg)
         if tid >= THREADS:
             # consumer_registers: the producer's registers go to the consumers for the unit (main loop and
             # epilogue). The producer takes its back only where it has more to run (the fused role2 kernel's
@@ -808,14 +808,6 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool; the producer may take its own
                 cute.arch.setmaxregister_decrease(WS_ENTRY_REGISTERS)
         return tid, wg, warp, g, q
-
-    @cute.jit
-    def gemm_sync():
-        """A barrier over the GEMM's threads: the whole CTA, or all but its side threads (side_threads)."""
-        if cutlass.const_expr(cfg.side_threads):
-            ptx.named_barrier_sync(2, cfg.threads)
-        else:
-            ptx.barrier_sync()
 
     @cute.jit
     def consumer_sync():
@@ -1055,7 +1047,7 @@ def _make_kernel(cfg: GemmConfig):
                     if cute.arch.thread_idx()[0] == 0:
                         ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m,
                                                         ring_blocks, started, timeout_ns)
-                    gemm_sync()  # every thread's copies of the tile's rows follow thread 0's acquire
+                    ptx.gemm_barrier(cfg)  # every thread's copies of the tile's rows follow thread 0's acquire
                 if cutlass.const_expr(not RING):
                     rows = count  # only the ring consumer's release reads it
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())

@@ -45,11 +45,9 @@ ARCH = "sm_90a"
 DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
-OVERLAP_VALUES = {"1": True, "0": False}
 ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
 ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
-ROLE4_VALUES = {"0": False, "1": True}
 # "auto": the fused role2 kernel at 1 token per rank, W1 and W2 nodes from 2 on. Measured on the H200
 # (docs/sm90-layer.md): the persistent fused kernel (one CTA per SM) is 10-15% faster at 1 token and 20-40%
 # slower from 2 tokens, where two W1 / W2 CTAs per SM stream more weights than one persistent CTA
@@ -259,16 +257,22 @@ def timeout_from_env(environ=os.environ) -> float:
     return value
 
 
+def _switch_from_env(environ, name: str, default: bool, allowed: str) -> bool:
+    """An on/off switch from the environment: "1" or "0", `default` when unset or empty; else an error naming
+    what is `allowed`."""
+    raw = environ.get(name, "")
+    if raw == "":
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}; allowed: {allowed}")
+    return raw == "1"
+
+
 def overlap_from_env(environ=os.environ) -> bool:
     """Whether dispatch and W1 run as concurrent roots: GC_MOE_OVERLAP_ROOTS "1" (the default when unset or
     empty) or "0" (W1 after dispatch)."""
-    raw = environ.get(OVERLAP_ENV, "")
-    if raw == "":
-        return True
-    if raw not in OVERLAP_VALUES:
-        raise ValueError(f"{OVERLAP_ENV}={raw!r}; allowed: 1 (dispatch and W1 overlap, the default) or 0 (W1 "
-                         f"after dispatch)")
-    return OVERLAP_VALUES[raw]
+    return _switch_from_env(environ, OVERLAP_ENV, True,
+                            "1 (dispatch and W1 overlap, the default) or 0 (W1 after dispatch)")
 
 
 def role2_nodes_from_env(environ=os.environ):
@@ -287,13 +291,8 @@ def role2_nodes_from_env(environ=os.environ):
 def role4_fused_from_env(environ=os.environ) -> bool:
     """Whether the shared expert (role4) runs as one fused kernel: GC_MOE_ROLE4_FUSED "0" (the default when unset
     or empty: W1 and W2 nodes) or "1" (one node)."""
-    raw = environ.get(ROLE4_ENV, "")
-    if raw == "":
-        return False
-    if raw not in ROLE4_VALUES:
-        raise ValueError(f"{ROLE4_ENV}={raw!r}; allowed: 0 (the shared expert as W1 and W2 nodes, the default) or 1 "
-                         f"(one fused node)")
-    return ROLE4_VALUES[raw]
+    return _switch_from_env(environ, ROLE4_ENV, False,
+                            "0 (the shared expert as W1 and W2 nodes, the default) or 1 (one fused node)")
 
 
 def role2_fused(role2_nodes, num_tokens: int) -> bool:

@@ -268,6 +268,18 @@ def named_barrier_sync(barrier_id: int, threads: int) -> None:
     asm(f"bar.sync {barrier_id}, {threads};", [], [])
 
 
+GEMM_BARRIER = 2  # named barrier of a GEMM's threads when side threads share the CTA (0: the CTA, 1: consumers)
+
+
+def gemm_barrier(cfg) -> None:
+    """A barrier over a warp-specialized GEMM's threads (`grouped_gemm.GemmConfig`): the whole CTA, or, with
+    `cfg.side_threads` beside them (the Mega MoE port's dispatch warps), a named barrier over `cfg.threads`."""
+    if cfg.side_threads:
+        named_barrier_sync(GEMM_BARRIER, cfg.threads)
+    else:
+        barrier_sync()
+
+
 def warp_sync() -> None:
     asm("bar.warp.sync -1;", [], [])
 

@@ -290,14 +290,6 @@ def make_unit_loop(cfg: Role2Config):
         ring_protocol.sts(slot + 12, bz)
 
     @cute.jit
-    def loop_sync():
-        """A barrier over the loop's threads: the whole CTA, or all but its side threads."""
-        if cutlass.const_expr(half1.side_threads):
-            ptx.named_barrier_sync(2, half1.threads)
-        else:
-            ptx.barrier_sync()
-
-    @cute.jit
     def run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
@@ -318,7 +310,7 @@ def make_unit_loop(cfg: Role2Config):
             build_prefix(expert_offsets, local_experts, prefix, tid)
             if tid == 0:
                 draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots)
-        loop_sync()
+        ptx.gemm_barrier(half1)
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
         it = Int32(0)
         e = ring_protocol.lds(slots + 4)
@@ -347,11 +339,11 @@ def make_unit_loop(cfg: Role2Config):
                     cute.arch.setmaxregister_increase(gg.WS_ENTRY_REGISTERS)
             # every thread is done with the unit's shared memory and barriers: thread 0 retires the barriers
             # (the next unit initializes them again); the next unit's slot is written and visible
-            loop_sync()
+            ptx.gemm_barrier(half1)
             if tid == 0:
                 for st in cutlass.range_constexpr(2 * STAGES):
                     ptx.mbarrier_inval(smem + half1.barrier_offset + st * 8)
-            loop_sync()
+            ptx.gemm_barrier(half1)
             it = it + 1
             e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
 
