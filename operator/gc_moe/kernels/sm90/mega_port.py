@@ -340,7 +340,34 @@ def _phase_helpers(ptx):
             red_release_sys(control + ldg_s64_nc(peers + Int64(p) * 8) + Int64(4 * word), Int32(1))
         wait_at_least(control + Int64(4 * word), num_ranks, started, timeout_ns, True)
 
-    return SimpleNamespace(ld_acquire_gpu=ld_acquire_gpu, ld_acquire_sys=ld_acquire_sys, ld_relaxed=ld_relaxed, ld_relaxed_f32=ld_relaxed_f32, ld_relaxed_s64=ld_relaxed_s64, st_relaxed=st_relaxed, st_release_gpu=st_release_gpu, red_release_gpu=red_release_gpu, atom_release_gpu=atom_release_gpu, atom_acq_rel_gpu=atom_acq_rel_gpu, red_release_sys=red_release_sys, fence_gpu=fence_gpu, lds_s32=lds_s32, sts_s32=sts_s32, atom_shared_add=atom_shared_add, warp_sync=warp_sync, ldg_s64_nc=ldg_s64_nc, convert_row_chunk=convert_row_chunk, bits_f32=bits_f32, combine_add8=combine_add8, store_bf16x8=store_bf16x8, wait_at_least=wait_at_least, tag_barrier=tag_barrier)
+    @cute.jit
+    def pull_row_k128(x, x_sf, g_act, g_scale, token, row, hidden, h_blocks, lane):
+        """One warp: token's E4M3 row -> grouped row `row` with one FP32 scale per K128 block (each K32 group
+        times 2^(e_j - e_max), one RNE rounding; the scale 2^(e_max - 127))."""
+        chunk = lane
+        while chunk < h_blocks * 8:
+            blk = chunk // 8
+            word = ptx.ldg_s32(x_sf + (Int64(token) * Int64(h_blocks) + Int64(blk)) * 4)
+            e0 = word & Int32(0xFF)
+            e1 = (word >> 8) & Int32(0xFF)
+            e2 = (word >> 16) & Int32(0xFF)
+            e3 = (word >> 24) & Int32(0xFF)
+            emax = e0
+            emax = max(emax, e1)
+            emax = max(emax, e2)
+            emax = max(emax, e3)
+            ej = (word >> (8 * ((chunk % 8) // 2))) & Int32(0xFF)
+            step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
+            if step < 0:
+                step = Int32(0)
+            convert_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16),
+                              g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16), bits_f32(step << 23))
+            if chunk % 8 == 0:
+                ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(blk)) * 4, bits_f32(emax << 23))
+            chunk = chunk + 32
+
+    return SimpleNamespace(ld_acquire_gpu=ld_acquire_gpu, ld_acquire_sys=ld_acquire_sys, ld_relaxed=ld_relaxed, ld_relaxed_f32=ld_relaxed_f32, ld_relaxed_s64=ld_relaxed_s64, st_relaxed=st_relaxed, st_release_gpu=st_release_gpu, red_release_gpu=red_release_gpu, atom_release_gpu=atom_release_gpu, atom_acq_rel_gpu=atom_acq_rel_gpu, red_release_sys=red_release_sys, fence_gpu=fence_gpu, lds_s32=lds_s32, sts_s32=sts_s32, atom_shared_add=atom_shared_add, warp_sync=warp_sync, ldg_s64_nc=ldg_s64_nc, convert_row_chunk=convert_row_chunk, bits_f32=bits_f32, combine_add8=combine_add8, store_bf16x8=store_bf16x8, wait_at_least=wait_at_least, tag_barrier=tag_barrier,
+                           pull_row_k128=pull_row_k128)
 
 
 # ---------------------------------------------------------------------------------------------- device code
@@ -550,27 +577,7 @@ def _make_kernel(cfg: PortConfig):
             token = a // topk
             slot = a - token * topk
             le = Int32(phase.ldg_s64_nc(topk_idx + Int64(a) * 8)) - expert_base
-            chunk = lane
-            while chunk < h_blocks * 8:
-                blk = chunk // 8
-                word = ptx.ldg_s32(x_sf + (Int64(token) * Int64(h_blocks) + Int64(blk)) * 4)
-                e0 = word & Int32(0xFF)
-                e1 = (word >> 8) & Int32(0xFF)
-                e2 = (word >> 16) & Int32(0xFF)
-                e3 = (word >> 24) & Int32(0xFF)
-                emax = e0
-                emax = max(emax, e1)
-                emax = max(emax, e2)
-                emax = max(emax, e3)
-                ej = (word >> (8 * ((chunk % 8) // 2))) & Int32(0xFF)
-                step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
-                if step < 0:
-                    step = Int32(0)
-                phase.convert_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16),
-                                  g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16), phase.bits_f32(step << 23))
-                if chunk % 8 == 0:
-                    ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(blk)) * 4, phase.bits_f32(emax << 23))
-                chunk = chunk + 32
+            phase.pull_row_k128(x, x_sf, g_act, g_scale, token, row, hidden, h_blocks, lane)
             if lane == 0:
                 ptx.stg_f32(g_weight + Int64(row) * 4, ptx.ldg_f32(topk_weights + Int64(a) * 4))
                 phase.st_relaxed(g_dest + Int64(row) * 4, slot * num_tokens + token)

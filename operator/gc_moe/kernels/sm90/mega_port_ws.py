@@ -235,29 +235,7 @@ def _make_kernel(cfg: PortWsConfig):
             a = phase.ld_relaxed(g_src + Int64(row) * 4)
             token = a // topk
             slot = a - token * topk
-            chunk = lane
-            while chunk < h_blocks * 8:
-                blk = chunk // 8
-                word = ptx.ldg_s32(x_sf + (Int64(token) * Int64(h_blocks) + Int64(blk)) * 4)
-                e0 = word & Int32(0xFF)
-                e1 = (word >> 8) & Int32(0xFF)
-                e2 = (word >> 16) & Int32(0xFF)
-                e3 = (word >> 24) & Int32(0xFF)
-                emax = e0
-                emax = max(emax, e1)
-                emax = max(emax, e2)
-                emax = max(emax, e3)
-                ej = (word >> (8 * ((chunk % 8) // 2))) & Int32(0xFF)
-                step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
-                if step < 0:
-                    step = Int32(0)
-                phase.convert_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16),
-                                        g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16),
-                                        phase.bits_f32(step << 23))
-                if chunk % 8 == 0:
-                    ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(blk)) * 4,
-                                phase.bits_f32(emax << 23))
-                chunk = chunk + 32
+            phase.pull_row_k128(x, x_sf, g_act, g_scale, token, row, hidden, h_blocks, lane)
             if lane == 0:
                 ptx.stg_f32(g_weight + Int64(row) * 4, ptx.ldg_f32(topk_weights + Int64(a) * 4))
                 phase.st_relaxed(g_dest + Int64(row) * 4, slot * num_tokens + token)
