@@ -256,9 +256,15 @@ class GemmConfig:
         return self.barrier_offset + (16 * self.stages if self.warp_specialized else 0)
 
     @property
+    def slot_barrier_offset(self) -> int:
+        """fused_role2: an mbarrier per unit slot that the drawing producer thread completes once it wrote the
+        slot, then one per slot that the consumer warps complete once they read it (`role2`)."""
+        return self.ticket_offset + 16 * FUSED_UNIT_SLOTS
+
+    @property
     def prefix_offset(self) -> int:
         """fused_role2: the experts' token-tile prefix (local experts + 1 words) of the persistent scheduler."""
-        return self.ticket_offset + 16 * FUSED_UNIT_SLOTS
+        return self.slot_barrier_offset + 16 * FUSED_UNIT_SLOTS
 
     @property
     def scale_table_offset(self) -> int:
@@ -267,9 +273,16 @@ class GemmConfig:
 
     @property
     def fused_bytes(self) -> int:
-        """fused_role2: unit slots, the token-tile prefix, W2's scale table (independent of the stages)."""
-        return (16 * FUSED_UNIT_SLOTS + -(-4 * (FUSED_MAX_LOCAL_EXPERTS + 1) // 16) * 16
+        """fused_role2: unit slots and their barriers, the token-tile prefix, W2's scale table (independent of
+        the stages)."""
+        return (2 * 16 * FUSED_UNIT_SLOTS + -(-4 * (FUSED_MAX_LOCAL_EXPERTS + 1) // 16) * 16
                 + 4 * self.block_n * FUSED_MAX_K_BLOCKS)
+
+    @property
+    def full_arrivals(self) -> int:
+        """Arrivals that complete a stage's full barrier: the byte announcement, each producer thread's copies,
+        and in a fused half producer thread 0's plain arrival (the W2 half publishes its scale stores with it)."""
+        return self.producer_threads + 1 + (1 if self.fused_role2 else 0)
 
     @property
     def smem_bytes(self) -> int:
@@ -420,8 +433,10 @@ def _make_kernel(cfg: GemmConfig):
     FUSED = cfg.fused_role2
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
-    # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers
-    FULL_ARRIVALS = PT + 1 + (1 if FUSED and not W1 else 0)
+    # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
+    # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
+    # arrives that once more too (a plain arrival after its copies)
+    FULL_ARRIVALS = cfg.full_arrivals
 
     @cute.jit
     def issue_stage(smem, stage, kb, e, bx, tid, wg, t, row0, count, k_blocks, m_tiles, a, policy):
@@ -524,13 +539,10 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready):
-        """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
-        issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
-        ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
-        (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
-        pidx: the thread's index among the producer threads (one or two warps).
-        Everything that does not change along K (row pointers, byte counts, offsets) is computed once."""
+    def stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx):
+        """What a producer thread's copies read, computed once per unit (none of it changes along K): the
+        CTA's weight and scale streams and strides, its 16-byte pieces of the token tile (source, bytes,
+        destination offset; rows past the expert's count zero-filled) and its activation-scale words."""
         w_codes, w_scales, act, act_scale = a
         first_tile = Int64((e * m_tiles + bx * TILES_PER_CTA) * k_blocks)
         w_src = w_codes + first_tile * TILE_BYTES
@@ -563,25 +575,82 @@ def _make_kernel(cfg: GemmConfig):
                 nbytes = Int32(0)
             x_src.append(act_scale + nrow * Int64(k_blocks) * 4)
             x_bytes.append(nbytes)
-        if cutlass.const_expr(FUSED and not W1):
-            # the fused W2 half: the weights of the first stages go out before W1 has finished this token tile
-            # (they do not depend on it), then every producer thread acquires the tile's W1-completion bits
-            # (its own copies of W1's rows follow its own acquire), then the token rows and scales
-            done_mask, all_bits, started, timeout_ns = ready
-            prefetched = k_blocks
-            if prefetched > STAGES:
-                prefetched = Int32(STAGES)
-            for kb in cutlass.range(prefetched):
-                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
-            # lane 0 of each producer warp polls (relaxed, with a back-off: an acquire per poll would keep
-            # invalidating the SM's L1 under the co-resident W1 CTA), then one fence makes it an acquire; the
-            # warp barrier orders the other lanes' copies after it
-            if pidx % 32 == 0:
+        return (w_src, s_src, tile_stride, scale_stride), (b_src, b_bytes, b_dst), (x_src, x_bytes)
+
+    @cute.jit
+    def copy_token_scales(sbase, kb, x_src, x_bytes, pidx):
+        """Stage kb's activation scales (one 4-byte cp.async per token row, zero-filled past the count)."""
+        for r in cutlass.range_constexpr(-(-BN // PT)):
+            if pidx + PT * r < BN:
+                ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4, x_src[r] + Int64(kb * 4),
+                                     x_bytes[r])
+
+    @cute.jit
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx):
+        """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
+        issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
+        ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
+        (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
+        pidx: the thread's index among the producer threads (one or more warps)."""
+        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
+        w_src, s_src, tile_stride, scale_stride = weights
+        b_src, b_bytes, b_dst = rows_in
+        x_src, x_bytes = scales_in
+        for kb in cutlass.range(k_blocks):
+            stage = kb % STAGES
+            full = smem + cfg.barrier_offset + stage * 8
+            sbase = smem + stage * cfg.stage_bytes
+            if kb >= STAGES:
+                ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
+            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
+            for r in cutlass.range_constexpr(-(-BN // PT)):
+                if pidx + PT * r < BN:
+                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
+                                         x_src[r] + Int64(kb * 4), x_bytes[r])
+            ptx.cp_async_mbarrier_arrive_noinc(full)
+        ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+
+    @cute.jit
+    def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base):
+        """A fused half's producer for one unit of the persistent role2 loop. The unit's K128 steps are the
+        CTA's steps base .. base + k_blocks - 1: stage = step mod STAGES, and the stage barriers' phases run on
+        across units, so this unit's copies go out while the consumers still finish the previous unit (no
+        drain between units). The weights of the first stages go out as soon as those stages are free (they
+        depend on neither role1 nor W1); then lane 0 of each producer warp waits for the unit's input (W1: the
+        ring blocks of its token tile, acquired; W2: all I/128 W1-completion bits of its tile, polled relaxed,
+        then one fence) and the warp's lanes copy the token rows after it. W2 reads the tile's activation
+        scales once into a table (coherent loads: W1 wrote them during this kernel) and stores each stage's.
+        Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it)."""
+        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
+        w_src, s_src, tile_stride, scale_stride = weights
+        b_src, b_bytes, b_dst = rows_in
+        x_src, x_bytes = scales_in
+        empty0 = smem + cfg.barrier_offset + STAGES * 8
+        prefetched = k_blocks
+        if prefetched > STAGES:
+            prefetched = Int32(STAGES)
+        for kb in cutlass.range(prefetched):
+            step = base + kb
+            if step >= STAGES:
+                ptx.mbarrier_wait(empty0 + (step % STAGES) * 8, ((step // STAGES) + 1) % 2, suspend_ns=SUSPEND)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step % STAGES)
+        if pidx % 32 == 0:
+            if cutlass.const_expr(W1):
+                ring, rows, started = ready
+                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+                ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m, ring_blocks,
+                                                started, timeout_ns)
+            else:
+                # relaxed polls with a back-off (an acquire per poll would keep invalidating the SM's L1), then
+                # one fence makes it an acquire
+                done_mask, all_bits, started, timeout_ns = ready
                 ptx.wait_all_bits_relaxed_gpu(done_mask, all_bits, started, timeout_ns)
-            ptx.warp_sync()
-            for kb in cutlass.range(prefetched):  # the token rows of the first stages, before the scale table
-                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
-            table = smem + cfg.scale_table_offset
+        ptx.warp_sync()  # the warp's copies of the unit's rows follow its lane 0's acquire
+        for kb in cutlass.range(prefetched):
+            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, (base + kb) % STAGES)
+        table = smem + cfg.scale_table_offset
+        if cutlass.const_expr(not W1):
             if pidx < 32:
                 # producer warp 0 reads the tile's scales once: rows [row0, row0 + tile rows) x k_blocks are one
                 # contiguous run of l2_scale, 8 coherent loads per lane in flight at a time
@@ -589,35 +658,34 @@ def _make_kernel(cfg: GemmConfig):
                 if tile_rows > BN:
                     tile_rows = Int32(BN)
                 total = tile_rows * k_blocks
-                first = act_scale + Int64(row0) * Int64(k_blocks) * 4
-                base = Int32(0)
-                while base < total:
+                first = a[3] + Int64(row0) * Int64(k_blocks) * 4  # a = (w_codes, w_scales, act, act_scale)
+                base_word = Int32(0)
+                while base_word < total:
                     vals = []
                     for j in cutlass.range_constexpr(8):
                         v = Float32(0.0)
-                        if base + pidx + 32 * j < total:
-                            v = ptx.ld_relaxed_gpu_f32(first + Int64(base + pidx + 32 * j) * 4)
+                        if base_word + pidx + 32 * j < total:
+                            v = ptx.ld_relaxed_gpu_f32(first + Int64(base_word + pidx + 32 * j) * 4)
                         vals.append(v)
                     for j in cutlass.range_constexpr(8):
-                        if base + pidx + 32 * j < total:
-                            ptx.sts_f32(table + (base + pidx + 32 * j) * 4, vals[j])
-                    base = base + 256
+                        if base_word + pidx + 32 * j < total:
+                            ptx.sts_f32(table + (base_word + pidx + 32 * j) * 4, vals[j])
+                    base_word = base_word + 256
                 ptx.warp_sync()
         for kb in cutlass.range(k_blocks):
-            stage = kb % STAGES
+            step = base + kb
+            stage = step % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
-            if cutlass.const_expr(FUSED and not W1):
-                if kb >= prefetched:
-                    ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
-                    issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
-                    copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
+            if kb >= prefetched:
+                ptx.mbarrier_wait(empty0 + stage * 8, ((step // STAGES) + 1) % 2, suspend_ns=SUSPEND)
+                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
+                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
+            if cutlass.const_expr(W1):
+                copy_token_scales(sbase, kb, x_src, x_bytes, pidx)
+                if pidx == 0:
+                    ptx.mbarrier_arrive(full)
             else:
-                if kb >= STAGES:
-                    ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
-                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
-                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
-            if cutlass.const_expr(FUSED and not W1):
                 if pidx < BN:  # the scale lanes, all in producer warp 0 (BN <= 32): the table's row pidx
                     xv = Float32(0.0)
                     if pidx < count:
@@ -626,18 +694,15 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.warp_sync()  # before thread 0's release of the stores
                 if pidx == 0:
                     ptx.mbarrier_arrive(full)
-            else:
-                for r in cutlass.range_constexpr(-(-BN // PT)):
-                    if pidx + PT * r < BN:
-                        ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
-                                             x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
-        ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
 
     @cute.jit
-    def copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx):
-        """Stage kb's token tile: 16-byte cp.async pieces (rows past the count zero-filled)."""
-        sbase = smem + (kb % STAGES) * cfg.stage_bytes
+    def copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage=None):
+        """Stage kb's token tile: 16-byte cp.async pieces (rows past the count zero-filled). stage: the ring
+        stage when it is not kb mod STAGES (the fused halves' steps continue across units)."""
+        if cutlass.const_expr(stage is None):
+            stage = kb % STAGES
+        sbase = smem + stage * cfg.stage_bytes
         k_off = Int64(kb * 128)
         for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
             if cutlass.const_expr(BN * 8 % PT == 0):
@@ -646,9 +711,10 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.cp_async_16_zfill(sbase + b_dst[r], b_src[r] + k_off, b_bytes[r])
 
     @cute.jit
-    def issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx):
+    def issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage=None):
         """Stage kb's bulk copies (4 weight tiles, their K32 scale bytes), announced on its full barrier."""
-        stage = kb % STAGES
+        if cutlass.const_expr(stage is None):
+            stage = kb % STAGES
         full = smem + cfg.barrier_offset + stage * 8
         sbase = smem + stage * cfg.stage_bytes
         if pidx == 0:
@@ -715,7 +781,9 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xs[c % 2]
 
     @cute.jit
-    def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc):
+    def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None):
+        """base: the fused halves' first step of the unit (their stages and phases run on across units); None:
+        the unit's steps start at stage 0, phase 0."""
         bufs = (cute.make_rmem_tensor((PER,), Float32), cute.make_rmem_tensor((PER,), Float32))
         tsum = cute.make_rmem_tensor((BN // 2,), Float32)
         for r in cutlass.range_constexpr(PER):
@@ -724,19 +792,25 @@ def _make_kernel(cfg: GemmConfig):
         for r in cutlass.range_constexpr(BN // 2):
             tsum[r] = Float32(0.0)
         bar0 = smem + cfg.barrier_offset
-        ptx.mbarrier_wait(bar0, Int32(0), suspend_ns=SUSPEND)
+        if cutlass.const_expr(base is None):
+            ptx.mbarrier_wait(bar0, Int32(0), suspend_ns=SUSPEND)
+            first = smem
+        else:
+            ptx.mbarrier_wait(bar0 + (base % STAGES) * 8, (base // STAGES) % 2, suspend_ns=SUSPEND)
+            first = smem + (base % STAGES) * cfg.stage_bytes
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-        wa = smem + wg * TILE_BYTES + t * 32
+        wa = first + wg * TILE_BYTES + t * 32
         for grp in cutlass.range_constexpr(GROUPS):
-            issue_group(smem, wa, grp, bufs[grp % 2])
+            issue_group(first, wa, grp, bufs[grp % 2])
             if cutlass.const_expr(grp > 0):
-                finish_group(smem, wg, warp, g, grp - 1, bufs[(grp - 1) % 2], tsum)
+                finish_group(first, wg, warp, g, grp - 1, bufs[(grp - 1) % 2], tsum)
         for kb in cutlass.range(1, k_blocks):
-            stage = kb % STAGES
-            prev = (kb - 1) % STAGES
+            step = kb if cutlass.const_expr(base is None) else base + kb
+            stage = step % STAGES
+            prev = (step - 1) % STAGES
             sbase = smem + stage * cfg.stage_bytes
             pbase = smem + prev * cfg.stage_bytes
-            ptx.mbarrier_wait(bar0 + stage * 8, (kb // STAGES) % 2, suspend_ns=SUSPEND)
+            ptx.mbarrier_wait(bar0 + stage * 8, (step // STAGES) % 2, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()
             wa = sbase + wg * TILE_BYTES + t * 32
             for grp in cutlass.range_constexpr(GROUPS):
@@ -754,9 +828,17 @@ def _make_kernel(cfg: GemmConfig):
         out = ptx.wgmma_wait_tied([last[r] for r in range(PER)], 0)
         for r in cutlass.range_constexpr(PER):
             last[r] = out[r]
-        lbase = smem + ((k_blocks - 1) % STAGES) * cfg.stage_bytes
+        if cutlass.const_expr(base is None):
+            lbase = smem + ((k_blocks - 1) % STAGES) * cfg.stage_bytes
+        else:
+            lbase = smem + ((base + k_blocks - 1) % STAGES) * cfg.stage_bytes
         finish_group(lbase, wg, warp, g, GROUPS - 1, last, tsum)
         finish_step(lbase, q, tsum, acc)
+        if cutlass.const_expr(base is not None):
+            # the unit's last stage goes back too (the next unit's steps reuse it; a one-unit kernel never does)
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(bar0 + (STAGES + (base + k_blocks - 1) % STAGES) * 8)
 
     @cute.jit
     def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc):
@@ -773,7 +855,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready, w_factor, epilogue):
+    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor, epilogue):
         tid = cute.arch.thread_idx()[0]
         wg = tid // 128
         t = tid % 128
@@ -793,7 +875,7 @@ def _make_kernel(cfg: GemmConfig):
             # next unit: `role2` after its draw); a kernel of one unit lets it exit with fewer
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_decrease(cfg.producer_registers)
-            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready)
+            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS)
         else:
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_increase(cfg.consumer_registers)
@@ -808,6 +890,28 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool; the producer may take its own
                 cute.arch.setmaxregister_decrease(WS_ENTRY_REGISTERS)
         return tid, wg, warp, g, q
+
+    @cute.jit
+    def fused_unit(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, ready, epilogue, side, base):
+        """One unit of the persistent role2 loop, for one side of the warp-specialized split: side "producer"
+        (the producer warps' copies) or "consumer" (WGMMA, then the epilogue). The loop (`role2`) initializes
+        the stage barriers once, sets the registers of each side and hands each side its units; base: the
+        CTA's K128 steps before this unit."""
+        tid = cute.arch.thread_idx()[0]
+        if cutlass.const_expr(side == "producer"):
+            produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready, base)
+        else:
+            wg = tid // 128
+            t = tid % 128
+            warp = t // 32
+            lane = tid % 32
+            g = lane // 4
+            q = lane % 4
+            acc = cute.make_rmem_tensor((BN // 2,), Float32)
+            for i in cutlass.range_constexpr(BN // 2):
+                acc[i] = Float32(0.0)
+            consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base)
+            epilogue[0](tid, wg, warp, g, q, weight_factor(w_factor, e), acc, *epilogue[1])
 
     @cute.jit
     def consumer_sync():
@@ -845,16 +949,16 @@ def _make_kernel(cfg: GemmConfig):
         return tid, wg, warp, g, q
 
     @cute.jit
-    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready=None, epilogue=None):
+    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, epilogue=None):
         """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply.
-        ready: the fused W2 half's wait on its tile's W1-completion bits (else None). epilogue: (function, its
-        arguments after (tid, wg, warp, g, q, factor, acc)) that the consumers run inside their branch of the
-        warp-specialized split (consumer_registers: in the registers they took), else None: the caller runs it."""
+        epilogue: (function, its arguments after (tid, wg, warp, g, q, factor, acc)) that the consumers run
+        inside their branch of the warp-specialized split (consumer_registers: in the registers they took),
+        else None: the caller runs it."""
         for i in cutlass.range_constexpr(BN // 2):
             acc[i] = Float32(0.0)
         if cutlass.const_expr(WS):
-            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, ready,
-                                               w_factor, epilogue)
+            tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor,
+                                               epilogue)
         else:
             tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
         return tid, wg, warp, g, q, weight_factor(w_factor, e)
@@ -1009,11 +1113,12 @@ def _make_kernel(cfg: GemmConfig):
         @cute.jit
         def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
                     k_blocks, m_tiles, ring, fused=None):
-            """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, the
-            word's row stride) of the fused role2 kernel's unit (it waited for RING_READY already)."""
+            """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, side,
+            base) of the fused role2 kernel's unit (it waited for RING_READY already): `fused_unit`'s side and
+            first K128 step."""
             if cutlass.const_expr(FUSED):
                 ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
-                e, bx, bz, started, done_mask = fused
+                e, bx, bz, started, done_mask, side, base = fused
             else:
                 bx, e, bz = cute.arch.block_idx()
                 done_mask = None
@@ -1044,23 +1149,28 @@ def _make_kernel(cfg: GemmConfig):
                     rows = count
                     if rows > BN:  # a DSL value: Python min() cannot trace it
                         rows = Int32(BN)
-                    if cute.arch.thread_idx()[0] == 0:
-                        ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m,
-                                                        ring_blocks, started, timeout_ns)
-                    ptx.gemm_barrier(cfg)  # every thread's copies of the tile's rows follow thread 0's acquire
+                    if cutlass.const_expr(not FUSED):  # the fused producer acquires them itself
+                        if cute.arch.thread_idx()[0] == 0:
+                            ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m,
+                                                            ring_blocks, started, timeout_ns)
+                        ptx.gemm_barrier(cfg)  # every thread's copies of the tile's rows follow thread 0's acquire
                 if cutlass.const_expr(not RING):
                     rows = count  # only the ring consumer's release reads it
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
-                acc = cute.make_rmem_tensor((BN // 2,), Float32)
                 epilogue = (w1_epilogue, (smem, row0, count, rows, bx, m_tiles, routing_weight, out, out_scale, ring,
                                           done_mask))
-                tid, wg, warp, g, q, factor = tile_product(
-                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc,
-                    None, epilogue if SPLIT else None,
-                )
-                if cutlass.const_expr(not SPLIT):
-                    if tid < THREADS:  # the warp-specialized producer warp has no outputs
-                        w1_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
+                if cutlass.const_expr(FUSED):
+                    fused_unit((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles,
+                               smem, (ring, rows, started), epilogue, side, base)
+                else:
+                    acc = cute.make_rmem_tensor((BN // 2,), Float32)
+                    tid, wg, warp, g, q, factor = tile_product(
+                        (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
+                        acc, epilogue if SPLIT else None,
+                    )
+                    if cutlass.const_expr(not SPLIT):
+                        if tid < THREADS:  # the warp-specialized producer warp has no outputs
+                            w1_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -1083,11 +1193,11 @@ def _make_kernel(cfg: GemmConfig):
         def w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks, m_tiles,
                     ring, fused=None):
             """fused: (expert, weight-row CTA, token tile, started, the token tile's W1-completion word, the
-            bound on waits) of the fused role2 kernel's unit: role1 and W1 write what this reads while it runs,
-            so every such read is coherent, and the producer waits for all I/128 bits of the word."""
+            bound on waits, side, base) of the fused role2 kernel's unit: role1 and W1 write what this reads while
+            it runs, so every such read is coherent, and the producer waits for all I/128 bits of the word."""
             ready = None
             if cutlass.const_expr(FUSED):
-                e, bx, bz, started, done_mask, timeout_ns = fused
+                e, bx, bz, started, done_mask, timeout_ns, side, base = fused
                 ready = (done_mask, (Int64(1) << Int64(k_blocks)) - Int64(1), started, timeout_ns)
             else:
                 bx, e, bz = cute.arch.block_idx()
@@ -1107,15 +1217,19 @@ def _make_kernel(cfg: GemmConfig):
             if count > 0:
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
-                acc = cute.make_rmem_tensor((BN // 2,), Float32)
                 epilogue = (w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, ring))
-                tid, wg, warp, g, q, factor = tile_product(
-                    (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc,
-                    ready, epilogue if SPLIT else None,
-                )
-                if cutlass.const_expr(not SPLIT):
-                    if tid < THREADS:  # the warp-specialized producer warp has no outputs
-                        w2_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
+                if cutlass.const_expr(FUSED):
+                    fused_unit((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles,
+                               smem, ready, epilogue, side, base)
+                else:
+                    acc = cute.make_rmem_tensor((BN // 2,), Float32)
+                    tid, wg, warp, g, q, factor = tile_product(
+                        (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
+                        acc, epilogue if SPLIT else None,
+                    )
+                    if cutlass.const_expr(not SPLIT):
+                        if tid < THREADS:  # the warp-specialized producer warp has no outputs
+                            w2_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
         if cutlass.const_expr(RING):
             @cute.kernel

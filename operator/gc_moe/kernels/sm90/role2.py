@@ -41,10 +41,11 @@ PARAMS = (
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("local_experts", "s32"),
     ("mask_stride", "s32"), ("timeout_ns", "s64"),
 )
-# stack bytes per thread a variant may use, never inside a K loop (SASS checked): bn 16 keeps one 8-byte loop
-# value; bn 32 spills 11 words of the W1 epilogue (the 64-bit rows of its routing-weight loop, live across its
-# barrier), stored and loaded once per unit even with the consumers' 112 registers
-LOCAL_BYTES_BUDGET = {8: 16, 16: 16, 32: 48}
+# stack bytes per thread a variant may use, never inside a K loop (SASS checked): bn 8 and 16 use none; bn 32
+# spills 80 bytes: the W1 epilogue's 64-bit rows of its routing-weight loop (live across its barrier) in the
+# consumers' 112 registers, and unit values of the producer's loop and draw in its 32; stored and loaded once per
+# unit
+LOCAL_BYTES_BUDGET = {8: 16, 16: 16, 32: 80}
 BLOCK_N_CHOICES = (8, 16, 32)  # token tiles of the persistent kernel
 # bn 32 spills 128 bytes per thread in the 96 registers a 544-thread CTA gets (both halves, the loop and the
 # scheduler): there the producer is a warpgroup that lends the consumers registers for the main loop
@@ -127,8 +128,6 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
-    # bn 16 (96 registers, the cap of a 544-thread CTA): ptxas keeps a loop value on the stack (8 bytes),
-    # stored at a unit's start and loaded once after a K loop (SASS checked), never inside the K loops
     return KernelVariant.make("sm90.role2", __name__, "build_role2", params, promises=promises,
                               local_bytes_budget=LOCAL_BYTES_BUDGET[block_n],
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx",
@@ -222,6 +221,9 @@ def make_unit_loop(cfg: Role2Config):
     w2_body = gg._make_kernel(half2)
 
     STAGES = half1.stages
+    # both halves run on one ring of stages and one set of barriers
+    assert (half1.stages, half1.stage_bytes, half1.barrier_offset, half1.full_arrivals) == (
+        half2.stages, half2.stage_bytes, half2.barrier_offset, half2.full_arrivals)
     BN = cfg.block_n
     SPLIT = half1.consumer_registers is not None
 
@@ -298,6 +300,8 @@ def make_unit_loop(cfg: Role2Config):
         tid = cute.arch.thread_idx()[0]
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         slots = smem + half1.ticket_offset
+        slot_full = smem + half1.slot_barrier_offset  # [slot]: the drawing thread wrote it
+        slot_empty = slot_full + 8 * gg.FUSED_UNIT_SLOTS  # [slot]: every consumer warp read it
         prefix = smem + half1.prefix_offset
         started = cute.arch.globaltimer()
         ctas = Int32(cute.arch.grid_dim()[0])
@@ -309,43 +313,97 @@ def make_unit_loop(cfg: Role2Config):
             ptx.warp_sync()
             build_prefix(expert_offsets, local_experts, prefix, tid)
             if tid == 0:
+                # the barriers live for the whole loop: the stages' phases run on across units
+                for st in cutlass.range_constexpr(STAGES):
+                    ptx.mbarrier_init(smem + half1.barrier_offset + st * 8, half1.full_arrivals)
+                    ptx.mbarrier_init(smem + half1.barrier_offset + (STAGES + st) * 8, gg.THREADS // 32)
+                for sl in cutlass.range_constexpr(gg.FUSED_UNIT_SLOTS):
+                    ptx.mbarrier_init(slot_full + sl * 8, 1)
+                    ptx.mbarrier_init(slot_empty + sl * 8, gg.THREADS // 32)
+                ptx.fence_mbarrier_init()
                 draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots)
+                ptx.mbarrier_arrive(slot_full)
         ptx.gemm_barrier(half1)
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
-        it = Int32(0)
-        e = ring_protocol.lds(slots + 4)
-        while e >= 0:
-            # everything of the unit comes from shared memory, not from registers kept across the loop (at
-            # bn 32 the halves use all 96 registers a 544-thread CTA gets)
-            slot = slots + (it % 2) * 16
-            drawn = ring_protocol.lds(slot)
-            bx = ring_protocol.lds(slot + 8)
-            bz = ring_protocol.lds(slot + 12)
-            unit_started = cute.arch.globaltimer()  # the bounded waits count from the unit's start
-            done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
-            if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
-                w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
-                        l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, unit_started, done_mask))
-            else:
-                w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
-                        inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
-                        (e, bx, bz, unit_started, done_mask, timeout_ns))
-            if tid == gg.THREADS:
-                # the producer warp is done with this unit long before the consumers: its lane 0 draws the next
-                # unit meanwhile (its slot was read an iteration ago), off the consumers' path
-                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + ((it + 1) % 2) * 16)
+        if tid >= gg.THREADS:
+            # the producer side: each unit's copies, then (lane 0 of producer warp 0) the next draw, into the
+            # other slot once every consumer warp read what it held; then every producer thread reads it
             if cutlass.const_expr(SPLIT):
-                if tid >= gg.THREADS:  # every unit drawn has rows, so the producer lowered its registers in it
-                    cute.arch.setmaxregister_increase(gg.WS_ENTRY_REGISTERS)
-            # every thread is done with the unit's shared memory and barriers: thread 0 retires the barriers
-            # (the next unit initializes them again); the next unit's slot is written and visible
-            ptx.gemm_barrier(half1)
-            if tid == 0:
-                for st in cutlass.range_constexpr(2 * STAGES):
-                    ptx.mbarrier_inval(smem + half1.barrier_offset + st * 8)
-            ptx.gemm_barrier(half1)
-            it = it + 1
-            e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
+                cute.arch.setmaxregister_decrease(half1.producer_registers)
+            it = Int32(0)
+            base = Int32(0)  # the CTA's K128 steps so far: every unit's stage and phase follow from it
+            ptx.mbarrier_wait(slot_full, Int32(0))
+            e = ring_protocol.lds(slots + 4)
+            while e >= 0:
+                slot = slots + (it % 2) * 16
+                drawn = ring_protocol.lds(slot)
+                bx = ring_protocol.lds(slot + 8)
+                bz = ring_protocol.lds(slot + 12)
+                unit_started = cute.arch.globaltimer()  # the bounded waits count from the unit's start
+                done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
+                if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
+                    w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
+                            l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring,
+                            (e, bx, bz, unit_started, done_mask, "producer", base))
+                    base = base + hidden_blocks
+                else:
+                    w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
+                            inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
+                            (e, bx, bz, unit_started, done_mask, timeout_ns, "producer", base))
+                    base = base + inter_blocks
+                it = it + 1
+                if tid == gg.THREADS:
+                    if it >= gg.FUSED_UNIT_SLOTS:
+                        ptx.mbarrier_wait(slot_empty + (it % 2) * 8, ((it // 2) + 1) % 2)
+                    draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + (it % 2) * 16)
+                    ptx.mbarrier_arrive(slot_full + (it % 2) * 8)
+                ptx.mbarrier_wait(slot_full + (it % 2) * 8, (it // 2) % 2)
+                e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
+            ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
+            if cutlass.const_expr(SPLIT):
+                cute.arch.setmaxregister_increase(gg.WS_ENTRY_REGISTERS)
+        else:
+            # the consumer side: each unit's WGMMAs and epilogue as the producer fills the stages; a unit's slot
+            # goes back once every consumer warp read it
+            if cutlass.const_expr(SPLIT):
+                cute.arch.setmaxregister_increase(half1.consumer_registers)
+            it = Int32(0)
+            base = Int32(0)
+            ptx.mbarrier_wait(slot_full, Int32(0))
+            e = ring_protocol.lds(slots + 4)
+            while e >= 0:
+                slot = slots + (it % 2) * 16
+                drawn = ring_protocol.lds(slot)
+                bx = ring_protocol.lds(slot + 8)
+                bz = ring_protocol.lds(slot + 12)
+                ptx.warp_sync()
+                if tid % 32 == 0:
+                    ptx.mbarrier_arrive(slot_empty + (it % 2) * 8)
+                done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
+                if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
+                    w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
+                            l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring,
+                            (e, bx, bz, started, done_mask, "consumer", base))
+                    base = base + hidden_blocks
+                else:
+                    w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
+                            inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
+                            (e, bx, bz, started, done_mask, timeout_ns, "consumer", base))
+                    base = base + inter_blocks
+                it = it + 1
+                ptx.mbarrier_wait(slot_full + (it % 2) * 8, (it // 2) % 2)
+                e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
+            if cutlass.const_expr(SPLIT):  # the registers go back to the pool
+                cute.arch.setmaxregister_decrease(gg.WS_ENTRY_REGISTERS)
+        # every thread is done with the barriers: thread 0 retires them (the shared memory may serve as plain
+        # data after the loop, the Mega MoE port's phases)
+        ptx.gemm_barrier(half1)
+        if tid == 0:
+            for st in cutlass.range_constexpr(2 * STAGES):
+                ptx.mbarrier_inval(smem + half1.barrier_offset + st * 8)
+            for sl in cutlass.range_constexpr(2 * gg.FUSED_UNIT_SLOTS):
+                ptx.mbarrier_inval(slot_full + sl * 8)
+        ptx.gemm_barrier(half1)
 
     return run_units
 
