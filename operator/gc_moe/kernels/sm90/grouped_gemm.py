@@ -69,6 +69,24 @@ FUSED_MAX_K_BLOCKS = 32
 FUSED_MAX_LOCAL_EXPERTS = 256  # the fused role2 scheduler's per-expert token-tile prefix lives in shared memory
 FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA (16 bytes each)
 
+
+# The fused halves' pipeline arithmetic (host and device: plain ints or DSL values). K128 step `step` of a
+# persistent CTA (its steps count on across units) uses stage step mod stages; an mbarrier's wait on parity p
+# returns once the phase of parity p completed, so the consumers wait on the full barrier with the parity of
+# the step's pass over the ring, and the producer waits on the empty barrier for the previous pass.
+def step_stage(step, stages):
+    return step % stages
+
+
+def full_parity(step, stages):
+    return (step // stages) % 2
+
+
+def empty_parity(step, stages):
+    """The producer's wait before step `step` (>= stages) reuses its stage: the consumers' release of the
+    previous pass."""
+    return ((step // stages) + 1) % 2
+
 PARAMS_W1 = (
     ("w_codes", "u64"), ("w_scales", "u64"), ("w_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
     ("expert_offsets", "u64"), ("routing_weight", "u64"), ("out", "u64"), ("out_scale", "u64"),
@@ -633,8 +651,9 @@ def _make_kernel(cfg: GemmConfig):
         for kb in cutlass.range(prefetched):
             step = base + kb
             if step >= STAGES:
-                ptx.mbarrier_wait(empty0 + (step % STAGES) * 8, ((step // STAGES) + 1) % 2, suspend_ns=SUSPEND)
-            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step % STAGES)
+                ptx.mbarrier_wait(empty0 + step_stage(step, STAGES) * 8, empty_parity(step, STAGES),
+                                  suspend_ns=SUSPEND)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step_stage(step, STAGES))
         if pidx % 32 == 0:
             if cutlass.const_expr(W1):
                 ring, rows, started = ready
@@ -648,7 +667,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.wait_all_bits_relaxed_gpu(done_mask, all_bits, started, timeout_ns)
         ptx.warp_sync()  # the warp's copies of the unit's rows follow its lane 0's acquire
         for kb in cutlass.range(prefetched):
-            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, (base + kb) % STAGES)
+            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, step_stage(base + kb, STAGES))
         table = smem + cfg.scale_table_offset
         if cutlass.const_expr(not W1):
             if pidx < 32:
@@ -674,11 +693,11 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.warp_sync()
         for kb in cutlass.range(k_blocks):
             step = base + kb
-            stage = step % STAGES
+            stage = step_stage(step, STAGES)
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
             if kb >= prefetched:
-                ptx.mbarrier_wait(empty0 + stage * 8, ((step // STAGES) + 1) % 2, suspend_ns=SUSPEND)
+                ptx.mbarrier_wait(empty0 + stage * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
                 issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
                 copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
             if cutlass.const_expr(W1):
@@ -796,8 +815,8 @@ def _make_kernel(cfg: GemmConfig):
             ptx.mbarrier_wait(bar0, Int32(0), suspend_ns=SUSPEND)
             first = smem
         else:
-            ptx.mbarrier_wait(bar0 + (base % STAGES) * 8, (base // STAGES) % 2, suspend_ns=SUSPEND)
-            first = smem + (base % STAGES) * cfg.stage_bytes
+            ptx.mbarrier_wait(bar0 + step_stage(base, STAGES) * 8, full_parity(base, STAGES), suspend_ns=SUSPEND)
+            first = smem + step_stage(base, STAGES) * cfg.stage_bytes
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         wa = first + wg * TILE_BYTES + t * 32
         for grp in cutlass.range_constexpr(GROUPS):

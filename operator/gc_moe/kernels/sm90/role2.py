@@ -53,6 +53,23 @@ SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
+# The unit slots' handshake (host and device: plain ints or DSL values). Unit u (the CTA's u-th draw, from 0)
+# goes into slot u mod 2; the drawing producer thread completes the slot's full barrier once it wrote it (the
+# first draw too), so every thread waits for unit u with the parity of the slot's (u // 2)-th phase; the 16
+# consumer warps complete the slot's empty barrier once they read it, and the producer waits for that (the
+# reading of unit u - 2) before it draws unit u >= 2 into the same slot.
+def unit_slot(unit):
+    return unit % gg.FUSED_UNIT_SLOTS
+
+
+def slot_full_parity(unit):
+    return (unit // gg.FUSED_UNIT_SLOTS) % 2
+
+
+def slot_empty_parity(unit):
+    return ((unit // gg.FUSED_UNIT_SLOTS) + 1) % 2
+
+
 @dataclass(frozen=True)
 class Role2Config:
     block_n: int = 8
@@ -332,10 +349,10 @@ def make_unit_loop(cfg: Role2Config):
                 cute.arch.setmaxregister_decrease(half1.producer_registers)
             it = Int32(0)
             base = Int32(0)  # the CTA's K128 steps so far: every unit's stage and phase follow from it
-            ptx.mbarrier_wait(slot_full, Int32(0))
+            ptx.mbarrier_wait(slot_full, slot_full_parity(it))
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
-                slot = slots + (it % 2) * 16
+                slot = slots + unit_slot(it) * 16
                 drawn = ring_protocol.lds(slot)
                 bx = ring_protocol.lds(slot + 8)
                 bz = ring_protocol.lds(slot + 12)
@@ -354,11 +371,11 @@ def make_unit_loop(cfg: Role2Config):
                 it = it + 1
                 if tid == gg.THREADS:
                     if it >= gg.FUSED_UNIT_SLOTS:
-                        ptx.mbarrier_wait(slot_empty + (it % 2) * 8, ((it // 2) + 1) % 2)
-                    draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + (it % 2) * 16)
-                    ptx.mbarrier_arrive(slot_full + (it % 2) * 8)
-                ptx.mbarrier_wait(slot_full + (it % 2) * 8, (it // 2) % 2)
-                e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
+                        ptx.mbarrier_wait(slot_empty + unit_slot(it) * 8, slot_empty_parity(it))
+                    draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16)
+                    ptx.mbarrier_arrive(slot_full + unit_slot(it) * 8)
+                ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
+                e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
             ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_increase(gg.WS_ENTRY_REGISTERS)
@@ -369,16 +386,16 @@ def make_unit_loop(cfg: Role2Config):
                 cute.arch.setmaxregister_increase(half1.consumer_registers)
             it = Int32(0)
             base = Int32(0)
-            ptx.mbarrier_wait(slot_full, Int32(0))
+            ptx.mbarrier_wait(slot_full, slot_full_parity(it))
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
-                slot = slots + (it % 2) * 16
+                slot = slots + unit_slot(it) * 16
                 drawn = ring_protocol.lds(slot)
                 bx = ring_protocol.lds(slot + 8)
                 bz = ring_protocol.lds(slot + 12)
                 ptx.warp_sync()
                 if tid % 32 == 0:
-                    ptx.mbarrier_arrive(slot_empty + (it % 2) * 8)
+                    ptx.mbarrier_arrive(slot_empty + unit_slot(it) * 8)
                 done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
                 if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
                     w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
@@ -391,8 +408,8 @@ def make_unit_loop(cfg: Role2Config):
                             (e, bx, bz, started, done_mask, timeout_ns, "consumer", base))
                     base = base + inter_blocks
                 it = it + 1
-                ptx.mbarrier_wait(slot_full + (it % 2) * 8, (it // 2) % 2)
-                e = ring_protocol.lds(slots + (it % 2) * 16 + 4)
+                ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
+                e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool
                 cute.arch.setmaxregister_decrease(gg.WS_ENTRY_REGISTERS)
         # every thread is done with the barriers: thread 0 retires them (the shared memory may serve as plain
