@@ -634,10 +634,10 @@ def _make_kernel(cfg: GemmConfig):
         """A fused half's producer for one unit of the persistent role2 loop. The unit's K128 steps are the
         CTA's steps base .. base + k_blocks - 1: stage = step mod STAGES, and the stage barriers' phases run on
         across units, so this unit's copies go out while the consumers still finish the previous unit (no
-        drain between units). The weights of the first stages go out as soon as those stages are free (they
-        depend on neither role1 nor W1); then lane 0 of each producer warp waits for the unit's input (W1: the
-        ring blocks of its token tile, acquired; W2: all I/128 W1-completion bits of its tile, polled relaxed,
-        then one fence) and the warp's lanes copy the token rows after it. W2 reads the tile's activation
+        drain between units). Lane 0 of each producer warp waits for the unit's input (W1: the ring blocks of
+        its token tile, acquired; W2: all I/128 W1-completion bits of its tile, polled relaxed, then one
+        fence) and the warp's lanes copy the token rows after it; in the CTA's first unit the weights of the
+        first stages go out before that wait (they depend on neither role1 nor W1). W2 reads the tile's activation
         scales once into a table (coherent loads: W1 wrote them during this kernel) and stores each stage's.
         Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it)."""
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
@@ -645,15 +645,18 @@ def _make_kernel(cfg: GemmConfig):
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         empty0 = smem + cfg.barrier_offset + STAGES * 8
-        prefetched = k_blocks
-        if prefetched > STAGES:
-            prefetched = Int32(STAGES)
+        # the CTA's first unit finds every stage free: its first stages' weights go out before its input wait.
+        # A later unit waits for its input first (the producer gets here while the consumers still run the
+        # previous unit's last stages, so the wait, W2's scale table and the rows overlap them) and then streams
+        # whole stages in step order as they free: waiting for free stages before the input wait would put the
+        # wait's round trips between the consumers' last step of one unit and their first of the next
+        prefetched = Int32(0)
+        if base == 0:
+            prefetched = k_blocks
+            if prefetched > STAGES:
+                prefetched = Int32(STAGES)
         for kb in cutlass.range(prefetched):
-            step = base + kb
-            if step >= STAGES:
-                ptx.mbarrier_wait(empty0 + step_stage(step, STAGES) * 8, empty_parity(step, STAGES),
-                                  suspend_ns=SUSPEND)
-            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step_stage(step, STAGES))
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step_stage(base + kb, STAGES))
         if pidx % 32 == 0:
             if cutlass.const_expr(W1):
                 ring, rows, started = ready
@@ -697,7 +700,8 @@ def _make_kernel(cfg: GemmConfig):
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
             if kb >= prefetched:
-                ptx.mbarrier_wait(empty0 + stage * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
+                if step >= STAGES:
+                    ptx.mbarrier_wait(empty0 + stage * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
                 issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
                 copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
             if cutlass.const_expr(W1):
