@@ -2,12 +2,13 @@
 # The fused role2 kernel on the H200: the layer's GPU tests (fused against W1 and W2 nodes bit for bit, the
 # float32 reference, 1,000 graph replays), the backend check through the public API (points, 1,000 replays
 # each, 100,000 replays of one point, latency per call) with role2 as the fused kernel at every token count
-# (GC_MOE_ROLE2_NODES=1), and the latency with role2 as W1 and W2 nodes (GC_MOE_ROLE2_NODES=2) beside it. The
+# (GC_MOE_ROLE2_NODES=1; `bn32`: the same with the fused kernel's token tile fixed at 32, GC_MOE_ROLE2_BLOCK_N),
+# and the latency with role2 as W1 and W2 nodes (GC_MOE_ROLE2_NODES=2) beside it. The
 # role4 steps check the shared suite through the public API with the shared expert as one fused kernel
 # (GC_MOE_ROLE4_FUSED=1) and time it (`role4`), and time it as W1 and W2 nodes (`role4off`). TESTS names the
 # GPU test files. Logs and JSON under OUT; a short table last.
 #
-#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [nodes2] [role4] [role4off]
+#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [nodes2] [role4] [role4off]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-role2-out}; mkdir -p "$OUT"
@@ -21,6 +22,8 @@ for s in $steps; do
              ${TESTS:-tests/gc_moe/test_sm90_layer_gpu.py} ;;
     backend) run backend "${BACKEND_LIMIT:-260}" env GC_MOE_ROLE2_NODES=1 python scripts/device_layer_backend.py \
                --skip "${BACKEND_SKIP:-bounded}" --out "$OUT/backend" ;;
+    bn32) run bn32 "${BACKEND_LIMIT:-260}" env GC_MOE_ROLE2_NODES=1 GC_MOE_ROLE2_BLOCK_N=32 python \
+            scripts/device_layer_backend.py --skip "${BACKEND_SKIP:-bounded}" --out "$OUT/bn32" ;;
     nodes2) run nodes2 "${NODES2_LIMIT:-100}" env GC_MOE_ROLE2_NODES=2 python scripts/device_layer_backend.py \
               --skip points,shared,long,bounded --out "$OUT/nodes2" ;;
     role4) run role4 "${ROLE4_LIMIT:-200}" env GC_MOE_ROLE4_FUSED=1 python scripts/device_layer_backend.py \
@@ -29,7 +32,7 @@ for s in $steps; do
     role4off) run role4off "${ROLE4_LIMIT:-200}" env GC_MOE_ROLE4_FUSED=0 python scripts/device_layer_backend.py \
                 --skip points,long,bounded \
                 --latency-tokens 1,8,64,256 --out "$OUT/role4off" ;;
-    *) echo "unknown step $s (allowed: tests backend nodes2 role4 role4off)"; exit 2 ;;
+    *) echo "unknown step $s (allowed: tests backend bn32 nodes2 role4 role4off)"; exit 2 ;;
   esac
 done
 print_steps

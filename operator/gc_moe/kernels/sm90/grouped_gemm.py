@@ -636,8 +636,8 @@ def _make_kernel(cfg: GemmConfig):
         across units, so this unit's copies go out while the consumers still finish the previous unit (no
         drain between units). Lane 0 of each producer warp waits for the unit's input (W1: the ring blocks of
         its token tile, acquired; W2: all I/128 W1-completion bits of its tile, polled relaxed, then one
-        fence) and the warp's lanes copy the token rows after it; in the CTA's first unit the weights of the
-        first stages go out before that wait (they depend on neither role1 nor W1). W2 reads the tile's activation
+        fence) and the warp's lanes copy the token rows after it; the weights of the first stages go out
+        before that wait, except in the CTA's first W1 unit. W2 reads the tile's activation
         scales once into a table (coherent loads: W1 wrote them during this kernel) and stores each stage's.
         Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it)."""
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
@@ -645,18 +645,22 @@ def _make_kernel(cfg: GemmConfig):
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         empty0 = smem + cfg.barrier_offset + STAGES * 8
-        # the CTA's first unit finds every stage free: its first stages' weights go out before its input wait.
-        # A later unit waits for its input first (the producer gets here while the consumers still run the
-        # previous unit's last stages, so the wait, W2's scale table and the rows overlap them) and then streams
-        # whole stages in step order as they free: waiting for free stages before the input wait would put the
-        # wait's round trips between the consumers' last step of one unit and their first of the next
-        prefetched = Int32(0)
-        if base == 0:
-            prefetched = k_blocks
-            if prefetched > STAGES:
-                prefetched = Int32(STAGES)
+        # the weights of the unit's first stages go out as those stages free (the previous unit's last steps),
+        # before the input wait: they depend on neither role1 nor W1, and the SM's weight stream goes on while
+        # the wait's round trips run. Not in the CTA's first W1 unit: there the ring may still be filling, and
+        # every CTA's first stages at once would compete with role1's pulls for the memory system
+        prefetched = k_blocks
+        if prefetched > STAGES:
+            prefetched = Int32(STAGES)
+        if cutlass.const_expr(W1):
+            if base == 0:
+                prefetched = Int32(0)
         for kb in cutlass.range(prefetched):
-            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step_stage(base + kb, STAGES))
+            step = base + kb
+            if step >= STAGES:
+                ptx.mbarrier_wait(empty0 + step_stage(step, STAGES) * 8, empty_parity(step, STAGES),
+                                  suspend_ns=SUSPEND)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step_stage(step, STAGES))
         if pidx % 32 == 0:
             if cutlass.const_expr(W1):
                 ring, rows, started = ready

@@ -47,6 +47,8 @@ TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
 ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
+# the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
+ROLE2_BLOCK_N_ENV = "GC_MOE_ROLE2_BLOCK_N"
 ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
 # "auto": the fused role2 kernel at 1 token per rank, W1 and W2 nodes from 2 on. Measured on the H200
 # (docs/sm90-layer.md): the persistent fused kernel (one CTA per SM) is 10-15% faster at 1 token and 20-40%
@@ -295,6 +297,18 @@ def role4_fused_from_env(environ=os.environ) -> bool:
                             "0 (the shared expert as W1 and W2 nodes, the default) or 1 (one fused node)")
 
 
+def role2_block_n(plan_block_n: int, environ=os.environ) -> int:
+    """The fused role2 kernel's token tile for a call whose plan picked `plan_block_n`: GC_MOE_ROLE2_BLOCK_N
+    "auto" (the default when unset or empty: the plan's, at most the kernel's largest) or a fixed tile."""
+    raw = environ.get(ROLE2_BLOCK_N_ENV, "")
+    if raw in ("", "auto"):
+        return min(plan_block_n, max(role2.BLOCK_N_CHOICES))
+    if raw not in tuple(str(b) for b in role2.BLOCK_N_CHOICES):
+        raise ValueError(f"{ROLE2_BLOCK_N_ENV}={raw!r}; allowed: auto (the default: the call's token tile, at most "
+                         f"{max(role2.BLOCK_N_CHOICES)}) or one of {role2.BLOCK_N_CHOICES}")
+    return int(raw)
+
+
 def role2_fused(role2_nodes, num_tokens: int) -> bool:
     """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel."""
     return role2_nodes == 1 or (role2_nodes == "auto" and num_tokens <= ROLE2_FUSED_MAX_TOKENS)
@@ -448,7 +462,7 @@ class Sm90Layer:
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                          self.parts.comm_context)
         if role2_fused(self.role2_nodes, num_tokens):
-            k_role2 = self.role2_kernel(min(plan.block_n, max(role2.BLOCK_N_CHOICES)))
+            k_role2 = self.role2_kernel(role2_block_n(plan.block_n))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
                                             self.parts.describe()["compute_sms"])
             last = g.add_kernel("role2", k_role2, grid, args, self.parts.compute_context,
