@@ -15,7 +15,8 @@ One CTA per communication SM (default 4 on SM90), 256 threads. Per replay:
    a flip of the persistent phase; a second grid sync;
 6. every CTA scans the received counts (experts in order, source ranks in order) into grouped-row offsets;
    block 0 writes expert_offsets [e + 1], pads the last partial ring block's l1_full_count and releases
-   RING_READY; then each warp pulls grouped rows (16 bytes per lane per step): the routing entry, the source token's FP8 row and scales
+   RING_READY; then each warp pulls grouped rows (16 bytes per lane per step, all loads of up to 16 steps
+   issued before the first conversion): the routing entry, the source token's FP8 row and scales
    from the source rank, converted to the ring's E4M3 + FP32 K128 format, its routing weight, destination row
    and source word; after the row lands (warp sync) lane 0 adds 1 to the ring block's l1_full_count with
    `atom.add.release.gpu`. A block is full when it reads BM (generation + 1).
@@ -36,6 +37,9 @@ from __future__ import annotations
 
 THREADS = 256
 WARPS = THREADS // 32
+# the pull's steps (16 bytes per lane, 512 per warp) whose loads one pass issues before converting any:
+# 16 steps = 8 KB of a row per warp in flight (H <= 8192 in one pass), 80 registers of words and bytes
+PULL_PASS_STEPS = 16
 MAX_EXPERTS = 2048  # shared-memory count and prefix arrays
 SMEM_BYTES = 4 * MAX_EXPERTS + 4 * (MAX_EXPERTS + 1) + 4  # counts/cursors, grouped-row prefix, rounded
 DEFAULT_TIMEOUT_S = 3600.0
@@ -308,20 +312,25 @@ if cute is not None:
             wait_at_least(control + Int64(4 * DISPATCH_SYNC), target, started, timeout_ns, False)
         bar_sync()
 
-    def convert_16_bytes(addr_in: Int64, addr_out: Int64, multiplier: Float32) -> None:
-        """Load 16 E4M3 bytes, multiply each by a power of two (<= 1), round once back to E4M3 (RNE,
-        saturating: `cvt.rn.satfinite`) and store them; E4M3 -> f16 -> f32 are exact."""
+    def ld_16_bytes(addr: Int64) -> list:
+        """16 bytes of a source row (four words), issued without waiting: a pass issues all of its loads first."""
+        return asm("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", [Uint32] * 4, [addr])
+
+    def convert_store_16_bytes(words: list, addr_out: Int64, multiplier: Float32) -> None:
+        """Multiply each of 16 E4M3 bytes by a power of two (<= 1), round once back to E4M3 (RNE, saturating:
+        `cvt.rn.satfinite`) and store them; E4M3 -> f16 -> f32 are exact."""
         body = ["{", ".reg .b32 w<4>;", ".reg .b16 lo, hi, a, b, c, d;", ".reg .b32 h01, h23;",
-                ".reg .f32 fa, fb, fc, fd;", "ld.global.v4.b32 {w0, w1, w2, w3}, [$0];"]
+                ".reg .f32 fa, fb, fc, fd;", "mov.b32 w0, $0;", "mov.b32 w1, $1;", "mov.b32 w2, $2;",
+                "mov.b32 w3, $3;"]
         for q in range(4):
             body += [f"mov.b32 {{lo, hi}}, w{q};", "cvt.rn.f16x2.e4m3x2 h01, lo;", "cvt.rn.f16x2.e4m3x2 h23, hi;",
                      "mov.b32 {a, b}, h01;", "mov.b32 {c, d}, h23;",
                      "cvt.f32.f16 fa, a;", "cvt.f32.f16 fb, b;", "cvt.f32.f16 fc, c;", "cvt.f32.f16 fd, d;",
-                     "mul.f32 fa, fa, $2;", "mul.f32 fb, fb, $2;", "mul.f32 fc, fc, $2;", "mul.f32 fd, fd, $2;",
+                     "mul.f32 fa, fa, $5;", "mul.f32 fb, fb, $5;", "mul.f32 fc, fc, $5;", "mul.f32 fd, fd, $5;",
                      "cvt.rn.satfinite.e4m3x2.f32 lo, fb, fa;", "cvt.rn.satfinite.e4m3x2.f32 hi, fd, fc;",
                      f"mov.b32 w{q}, {{lo, hi}};"]
-        body += ["st.global.v4.b32 [$1], {w0, w1, w2, w3};", "}"]
-        asm("\n".join(body), [], [addr_in, addr_out, multiplier])
+        body += ["st.global.v4.b32 [$4], {w0, w1, w2, w3};", "}"]
+        asm("\n".join(body), [], [*words, addr_out, multiplier])
 
     def imax(a: Int32, b: Int32) -> Int32:
         return asm("max.s32 $0, $1, $2;", [Int32], [a, b])
@@ -482,26 +491,38 @@ if cute is not None:
             x_row = x + peer + Int64(token) * Int64(hidden)
             sf_row = x_sf + peer + Int64(token) * Int64(k_blocks * 4)
             dst = ring_act + Int64(r) * Int64(hidden)
-            # 16 bytes per lane: a warp step covers 4 K128 blocks (8 lanes each, 2 lanes per K32 group)
+            # 16 bytes per lane: a warp step covers 4 K128 blocks (8 lanes each, 2 lanes per K32 group). A pass
+            # issues the loads of PULL_PASS_STEPS steps (the scale words and the bytes) before it converts and
+            # stores any of them, so a row costs one load latency per pass, not two per step
             sub = lane % 8
             group = sub // 2
-            kb = lane // 8
-            while kb < k_blocks:
-                word = ldg_u32(sf_row + Int64(kb) * 4)
-                e0 = Int32(word & Uint32(0xFF))
-                e1 = Int32((word >> 8) & Uint32(0xFF))
-                e2 = Int32((word >> 16) & Uint32(0xFF))
-                e3 = Int32(word >> 24)
-                emax = imax(imax(e0, e1), imax(e2, e3))
-                shift = emax - Int32((word >> (8 * group)) & Uint32(0xFF))
-                if shift > 126:
-                    shift = Int32(126)
-                multiplier = bits_to_f32((127 - shift) << 23)  # 2^-(emax - this group's exponent)
-                offset = Int64(kb * 128 + 16 * sub)
-                convert_16_bytes(x_row + offset, dst + offset, multiplier)
-                if sub == 0:
-                    stg_f32(ring_scale + (Int64(r) * Int64(k_blocks) + Int64(kb)) * 4, bits_to_f32(emax << 23))
-                kb = kb + 4
+            first = Int32(0)
+            while first * 4 < k_blocks:
+                words, data = [], []
+                for j in cutlass.range_constexpr(PULL_PASS_STEPS):
+                    kb = lane // 8 + 4 * (first + j)
+                    if kb >= k_blocks:  # past the row: load the pass's first block again, store nothing
+                        kb = lane // 8 + 4 * first
+                    words.append(ldg_u32(sf_row + Int64(kb) * 4))
+                    data.append(ld_16_bytes(x_row + Int64(kb * 128 + 16 * sub)))
+                for j in cutlass.range_constexpr(PULL_PASS_STEPS):
+                    kb = lane // 8 + 4 * (first + j)
+                    if kb < k_blocks:
+                        word = words[j]
+                        e0 = Int32(word & Uint32(0xFF))
+                        e1 = Int32((word >> 8) & Uint32(0xFF))
+                        e2 = Int32((word >> 16) & Uint32(0xFF))
+                        e3 = Int32(word >> 24)
+                        emax = imax(imax(e0, e1), imax(e2, e3))
+                        shift = emax - Int32((word >> (8 * group)) & Uint32(0xFF))
+                        if shift > 126:
+                            shift = Int32(126)
+                        multiplier = bits_to_f32((127 - shift) << 23)  # 2^-(emax - this group's exponent)
+                        convert_store_16_bytes(data[j], dst + Int64(kb * 128 + 16 * sub), multiplier)
+                        if sub == 0:
+                            stg_f32(ring_scale + (Int64(r) * Int64(k_blocks) + Int64(kb)) * 4,
+                                    bits_to_f32(emax << 23))
+                first = first + PULL_PASS_STEPS
             if lane == 0:
                 stg_f32(routing_weight + Int64(r) * 4, ldg_f32(topk_weights + peer + Int64(entry) * 4))
                 st_s32(dest_row + Int64(r) * 4, slot * capacity + token)

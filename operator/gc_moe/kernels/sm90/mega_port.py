@@ -41,6 +41,9 @@ TILE_BYTES = 4096  # 64 x 128 FP4 codes
 TILE_SCALE_BYTES = 256  # 64 rows x 4 K32 scale bytes
 # 32 and 64 spill (48 / 176 bytes of stack) with both GEMMs and the persistent loop in one kernel
 BLOCK_N_CHOICES = (8, 16)
+# the pull's 16-byte chunks per lane whose loads one pass issues before converting any (5 registers each: the
+# ws kernel's dispatch warps run beside the GEMM within its 96 registers per thread)
+PULL_PASS_CHUNKS = 8
 MAX_LOCAL_EXPERTS = 256
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
@@ -287,19 +290,23 @@ def _phase_helpers(ptx):
     def ldg_s64_nc(addr):
         return asm("ld.global.nc.b64 $0, [$1];", [Int64], [addr])
 
-    def convert_row_chunk(src, dst, multiplier):
-        """16 E4M3 bytes times a power of two <= 1 (E4M3 -> f16 -> f32 exact, one RNE rounding back)."""
+    def load_row_chunk(src):
+        """16 E4M3 bytes of a token row (four words), issued without waiting (a pass issues all its loads first)."""
+        return asm("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", [Uint32] * 4, [src])
+
+    def convert_store_row_chunk(words, dst, multiplier):
+        """16 E4M3 bytes times a power of two <= 1 (E4M3 -> f16 -> f32 exact, one RNE rounding back), stored."""
         lines = ["{", ".reg .b32 v<4>;", ".reg .b16 p, r, s0, s1, s2, s3;", ".reg .b32 f01, f23;",
-                 ".reg .f32 a0, a1, a2, a3;", "ld.global.nc.v4.b32 {v0, v1, v2, v3}, [$0];"]
+                 ".reg .f32 a0, a1, a2, a3;"] + [f"mov.b32 v{i}, ${i};" for i in range(4)]
         for i in range(4):
             lines += [f"mov.b32 {{p, r}}, v{i};", "cvt.rn.f16x2.e4m3x2 f01, p;", "cvt.rn.f16x2.e4m3x2 f23, r;",
                       "mov.b32 {s0, s1}, f01;", "mov.b32 {s2, s3}, f23;"]
             lines += [f"cvt.f32.f16 a{j}, s{j};" for j in range(4)]
-            lines += [f"mul.f32 a{j}, a{j}, $2;" for j in range(4)]
+            lines += [f"mul.f32 a{j}, a{j}, $5;" for j in range(4)]
             lines += ["cvt.rn.satfinite.e4m3x2.f32 p, a1, a0;", "cvt.rn.satfinite.e4m3x2.f32 r, a3, a2;",
                       f"mov.b32 v{i}, {{p, r}};"]
-        lines += ["st.global.v4.b32 [$1], {v0, v1, v2, v3};", "}"]
-        asm("\n".join(lines), [], [src, dst, multiplier])
+        lines += ["st.global.v4.b32 [$4], {v0, v1, v2, v3};", "}"]
+        asm("\n".join(lines), [], [*words, dst, multiplier])
 
     def bits_f32(bits):
         return asm("mov.b32 $0, $1;", [Float32], [bits])
@@ -343,30 +350,42 @@ def _phase_helpers(ptx):
     @cute.jit
     def pull_row_k128(x, x_sf, g_act, g_scale, token, row, hidden, h_blocks, lane):
         """One warp: token's E4M3 row -> grouped row `row` with one FP32 scale per K128 block (each K32 group
-        times 2^(e_j - e_max), one RNE rounding; the scale 2^(e_max - 127))."""
-        chunk = lane
-        while chunk < h_blocks * 8:
-            blk = chunk // 8
-            word = ptx.ldg_s32(x_sf + (Int64(token) * Int64(h_blocks) + Int64(blk)) * 4)
-            e0 = word & Int32(0xFF)
-            e1 = (word >> 8) & Int32(0xFF)
-            e2 = (word >> 16) & Int32(0xFF)
-            e3 = (word >> 24) & Int32(0xFF)
-            emax = e0
-            emax = max(emax, e1)
-            emax = max(emax, e2)
-            emax = max(emax, e3)
-            ej = (word >> (8 * ((chunk % 8) // 2))) & Int32(0xFF)
-            step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
-            if step < 0:
-                step = Int32(0)
-            convert_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16),
-                              g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16), bits_f32(step << 23))
-            if chunk % 8 == 0:
-                ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(blk)) * 4, bits_f32(emax << 23))
-            chunk = chunk + 32
+        times 2^(e_j - e_max), one RNE rounding; the scale 2^(e_max - 127)). A lane takes 16-byte chunks
+        lane, lane + 32, ...; a pass issues the loads of PULL_PASS_CHUNKS of them (scale words and bytes) before
+        it converts any, so a row costs one load latency per pass (GC-MoE's role1 pulls the same way)."""
+        first = Int32(0)
+        while first * 32 < h_blocks * 8:
+            words, data = [], []
+            for j in cutlass.range_constexpr(PULL_PASS_CHUNKS):
+                chunk = lane + 32 * (first + j)
+                if chunk >= h_blocks * 8:  # past the row: load the pass's first chunk again, store nothing
+                    chunk = lane + 32 * first
+                words.append(ptx.ldg_s32(x_sf + (Int64(token) * Int64(h_blocks) + Int64(chunk // 8)) * 4))
+                data.append(load_row_chunk(x + Int64(token) * Int64(hidden) + Int64(chunk * 16)))
+            for j in cutlass.range_constexpr(PULL_PASS_CHUNKS):
+                chunk = lane + 32 * (first + j)
+                if chunk < h_blocks * 8:
+                    word = words[j]
+                    e0 = word & Int32(0xFF)
+                    e1 = (word >> 8) & Int32(0xFF)
+                    e2 = (word >> 16) & Int32(0xFF)
+                    e3 = (word >> 24) & Int32(0xFF)
+                    emax = e0
+                    emax = max(emax, e1)
+                    emax = max(emax, e2)
+                    emax = max(emax, e3)
+                    ej = (word >> (8 * ((chunk % 8) // 2))) & Int32(0xFF)
+                    step = ej - emax + 127  # the biased exponent of 2^(e_j - e_max); below the normals: 0
+                    if step < 0:
+                        step = Int32(0)
+                    convert_store_row_chunk(data[j], g_act + Int64(row) * Int64(hidden) + Int64(chunk * 16),
+                                            bits_f32(step << 23))
+                    if chunk % 8 == 0:
+                        ptx.stg_f32(g_scale + (Int64(row) * Int64(h_blocks) + Int64(chunk // 8)) * 4,
+                                    bits_f32(emax << 23))
+            first = first + PULL_PASS_CHUNKS
 
-    return SimpleNamespace(ld_acquire_gpu=ld_acquire_gpu, ld_acquire_sys=ld_acquire_sys, ld_relaxed=ld_relaxed, ld_relaxed_f32=ld_relaxed_f32, ld_relaxed_s64=ld_relaxed_s64, st_relaxed=st_relaxed, st_release_gpu=st_release_gpu, red_release_gpu=red_release_gpu, atom_release_gpu=atom_release_gpu, atom_acq_rel_gpu=atom_acq_rel_gpu, red_release_sys=red_release_sys, fence_gpu=fence_gpu, lds_s32=lds_s32, sts_s32=sts_s32, atom_shared_add=atom_shared_add, warp_sync=warp_sync, ldg_s64_nc=ldg_s64_nc, convert_row_chunk=convert_row_chunk, bits_f32=bits_f32, combine_add8=combine_add8, store_bf16x8=store_bf16x8, wait_at_least=wait_at_least, tag_barrier=tag_barrier,
+    return SimpleNamespace(ld_acquire_gpu=ld_acquire_gpu, ld_acquire_sys=ld_acquire_sys, ld_relaxed=ld_relaxed, ld_relaxed_f32=ld_relaxed_f32, ld_relaxed_s64=ld_relaxed_s64, st_relaxed=st_relaxed, st_release_gpu=st_release_gpu, red_release_gpu=red_release_gpu, atom_release_gpu=atom_release_gpu, atom_acq_rel_gpu=atom_acq_rel_gpu, red_release_sys=red_release_sys, fence_gpu=fence_gpu, lds_s32=lds_s32, sts_s32=sts_s32, atom_shared_add=atom_shared_add, warp_sync=warp_sync, ldg_s64_nc=ldg_s64_nc,  bits_f32=bits_f32, combine_add8=combine_add8, store_bf16x8=store_bf16x8, wait_at_least=wait_at_least, tag_barrier=tag_barrier,
                            pull_row_k128=pull_row_k128)
 
 
