@@ -50,6 +50,11 @@ BLOCK_N_CHOICES = (8, 16, 32)  # token tiles of the persistent kernel
 # bn 32 spills 128 bytes per thread in the 96 registers a 544-thread CTA gets (both halves, the loop and the
 # scheduler): there the producer is a warpgroup that lends the consumers registers for the main loop
 SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers)
+# token tiles whose units end with every thread of the CTA meeting at a barrier (the producer waits there, off
+# the issue slots, until the consumers finished the unit, and starts the next unit's copies after it): at one
+# producer warp per CTA (bn 8 / 16) the layer measured that faster than the producer running ahead into the next
+# unit, at bn 32 slower (docs/sm90-layer.md, "Role2's stages run on across units")
+DRAIN_BLOCK_N = (8, 16)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
@@ -243,6 +248,7 @@ def make_unit_loop(cfg: Role2Config):
         half2.stages, half2.stage_bytes, half2.barrier_offset, half2.full_arrivals)
     BN = cfg.block_n
     SPLIT = half1.consumer_registers is not None
+    DRAIN = cfg.block_n in DRAIN_BLOCK_N
 
     @cute.jit
     def build_prefix(expert_offsets, local_experts, prefix, lane):
@@ -374,6 +380,8 @@ def make_unit_loop(cfg: Role2Config):
                         ptx.mbarrier_wait(slot_empty + unit_slot(it) * 8, slot_empty_parity(it))
                     draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16)
                     ptx.mbarrier_arrive(slot_full + unit_slot(it) * 8)
+                if cutlass.const_expr(DRAIN):  # meets the consumers' barrier at the end of the same unit
+                    ptx.gemm_barrier(half1)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
             ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
@@ -408,6 +416,8 @@ def make_unit_loop(cfg: Role2Config):
                             (e, bx, bz, started, done_mask, timeout_ns, "consumer", base))
                     base = base + inter_blocks
                 it = it + 1
+                if cutlass.const_expr(DRAIN):  # meets the producer's barrier after its draw of the next unit
+                    ptx.gemm_barrier(half1)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool
