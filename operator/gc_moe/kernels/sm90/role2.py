@@ -8,10 +8,17 @@ this module only decides which unit each CTA runs and how the halves hand over:
 - **persistent CTAs and compact tickets**: one CTA per compute SM (`launch_ctas`). After RING_READY, warp 0 of
   each CTA builds the experts' token-tile prefix in shared memory; tickets (`atom.add` on the control word
   ROLE2_TICKET) number only the units with rows, W1's (expert, weight-row CTA, token tile fastest) before W2's
-  in the same order (`unit_of_ticket` is the host twin). The producer warp draws the CTA's next unit after its
+  in the same order (`unit_of_ticket` is the host twin). The producer draws the CTA's next unit after its
   last copy. A W2 unit waits only for W1 units with smaller tickets, each held by a resident CTA that runs it
   (or runs an earlier W1 unit first, which waits for nothing but role1), so the waits cannot deadlock. The draw
   that completes the launch's count (units + one final draw per CTA) resets the word for the next launch.
+- **one pipeline across units**: the stage barriers are set up once; a unit's K128 steps are the CTA's steps
+  base .. base + k - 1 (`grouped_gemm.step_stage` / `full_parity` / `empty_parity`), so the producer loop and
+  the consumer loop run on without re-initializing anything. Units pass from the producer to the consumers
+  through two slots, each with a full barrier (the drawing thread wrote it) and an empty one (every consumer
+  warp read it): `unit_slot` / `slot_full_parity` / `slot_empty_parity`. At bn 8 / 16 (`DRAIN_BLOCK_N`) every
+  unit still ends with all threads at a barrier (measured faster there); at bn 32 the producer streams the next
+  unit while the consumers finish the current one.
 - **W1 -> W2**: W1 unit (expert e, weight-row CTA bx, token tile bz) writes 128 intermediate channels, exactly
   K128 block bx of W2's input rows, then (after a consumer barrier) sets bit bx of the word
   `w1_done_mask[e, bz]` with release. A W2 unit of (e, bz) issues the bulk copies of its first weight stages at
