@@ -17,8 +17,8 @@ this module only decides which unit each CTA runs and how the halves hand over:
   the consumer loop run on without re-initializing anything. Units pass from the producer to the consumers
   through two slots, each with a full barrier (the drawing thread wrote it) and an empty one (every consumer
   warp read it): `unit_slot` / `slot_full_parity` / `slot_empty_parity`. At bn 8 / 16 (`DRAIN_BLOCK_N`) every
-  unit still ends with all threads at a barrier (measured faster there); at bn 32 the producer streams the next
-  unit while the consumers finish the current one.
+  unit still ends with all threads at a barrier (the producer waits there off the issue slots); at bn 32 the
+  producer streams the next unit while the consumers finish the current one.
 - **W1 -> W2**: W1 unit (expert e, weight-row CTA bx, token tile bz) writes 128 intermediate channels, exactly
   K128 block bx of W2's input rows, then (after a consumer barrier) sets bit bx of the word
   `w1_done_mask[e, bz]` with release. A W2 unit of (e, bz) issues the bulk copies of its first weight stages at
