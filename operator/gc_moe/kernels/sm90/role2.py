@@ -16,9 +16,10 @@ this module only decides which unit each CTA runs and how the halves hand over:
   base .. base + k - 1 (`grouped_gemm.step_stage` / `full_parity` / `empty_parity`), so the producer loop and
   the consumer loop run on without re-initializing anything. Units pass from the producer to the consumers
   through two slots, each with a full barrier (the drawing thread wrote it) and an empty one (every consumer
-  warp read it): `unit_slot` / `slot_full_parity` / `slot_empty_parity`. At bn 8 / 16 (`DRAIN_BLOCK_N`) every
-  unit still ends with all threads at a barrier (the producer waits there off the issue slots); at bn 32 the
-  producer streams the next unit while the consumers finish the current one.
+  warp read it): `unit_slot` / `slot_full_parity` / `slot_empty_parity`. The producer streams the next unit
+  while the consumers finish the current one (docs/sm90-layer.md, "Role2's stages run on across units": 3%
+  faster than a barrier between units at 32-token tiles, 5-12% slower at 8 / 16, where the old loop's lead has
+  no measured cause yet).
 - **W1 -> W2**: W1 unit (expert e, weight-row CTA bx, token tile bz) writes 128 intermediate channels, exactly
   K128 block bx of W2's input rows, then (after a consumer barrier) sets bit bx of the word
   `w1_done_mask[e, bz]` with release. A W2 unit of (e, bz) issues the bulk copies of its first weight stages at
@@ -57,11 +58,6 @@ BLOCK_N_CHOICES = (8, 16, 32)  # token tiles of the persistent kernel
 # bn 32 spills 128 bytes per thread in the 96 registers a 544-thread CTA gets (both halves, the loop and the
 # scheduler): there the producer is a warpgroup that lends the consumers registers for the main loop
 SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers)
-# token tiles whose units end with every thread of the CTA meeting at a barrier (the producer waits there, off
-# the issue slots, until the consumers finished the unit, and starts the next unit's copies after it): at one
-# producer warp per CTA (bn 8 / 16) the layer measured that faster than the producer running ahead into the next
-# unit, at bn 32 slower (docs/sm90-layer.md, "Role2's stages run on across units")
-DRAIN_BLOCK_N = (8, 16)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
@@ -255,7 +251,6 @@ def make_unit_loop(cfg: Role2Config):
         half2.stages, half2.stage_bytes, half2.barrier_offset, half2.full_arrivals)
     BN = cfg.block_n
     SPLIT = half1.consumer_registers is not None
-    DRAIN = cfg.block_n in DRAIN_BLOCK_N
 
     @cute.jit
     def build_prefix(expert_offsets, local_experts, prefix, lane):
@@ -387,8 +382,6 @@ def make_unit_loop(cfg: Role2Config):
                         ptx.mbarrier_wait(slot_empty + unit_slot(it) * 8, slot_empty_parity(it))
                     draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16)
                     ptx.mbarrier_arrive(slot_full + unit_slot(it) * 8)
-                if cutlass.const_expr(DRAIN):  # meets the consumers' barrier at the end of the same unit
-                    ptx.gemm_barrier(half1)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
             ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
@@ -423,8 +416,6 @@ def make_unit_loop(cfg: Role2Config):
                             (e, bx, bz, started, done_mask, timeout_ns, "consumer", base))
                     base = base + inter_blocks
                 it = it + 1
-                if cutlass.const_expr(DRAIN):  # meets the producer's barrier after its draw of the next unit
-                    ptx.gemm_barrier(half1)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool
