@@ -397,3 +397,14 @@ def test_port_with_empty_slots_at_every_block_n(block_n):
     p = device_check.check_point("deepseek-v4.1-flash", 24, seed=77, block_n=block_n, empty_slots=True)
     assert p.finite and p.replay_equal, p
     assert p.cosine >= device_check.COSINE_MIN and p.processed_diff <= device_check.PROCESSED_DIFF_MAX, p
+
+
+def test_device_check_names_the_pipeline_each_timed_point_runs(monkeypatch):
+    """The timing table's pipeline column is the one `prepare` picks: auto's choice, or the environment's."""
+    monkeypatch.delenv(host.PIPELINE_ENV, raising=False)
+    assert device_check._pipeline("glm-5.2", 1) == "cp_async"
+    assert device_check._pipeline("glm-5.2", 256) == "ws" and device_check._block_n("glm-5.2", 256) == 32
+    monkeypatch.setenv(host.PIPELINE_ENV, "ws")
+    assert device_check._pipeline("deepseek-v4.1-flash", 1) == "ws"
+    monkeypatch.setenv(host.PIPELINE_ENV, "cp_async")
+    assert device_check._pipeline("glm-5.2", 256) == "cp_async"

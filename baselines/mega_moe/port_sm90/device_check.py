@@ -48,7 +48,8 @@ class Point:
     megabytes: float = float("nan")
     floor_us: float = float("nan")
     cold_us: float = float("nan")
-    stages: int = 0
+    stages: int = 0  # the cp.async pipeline's knob; 0 where the ws pipeline ran (its ring is not one)
+    pipeline: str = ""
     shared: bool = False
     note: str = ""
 
@@ -105,11 +106,19 @@ def _active(idx) -> int:
     return int(torch.unique(idx[idx >= 0]).numel())
 
 
+def _pipeline(model: str, tokens: int) -> str:
+    """The pipeline `prepare` runs for this point (GCMOE_MEGA_PORT_PIPELINE, else auto's choice)."""
+    from baselines.mega_moe.port_sm90 import host
+
+    _, _, experts, topk = MODELS[model]
+    return host.resolve_pipeline(host.pipeline_from_env(), tokens, topk, experts)
+
+
 def _block_n(model: str, tokens: int) -> int:
     from baselines.mega_moe.port_sm90 import host
 
     _, _, experts, topk = MODELS[model]
-    if host.resolve_pipeline(host.pipeline_from_env(), tokens, topk, experts) == "ws":  # as prepare picks it
+    if _pipeline(model, tokens) == "ws":  # as prepare picks it
         return host.choose_block_n_ws(tokens, topk, experts)
     return host.choose_block_n(tokens, topk, experts)
 
@@ -260,10 +269,11 @@ def main(argv=None) -> int:
             configs += [(None, int(s)) for s in args.stages.split(",") if s]
             for bn, stages in configs:
                 p = time_point(model, t, 100 + t, weights, bandwidth, args.repeats, bn, stages)
-                p.stages = stages
+                p.pipeline = _pipeline(model, t)
+                p.stages = stages if p.pipeline == "cp_async" else 0
                 times.append(p)
-                print(f"time {model} T={t} bn {p.block_n} stages {stages}: {p.megabytes:.1f} MB floor "
-                      f"{p.floor_us:.1f} us cold {p.cold_us:.1f} us", flush=True)
+                print(f"time {model} T={t} {p.pipeline} bn {p.block_n} stages {p.stages or '-'}: "
+                      f"{p.megabytes:.1f} MB floor {p.floor_us:.1f} us cold {p.cold_us:.1f} us", flush=True)
         del weights
     if checks:
         print("\n| model | tokens | shared | rows | act | bn | cosine | processed diff | finite | replay equal |")
@@ -272,11 +282,12 @@ def main(argv=None) -> int:
             print(f"| {p.model} | {p.tokens} | {int(p.shared)} | {p.rows} | {p.active} | {p.block_n} | "
                   f"{p.cosine:.6f} | {p.processed_diff:.2e} | {p.finite} | {p.replay_equal} |")
     if times:
-        print("\n| model | tokens | rows | act | bn | stages | MB | floor us | cold us | % of bw |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| model | tokens | rows | act | pipeline | bn | stages | MB | floor us | cold us | % of bw |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for p in times:
-            print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.block_n} | {p.stages} | {p.megabytes:.1f} | "
-                  f"{p.floor_us:.1f} | {p.cold_us:.1f} | {100 * p.floor_us / p.cold_us:.1f} |")
+            print(f"| {p.model} | {p.tokens} | {p.rows} | {p.active} | {p.pipeline} | {p.block_n} | "
+                  f"{p.stages or '-'} | {p.megabytes:.1f} | {p.floor_us:.1f} | {p.cold_us:.1f} | "
+                  f"{100 * p.floor_us / p.cold_us:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"checks": [p.__dict__ for p in checks], "times": [p.__dict__ for p in times],
