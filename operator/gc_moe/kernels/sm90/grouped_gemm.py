@@ -644,7 +644,6 @@ def _make_kernel(cfg: GemmConfig):
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        base = cute.arch.make_warp_uniform(base)  # as in the consumers: uniform stage addresses
         empty0 = smem + cfg.barrier_offset + STAGES * 8
         # the weights of the unit's first stages go out as those stages free (the previous unit's last steps),
         # before the input wait: they depend on neither role1 nor W1, and the SM's weight stream goes on while
@@ -824,9 +823,6 @@ def _make_kernel(cfg: GemmConfig):
             ptx.mbarrier_wait(bar0, Int32(0), suspend_ns=SUSPEND)
             first = smem
         else:
-            # the unit's first step comes from shared memory: say it is the same in every lane, so the stage
-            # addresses and the WGMMA descriptors stay in uniform registers (as with a plain loop counter)
-            base = cute.arch.make_warp_uniform(base)
             ptx.mbarrier_wait(bar0 + step_stage(base, STAGES) * 8, full_parity(base, STAGES), suspend_ns=SUSPEND)
             first = smem + step_stage(base, STAGES) * cfg.stage_bytes
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
