@@ -495,3 +495,12 @@ def test_role2_at_bn32_splits_the_registers_with_a_producer_warpgroup():
         assert (small.producer_warps, small.consumer_registers) == (1, None)
         assert "consumer_registers" not in dict(role2.variant(bn).params)  # their cache keys stay as measured
     assert dict(role2.variant(32).params)["consumer_registers"] == 112
+
+
+def test_role2_block_n_from_env():
+    assert sm90_layer.role2_block_n(8, {}) == 8 and sm90_layer.role2_block_n(64, {}) == 32  # at most 32
+    assert sm90_layer.role2_block_n(8, {sm90_layer.ROLE2_BLOCK_N_ENV: "auto"}) == 8
+    assert sm90_layer.role2_block_n(8, {sm90_layer.ROLE2_BLOCK_N_ENV: "32"}) == 32
+    for bad in ("64", "x", "0"):
+        with pytest.raises(ValueError, match="GC_MOE_ROLE2_BLOCK_N.*allowed: auto"):
+            sm90_layer.role2_block_n(8, {sm90_layer.ROLE2_BLOCK_N_ENV: bad})

@@ -20,6 +20,8 @@
   dispatch finishes without W1 consuming anything).
 - the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" as above; 1, the fused role2
   kernel at every token count; 2, W1 and W2 as two nodes at every token count.
+- the fused role2 kernel's token tile (GC_MOE_ROLE2_BLOCK_N, "auto"): the call's tile (at most 32), or a fixed
+  8 / 16 / 32 (an experiment knob: bn 32 at every token count measured slower where the call's tile is smaller).
 - the role4 switch (`role4_fused`, default GC_MOE_ROLE4_FUSED, "0"): the shared expert as one fused node ("1")
   instead of W1 -> W2 (measured 2-6% slower on the H200, so off by default).
 
