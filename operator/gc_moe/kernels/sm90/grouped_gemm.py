@@ -882,14 +882,16 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
+    def thread_coords(tid):
+        """A consumer thread's place: warpgroup (its 64-row weight tile), thread in the warpgroup, warp in the
+        warpgroup, and the WGMMA fragment's row group g (lane / 4) and column pair q (lane % 4)."""
+        lane = tid % 32
+        return tid // 128, tid % 128, (tid % 128) // 32, lane // 4, lane % 4
+
+    @cute.jit
     def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor, epilogue):
         tid = cute.arch.thread_idx()[0]
-        wg = tid // 128
-        t = tid % 128
-        warp = t // 32
-        lane = tid % 32
-        g = lane // 4
-        q = lane % 4
+        wg, t, warp, g, q = thread_coords(tid)
         if tid == 0:
             for st in cutlass.range_constexpr(STAGES):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
@@ -928,12 +930,7 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(side == "producer"):
             produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready, base)
         else:
-            wg = tid // 128
-            t = tid % 128
-            warp = t // 32
-            lane = tid % 32
-            g = lane // 4
-            q = lane % 4
+            wg, t, warp, g, q = thread_coords(tid)
             acc = cute.make_rmem_tensor((BN // 2,), Float32)
             for i in cutlass.range_constexpr(BN // 2):
                 acc[i] = Float32(0.0)
@@ -951,12 +948,7 @@ def _make_kernel(cfg: GemmConfig):
     @cute.jit
     def main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc):
         tid = cute.arch.thread_idx()[0]
-        wg = tid // 128
-        t = tid % 128
-        warp = t // 32
-        lane = tid % 32
-        g = lane // 4
-        q = lane % 4
+        wg, t, warp, g, q = thread_coords(tid)
         policy = ptx.evict_first_policy() if cfg.l2_evict_first else None
         for s in cutlass.range_constexpr(STAGES - 1):
             if s < k_blocks:
@@ -989,6 +981,22 @@ def _make_kernel(cfg: GemmConfig):
         else:
             tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
         return tid, wg, warp, g, q, weight_factor(w_factor, e)
+
+    @cute.jit
+    def tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args=None):
+        """The tile's product and its epilogue ((function, arguments after (tid, wg, warp, g, q, factor, acc))):
+        one side of a fused half's unit (fused_args = (its input wait, side, first K128 step): `fused_unit`),
+        or the whole CTA (the warp-specialized producer warp has no outputs)."""
+        if cutlass.const_expr(FUSED):
+            ready, side, base = fused_args
+            fused_unit(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, ready, epilogue, side, base)
+        else:
+            acc = cute.make_rmem_tensor((BN // 2,), Float32)
+            tid, wg, warp, g, q, factor = tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
+                                                       acc, epilogue if SPLIT else None)
+            if cutlass.const_expr(not SPLIT):
+                if tid < THREADS:
+                    epilogue[0](tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
     @cute.jit
     def weight_factor(w_factor, e):
@@ -1186,18 +1194,9 @@ def _make_kernel(cfg: GemmConfig):
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 epilogue = (w1_epilogue, (smem, row0, count, rows, bx, m_tiles, routing_weight, out, out_scale, ring,
                                           done_mask))
-                if cutlass.const_expr(FUSED):
-                    fused_unit((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles,
-                               smem, (ring, rows, started), epilogue, side, base)
-                else:
-                    acc = cute.make_rmem_tensor((BN // 2,), Float32)
-                    tid, wg, warp, g, q, factor = tile_product(
-                        (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
-                        acc, epilogue if SPLIT else None,
-                    )
-                    if cutlass.const_expr(not SPLIT):
-                        if tid < THREADS:  # the warp-specialized producer warp has no outputs
-                            w1_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
+                fused_args = ((ring, rows, started), side, base) if cutlass.const_expr(FUSED) else None
+                tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
+                                   m_tiles, smem, epilogue, fused_args)
 
         if cutlass.const_expr(RING):
             @cute.kernel
@@ -1245,18 +1244,9 @@ def _make_kernel(cfg: GemmConfig):
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 epilogue = (w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, ring))
-                if cutlass.const_expr(FUSED):
-                    fused_unit((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles,
-                               smem, ready, epilogue, side, base)
-                else:
-                    acc = cute.make_rmem_tensor((BN // 2,), Float32)
-                    tid, wg, warp, g, q, factor = tile_product(
-                        (w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
-                        acc, epilogue if SPLIT else None,
-                    )
-                    if cutlass.const_expr(not SPLIT):
-                        if tid < THREADS:  # the warp-specialized producer warp has no outputs
-                            w2_epilogue(tid, wg, warp, g, q, factor, acc, *epilogue[1])
+                fused_args = (ready, side, base) if cutlass.const_expr(FUSED) else None
+                tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
+                                   m_tiles, smem, epilogue, fused_args)
 
         if cutlass.const_expr(RING):
             @cute.kernel

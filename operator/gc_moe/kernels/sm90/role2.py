@@ -317,6 +317,35 @@ def make_unit_loop(cfg: Role2Config):
         ring_protocol.sts(slot + 12, bz)
 
     @cute.jit
+    def run_unit(side, slot, slot_empty, e, started, base, weights, tensors, ring, w2_ring, dims, sched):
+        """One side's part of the unit in `slot` (expert e; slot_empty: the slot's empty barrier, which the
+        consumer warps complete once they read it): a W1 unit if its ticket is below the W1 units' count, else
+        a W2 unit. Returns the CTA's K128 steps after it."""
+        w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor = weights
+        ring_act, ring_scale, expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine = tensors
+        hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles = dims
+        prefix, local_experts, w1_ctas, w1_done_mask, mask_stride, timeout_ns = sched
+        drawn = ring_protocol.lds(slot)
+        bx = ring_protocol.lds(slot + 8)
+        bz = ring_protocol.lds(slot + 12)
+        if cutlass.const_expr(side == "consumer"):
+            ptx.warp_sync()
+            if cute.arch.thread_idx()[0] % 32 == 0:
+                ptx.mbarrier_arrive(slot_empty)
+        else:
+            started = cute.arch.globaltimer()  # the producer's bounded waits count from the unit's start
+        done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
+        if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
+            w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
+                    l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, started, done_mask, side, base))
+            base = base + hidden_blocks
+        else:
+            w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
+                    inter_blocks, w2_row_tiles, w2_ring, (e, bx, bz, started, done_mask, timeout_ns, side, base))
+            base = base + inter_blocks
+        return base
+
+    @cute.jit
     def run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
@@ -350,6 +379,11 @@ def make_unit_loop(cfg: Role2Config):
                 ptx.mbarrier_arrive(slot_full)
         ptx.gemm_barrier(half1)
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
+        weights = (w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor)
+        tensors = (ring_act, ring_scale, expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine)
+        w2_ring = (ring_source, peers, source_rows)
+        dims = (hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles)
+        sched = (prefix, local_experts, w1_ctas, w1_done_mask, mask_stride, timeout_ns)
         if tid >= gg.THREADS:
             # the producer side: each unit's copies, then (lane 0 of producer warp 0) the next draw, into the
             # other slot once every consumer warp read what it held; then every producer thread reads it
@@ -360,22 +394,8 @@ def make_unit_loop(cfg: Role2Config):
             ptx.mbarrier_wait(slot_full, slot_full_parity(it))
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
-                slot = slots + unit_slot(it) * 16
-                drawn = ring_protocol.lds(slot)
-                bx = ring_protocol.lds(slot + 8)
-                bz = ring_protocol.lds(slot + 12)
-                unit_started = cute.arch.globaltimer()  # the bounded waits count from the unit's start
-                done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
-                if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
-                    w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
-                            l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring,
-                            (e, bx, bz, unit_started, done_mask, "producer", base))
-                    base = base + hidden_blocks
-                else:
-                    w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
-                            inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
-                            (e, bx, bz, unit_started, done_mask, timeout_ns, "producer", base))
-                    base = base + inter_blocks
+                base = run_unit("producer", slots + unit_slot(it) * 16, slot_empty + unit_slot(it) * 8, e, started,
+                                base, weights, tensors, ring, w2_ring, dims, sched)
                 it = it + 1
                 if tid == gg.THREADS:
                     if it >= gg.FUSED_UNIT_SLOTS:
@@ -397,24 +417,8 @@ def make_unit_loop(cfg: Role2Config):
             ptx.mbarrier_wait(slot_full, slot_full_parity(it))
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
-                slot = slots + unit_slot(it) * 16
-                drawn = ring_protocol.lds(slot)
-                bx = ring_protocol.lds(slot + 8)
-                bz = ring_protocol.lds(slot + 12)
-                ptx.warp_sync()
-                if tid % 32 == 0:
-                    ptx.mbarrier_arrive(slot_empty + unit_slot(it) * 8)
-                done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
-                if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
-                    w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
-                            l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring,
-                            (e, bx, bz, started, done_mask, "consumer", base))
-                    base = base + hidden_blocks
-                else:
-                    w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
-                            inter_blocks, w2_row_tiles, (ring_source, peers, source_rows),
-                            (e, bx, bz, started, done_mask, timeout_ns, "consumer", base))
-                    base = base + inter_blocks
+                base = run_unit("consumer", slots + unit_slot(it) * 16, slot_empty + unit_slot(it) * 8, e, started,
+                                base, weights, tensors, ring, w2_ring, dims, sched)
                 it = it + 1
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
