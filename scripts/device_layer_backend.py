@@ -36,11 +36,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-# stand-alone grouped GEMM (W1 + W2), warm us, docs/sm90-grouped-gemm.md "Speed on the H200" (2026-12-02)
+# stand-alone grouped GEMM (W1 + W2 of the warp-specialized default, cold us: weights from HBM), the "ws" column
+# of docs/sm90-grouped-gemm.md "Speed on the H200: the warp-specialized default" (2026-12-02). Its routing is
+# rank 0 of 8 (uniform over all E experts), not the layer's P = 1 slice, so "overhead" is indicative only.
 STANDALONE_GEMM_US = {
-    "glm-5.2": {1: 81.6, 2: 86.6, 4: 124.8, 8: 152.0, 16: 227.7, 32: 366.3, 64: 367.7, 128: 480.0, 256: 696.5},
-    "deepseek-v4.1-flash": {1: 81.0, 2: 95.2, 4: 126.9, 8: 172.7, 16: 250.2, 32: 258.3, 64: 331.7, 128: 479.3,
-                            256: 827.5},
+    "glm-5.2": {1: 75.5, 2: 100.5, 4: 124.7, 8: 172.9, 16: 214.1, 32: 218.5, 64: 266.7, 128: 397.8, 256: 695.9},
+    "deepseek-v4.1-flash": {1: 74.0, 2: 84.9, 4: 135.4, 8: 153.1, 16: 224.5, 32: 312.6, 64: 317.0, 128: 383.8,
+                            256: 548.1},
 }
 
 
