@@ -261,7 +261,7 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int =
     layer.dispatch_ctas, layer.finalize_ctas = 4, 64
     layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
     layer.overlap_roots = overlap_roots
-    layer.role2_nodes, layer.role4_fused = role2_nodes, False
+    layer.role2_nodes, layer.role4_fused, layer.role2_tile = role2_nodes, False, "auto"
     monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
     layer.role2_kernel = lambda block_n: "role2 kernel"
     return layer.build_graph(None, num_tokens, None, None).nodes
@@ -319,7 +319,7 @@ def test_settings_note():
         "nodes above"
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
-    layer.overlap_roots, layer.role2_nodes, layer.role4_fused = False, 2, False
+    layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
     layer.role4_fused = True
     assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node")
@@ -435,7 +435,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
 
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
-    layer.overlap_roots, layer.role2_nodes, layer.role4_fused = True, 1, False
+    layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}
@@ -498,9 +498,17 @@ def test_role2_at_bn32_splits_the_registers_with_a_producer_warpgroup():
 
 
 def test_role2_block_n_from_env():
-    assert sm90_layer.role2_block_n(8, {}) == 8 and sm90_layer.role2_block_n(64, {}) == 32  # at most 32
-    assert sm90_layer.role2_block_n(8, {sm90_layer.ROLE2_BLOCK_N_ENV: "auto"}) == 8
-    assert sm90_layer.role2_block_n(8, {sm90_layer.ROLE2_BLOCK_N_ENV: "32"}) == 32
+    assert sm90_layer.role2_block_n_from_env({}) == "auto"
+    assert sm90_layer.role2_block_n_from_env({sm90_layer.ROLE2_BLOCK_N_ENV: "auto"}) == "auto"
+    assert sm90_layer.role2_block_n_from_env({sm90_layer.ROLE2_BLOCK_N_ENV: "32"}) == 32
     for bad in ("64", "x", "0"):
         with pytest.raises(ValueError, match="GC_MOE_ROLE2_BLOCK_N.*allowed: auto"):
-            sm90_layer.role2_block_n(8, {sm90_layer.ROLE2_BLOCK_N_ENV: bad})
+            sm90_layer.role2_block_n_from_env({sm90_layer.ROLE2_BLOCK_N_ENV: bad})
+    assert sm90_layer.role2_block_n(8) == 8 and sm90_layer.role2_block_n(64) == 32  # the plan's, at most 32
+    assert sm90_layer.role2_block_n(8, 32) == 32
+
+
+def test_settings_note_names_a_fixed_fused_tile():
+    note = sm90_layer.settings_note(4, 128, True, 1, False, 32)
+    assert note == "partition comm/compute 4/128 SMs; overlap on; role2 one fused node (fused token tile 32)"
+    assert "tile" not in sm90_layer.settings_note(4, 128, True, 1, False)

@@ -299,16 +299,22 @@ def role4_fused_from_env(environ=os.environ) -> bool:
                             "0 (the shared expert as W1 and W2 nodes, the default) or 1 (one fused node)")
 
 
-def role2_block_n(plan_block_n: int, environ=os.environ) -> int:
-    """The fused role2 kernel's token tile for a call whose plan picked `plan_block_n`: GC_MOE_ROLE2_BLOCK_N
-    "auto" (the default when unset or empty: the plan's, at most the kernel's largest) or a fixed tile."""
+def role2_block_n_from_env(environ=os.environ):
+    """The fused role2 kernel's token tile: GC_MOE_ROLE2_BLOCK_N "auto" (the default when unset or empty: the
+    call's) or a fixed tile, one of role2.BLOCK_N_CHOICES."""
     raw = environ.get(ROLE2_BLOCK_N_ENV, "")
     if raw in ("", "auto"):
-        return min(plan_block_n, max(role2.BLOCK_N_CHOICES))
+        return "auto"
     if raw not in tuple(str(b) for b in role2.BLOCK_N_CHOICES):
         raise ValueError(f"{ROLE2_BLOCK_N_ENV}={raw!r}; allowed: auto (the default: the call's token tile, at most "
                          f"{max(role2.BLOCK_N_CHOICES)}) or one of {role2.BLOCK_N_CHOICES}")
     return int(raw)
+
+
+def role2_block_n(plan_block_n: int, setting="auto") -> int:
+    """The fused role2 kernel's token tile for a call whose plan picked `plan_block_n`: the plan's, at most the
+    kernel's largest, unless `setting` fixes one."""
+    return min(plan_block_n, max(role2.BLOCK_N_CHOICES)) if setting == "auto" else setting
 
 
 def role2_fused(role2_nodes, num_tokens: int) -> bool:
@@ -323,12 +329,14 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
-                  role4_fused: bool = False) -> str:
-    """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node)."""
+                  role4_fused: bool = False, role2_tile="auto") -> str:
+    """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node, the
+    fused role2 kernel's token tile only when it is fixed)."""
     role2_text = {"auto": f"one fused node up to {ROLE2_FUSED_MAX_TOKENS} token per rank, W1 and W2 nodes above",
                   1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
-            f"role2 {role2_text}" + ("; role4 one fused node" if role4_fused else ""))
+            f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
+            + ("; role4 one fused node" if role4_fused else ""))
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -379,6 +387,7 @@ class Sm90Layer:
             raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel at 1 token per rank), "
                              f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
+        self.role2_tile = role2_block_n_from_env()  # "auto", or the fused kernel's fixed token tile
         if role4_fused is None:
             role4_fused = role4_fused_from_env()
         if not isinstance(role4_fused, bool):
@@ -443,7 +452,7 @@ class Sm90Layer:
         """The partition and the overlap switch, e.g. "partition comm/compute 4/128 SMs; overlap on"."""
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
-                             self.role2_nodes, self.role4_fused)
+                             self.role2_nodes, self.role4_fused, self.role2_tile)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
@@ -464,7 +473,7 @@ class Sm90Layer:
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                          self.parts.comm_context)
         if role2_fused(self.role2_nodes, num_tokens):
-            k_role2 = self.role2_kernel(role2_block_n(plan.block_n))
+            k_role2 = self.role2_kernel(role2_block_n(plan.block_n, self.role2_tile))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
                                             self.parts.describe()["compute_sms"])
             last = g.add_kernel("role2", k_role2, grid, args, self.parts.compute_context,
