@@ -19,7 +19,11 @@ Steps (each prints JSON lines; a short table last):
 4. latency per token count (--latency-tokens) for both models: a graph of 10 back-to-back calls replayed
    --latency-replays times, microseconds per call, beside the stand-alone grouped GEMM (W1 + W2 only, warm,
    docs/sm90-grouped-gemm.md, measured 2026-12-02 on the H200), and with the shared expert fused at 1, 8,
-   64 and 256 tokens.
+   64 and 256 tokens;
+5. the layer split by differences (--parts-tokens, off unless given): per token count the layer as it runs
+   (dispatch and role2 concurrent roots), with role2 after dispatch (overlap off), and without role2 (dispatch
+   -> finalize, `Sm90Layer.leave_out_role2`); role2 with a full ring = off - without, what the overlap hides =
+   off - on. Same timing as step 4.
 
     gcmoe-bench build --arch sm_90a --profile h200        # on the build machine; copy .cubin-cache over
     PYTHONPATH=operator GC_MOE_WAIT_TIMEOUT_S=30 python scripts/device_layer_backend.py --out device-out
@@ -52,6 +56,23 @@ def point_passes(r: dict, replays: int) -> bool:
             and r["ring_overflows_added"] == 0 and r["replays_added"] == replays + 1)
 
 
+def layer_parts(layer, num_tokens: int, replays: int) -> dict:
+    """Step 5 at one point: us per call of the layer as built, with role2 after dispatch, and without role2."""
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    on = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)  # also makes the layer
+    sm90 = layer.buffer.extras["sm90_layer"]
+    overlap = sm90.overlap_roots
+    try:
+        sm90.overlap_roots = False
+        serial = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
+        sm90.leave_out_role2 = True
+        without = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
+    finally:
+        sm90.overlap_roots, sm90.leave_out_role2 = overlap, False
+    return {"on_us": on, "serial_us": serial, "without_role2_us": without, "role2_nodes": sm90.role2_nodes}
+
+
 def main() -> int:
     import torch
     from gc_moe import api
@@ -66,13 +87,15 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=1)
     p.add_argument("--latency-tokens", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--latency-replays", type=int, default=50)
+    p.add_argument("--parts-tokens", default="", help="token counts of step 5 (empty: skip it)")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: points,shared,long,bounded,latency")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    out = {"points": [], "separate_shared": [], "long": None, "bounded": None, "latency": [], "backend": None}
+    out = {"points": [], "separate_shared": [], "long": None, "bounded": None, "latency": [], "parts": [],
+           "backend": None}
     ok = True
     layers, shared_layers = {}, {}
     for name in args.models.split(","):
@@ -162,6 +185,16 @@ def main() -> int:
                         ok = False
                 out["latency"].append(row)
 
+    for name, layer in layers.items():
+        for t in (int(v) for v in filter(None, args.parts_tokens.split(","))):
+            try:
+                row = {"model": name, "tokens": t, **layer_parts(layer, t, args.latency_replays)}
+            except Exception as exc:  # noqa: BLE001
+                row = {"model": name, "tokens": t, "error": f"{type(exc).__name__}: {exc}"}
+                ok = False
+            out["parts"].append(row)
+            print(json.dumps(row), flush=True)
+
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "device_layer_backend.json").write_text(json.dumps(out, indent=1))
@@ -187,6 +220,15 @@ def main() -> int:
             g = r["standalone_gemm_us"] or float("nan")
             print(f"{r['model']:20s} {r['tokens']:>4} {r['layer_us']:>9.1f} {g:>8.1f} {r['layer_us'] - g:>8.1f} "
                   f"{r['shared_fused_us']:>8.1f}")
+    if out["parts"]:
+        print(f"\n{'model':20s} {'T':>4} {'layer us':>9} {'serial':>8} {'no role2':>8} {'role2':>8} {'hidden':>8}")
+        for r in out["parts"]:
+            if "error" in r:
+                print(f"{r['model']:20s} {r['tokens']:>4} ERROR {r['error']}")
+                continue
+            print(f"{r['model']:20s} {r['tokens']:>4} {r['on_us']:>9.1f} {r['serial_us']:>8.1f} "
+                  f"{r['without_role2_us']:>8.1f} {r['serial_us'] - r['without_role2_us']:>8.1f} "
+                  f"{r['serial_us'] - r['on_us']:>8.1f}")
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

@@ -5,10 +5,11 @@
 # (GC_MOE_ROLE2_NODES=1; `bn32`: the same with the fused kernel's token tile fixed at 32, GC_MOE_ROLE2_BLOCK_N),
 # and the latency with role2 as W1 and W2 nodes (GC_MOE_ROLE2_NODES=2) beside it. The
 # role4 steps check the shared suite through the public API with the shared expert as one fused kernel
-# (GC_MOE_ROLE4_FUSED=1) and time it (`role4`), and time it as W1 and W2 nodes (`role4off`). TESTS names the
+# (GC_MOE_ROLE4_FUSED=1) and time it (`role4`), and time it as W1 and W2 nodes (`role4off`). `parts` splits
+# the default layer's time by differences (as built, role2 after dispatch, without role2). TESTS names the
 # GPU test files. Logs and JSON under OUT; a short table last.
 #
-#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [nodes2] [role4] [role4off]
+#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [nodes2] [role4] [role4off] [parts]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-role2-out}; mkdir -p "$OUT"
@@ -32,7 +33,10 @@ for s in $steps; do
     role4off) run role4off "${ROLE4_LIMIT:-200}" env GC_MOE_ROLE4_FUSED=0 python scripts/device_layer_backend.py \
                 --skip points,long,bounded \
                 --latency-tokens 1,8,64,256 --out "$OUT/role4off" ;;
-    *) echo "unknown step $s (allowed: tests backend bn32 nodes2 role4 role4off)"; exit 2 ;;
+    parts) run parts "${PARTS_LIMIT:-150}" python scripts/device_layer_backend.py \
+             --skip points,shared,long,bounded,latency --parts-tokens "${PARTS_TOKENS:-1,2,4,8,16,32,64,128,256}" \
+             --out "$OUT/parts" ;;
+    *) echo "unknown step $s (allowed: tests backend bn32 nodes2 role4 role4off parts)"; exit 2 ;;
   esac
 done
 print_steps

@@ -443,6 +443,9 @@ class Sm90Layer:
                                        described["compute_sms"])
         self._stage = None  # output rows for a non-contiguous or empty y
         self._graphs: OrderedDict = OrderedDict()
+        # timing only: True builds the graph without role2 (dispatch -> finalize, plus role4), so a harness can
+        # time the rest of the layer and take differences; y is then not the layer's output
+        self.leave_out_role2 = False
 
     # the inputs of Listing 1 are the workspace's first regions
     def input_views(self) -> dict:
@@ -472,7 +475,9 @@ class Sm90Layer:
         d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
                          dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                          self.parts.comm_context)
-        if role2_fused(self.role2_nodes, num_tokens):
+        if self.leave_out_role2:
+            last = d
+        elif role2_fused(self.role2_nodes, num_tokens):
             k_role2 = self.role2_kernel(role2_block_n(plan.block_n, self.role2_tile))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
                                             self.parts.describe()["compute_sms"])
@@ -489,7 +494,7 @@ class Sm90Layer:
                                       ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
                                       gg.ring_args_w2(ws, shape))
             last = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
-        before_finalize = [d, last]
+        before_finalize = [d] if last is d else [d, last]
         if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
             # role4 as one node (W1 and W2 in one kernel) when asked for, else W1 -> W2
             nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
@@ -515,7 +520,7 @@ class Sm90Layer:
         """The cached child graph for (token count, output rows, weights); built on first use."""
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
-               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused)
+               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.leave_out_role2)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)
