@@ -21,9 +21,10 @@ Steps (each prints JSON lines; a short table last):
    docs/sm90-grouped-gemm.md, measured 2026-12-02 on the H200), and with the shared expert fused at 1, 8,
    64 and 256 tokens;
 5. the layer split by differences (--parts-tokens, off unless given): per token count the layer as it runs
-   (dispatch and role2 concurrent roots), with role2 after dispatch (overlap off), and without role2 (dispatch
-   -> finalize, `Sm90Layer.leave_out_role2`); role2 with a full ring = off - without, what the overlap hides =
-   off - on. Same timing as step 4.
+   (dispatch and role2 concurrent roots), with role2 after dispatch (overlap off), without role2 (dispatch ->
+   finalize) and finalize alone (`Sm90Layer.timing_nodes`); role2 with a full ring = off - without, what the
+   overlap hides = off - on, role1 = without - finalize alone. Same timing as step 4 (finalize alone combines
+   whatever the buffers hold and counts arrival errors: statistics only, this step runs last).
 
     gcmoe-bench build --arch sm_90a --profile h200        # on the build machine; copy .cubin-cache over
     PYTHONPATH=operator GC_MOE_WAIT_TIMEOUT_S=30 python scripts/device_layer_backend.py --out device-out
@@ -57,7 +58,8 @@ def point_passes(r: dict, replays: int) -> bool:
 
 
 def layer_parts(layer, num_tokens: int, replays: int) -> dict:
-    """Step 5 at one point: us per call of the layer as built, with role2 after dispatch, and without role2."""
+    """Step 5 at one point: us per call of the layer as built, with role2 after dispatch, without role2, and
+    finalize alone."""
     from gc_moe.kernels.sm90 import layer_checks as lc
 
     on = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)  # also makes the layer
@@ -66,11 +68,14 @@ def layer_parts(layer, num_tokens: int, replays: int) -> dict:
     try:
         sm90.overlap_roots = False
         serial = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
-        sm90.leave_out_role2 = True
+        sm90.timing_nodes = ("dispatch", "finalize")
         without = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
+        sm90.timing_nodes = ("finalize",)
+        finalize_alone = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
     finally:
-        sm90.overlap_roots, sm90.leave_out_role2 = overlap, False
-    return {"on_us": on, "serial_us": serial, "without_role2_us": without, "role2_nodes": sm90.role2_nodes}
+        sm90.overlap_roots, sm90.timing_nodes = overlap, None
+    return {"on_us": on, "serial_us": serial, "without_role2_us": without, "finalize_us": finalize_alone,
+            "role2_nodes": sm90.role2_nodes}
 
 
 def main() -> int:
@@ -221,14 +226,15 @@ def main() -> int:
             print(f"{r['model']:20s} {r['tokens']:>4} {r['layer_us']:>9.1f} {g:>8.1f} {r['layer_us'] - g:>8.1f} "
                   f"{r['shared_fused_us']:>8.1f}")
     if out["parts"]:
-        print(f"\n{'model':20s} {'T':>4} {'layer us':>9} {'serial':>8} {'no role2':>8} {'role2':>8} {'hidden':>8}")
+        print(f"\n{'model':20s} {'T':>4} {'layer us':>9} {'serial':>8} {'no role2':>8} {'role2':>8} {'hidden':>8} "
+              f"{'final.':>8}")
         for r in out["parts"]:
             if "error" in r:
                 print(f"{r['model']:20s} {r['tokens']:>4} ERROR {r['error']}")
                 continue
             print(f"{r['model']:20s} {r['tokens']:>4} {r['on_us']:>9.1f} {r['serial_us']:>8.1f} "
                   f"{r['without_role2_us']:>8.1f} {r['serial_us'] - r['without_role2_us']:>8.1f} "
-                  f"{r['serial_us'] - r['on_us']:>8.1f}")
+                  f"{r['serial_us'] - r['on_us']:>8.1f} {r['finalize_us']:>8.1f}")
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

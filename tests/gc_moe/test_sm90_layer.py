@@ -237,7 +237,7 @@ class _RecordingGraph:
         return name
 
 
-def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int = 8, leave_out_role2=False) -> dict:
+def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int = 8, timing_nodes=None) -> dict:
     """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins."""
     from types import SimpleNamespace
     from unittest import mock
@@ -264,7 +264,7 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int =
     layer.role2_nodes, layer.role4_fused, layer.role2_tile = role2_nodes, False, "auto"
     monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
     layer.role2_kernel = lambda block_n: "role2 kernel"
-    layer.leave_out_role2 = leave_out_role2
+    layer.timing_nodes = timing_nodes
     return layer.build_graph(None, num_tokens, None, None).nodes
 
 
@@ -285,12 +285,18 @@ def test_fused_role2_makes_a_three_node_graph(monkeypatch):
     assert set(_graph_of(monkeypatch, True, "auto", num_tokens=2)) == {"dispatch", "w1", "w2", "finalize"}
 
 
-def test_timing_graph_without_role2(monkeypatch):
-    """What a harness times to split the layer: dispatch -> finalize alone, whatever role2's form."""
+def test_timing_graphs_keep_the_named_nodes(monkeypatch):
+    """What a harness times to split the layer: dispatch -> finalize, or finalize alone, whatever role2's form."""
     for overlap in (True, False):
         for nodes in (1, 2, "auto"):
-            assert _graph_of(monkeypatch, overlap, nodes, leave_out_role2=True) == {
+            assert _graph_of(monkeypatch, overlap, nodes, timing_nodes=("dispatch", "finalize")) == {
                 "dispatch": ("comm", []), "finalize": ("compute", ["dispatch"])}
+            assert _graph_of(monkeypatch, overlap, nodes, timing_nodes=("finalize",)) == {
+                "finalize": ("compute", [])}
+    assert _graph_of(monkeypatch, True, 2, timing_nodes=sm90_layer.TIMING_NODES) == _graph_of(monkeypatch, True, 2)
+    for bad in (("dispatch",), ("role2", "finalize"), ("finalize", "w1")):
+        with pytest.raises(ValueError, match=r"timing_nodes .*allowed: None or a subset"):
+            _graph_of(monkeypatch, True, timing_nodes=bad)
 
 
 def test_role2_nodes_from_env_and_argument(monkeypatch):

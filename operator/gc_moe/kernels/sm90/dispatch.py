@@ -356,6 +356,10 @@ if cute is not None:
         entries = capacity * topk
         assignments = num_tokens * topk
         stride = nblocks * THREADS
+        # read now, used after the grid syncs: the previous replay's role3 flipped RECV_PARITY and its role1
+        # flipped BARRIER_PHASE, and only this kernel's block 0 writes the phase, after reading it
+        parity = ld_s32(control + Int64(4 * RECV_PARITY))
+        phase = ld_s32(control + Int64(4 * BARRIER_PHASE))
 
         # 1. count this CTA's assignments per global expert
         g = tid
@@ -392,7 +396,6 @@ if cute is not None:
             a = a + stride
         # 4. grid sync over the dispatch grid
         grid_sync(control, nblocks, started, timeout_ns)
-        parity = ld_s32(control + Int64(4 * RECV_PARITY))
         # 5. block 0: counts to their owners, then the tag-1 barrier
         if bid == 0:
             g = tid
@@ -406,7 +409,6 @@ if cute is not None:
                 g = g + THREADS
             bar_sync()
             if tid == 0:
-                phase = ld_s32(control + Int64(4 * BARRIER_PHASE))
                 fence_sys()
                 r = Int32(0)
                 while r < num_ranks:
@@ -417,18 +419,24 @@ if cute is not None:
                 st_s32(control + Int64(4 * BARRIER_PHASE), phase ^ 1)
         grid_sync(control, 2 * nblocks, started, timeout_ns)
 
-        # 6a. grouped-row prefix over (local expert, source rank): warp 0, one chunk per lane
+        # 6a. grouped-row prefix over (local expert, source rank): every thread stages receive counts into
+        # shared memory (one load round trip for the CTA), then warp 0 scans them in place, one chunk per lane
         segments = local_experts * num_ranks
+        i = tid
+        while i < segments:
+            le = i // num_ranks
+            src = i - le * num_ranks
+            sts(prefix + 4 * i, Int32(ld_s64_sys(recv_count + Int64((parity * num_ranks + src) * local_experts
+                                                                    + le) * 8) & Int64(0xFFFFFFFF)))
+            i = i + THREADS
+        bar_sync()
         if tid < 32:
             chunk = (segments + 31) // 32
             lo = tid * chunk
             total = Int32(0)
             i = lo
             while i < lo + chunk and i < segments:
-                le = i // num_ranks
-                src = i - le * num_ranks
-                total = total + Int32(ld_s64_sys(recv_count + Int64((parity * num_ranks + src) * local_experts
-                                                                     + le) * 8) & Int64(0xFFFFFFFF))
+                total = total + lds(prefix + 4 * i)
                 i = i + 1
             inclusive = total
             for d in (1, 2, 4, 8, 16):
@@ -438,11 +446,9 @@ if cute is not None:
             run = inclusive - total
             i = lo
             while i < lo + chunk and i < segments:
-                le = i // num_ranks
-                src = i - le * num_ranks
+                count = lds(prefix + 4 * i)
                 sts(prefix + 4 * i, run)
-                run = run + Int32(ld_s64_sys(recv_count + Int64((parity * num_ranks + src) * local_experts
-                                                                + le) * 8) & Int64(0xFFFFFFFF))
+                run = run + count
                 i = i + 1
             if tid == 31:
                 sts(prefix + 4 * segments, inclusive)
@@ -465,8 +471,7 @@ if cute is not None:
                 tail = rows % block_m
                 if tail != 0:
                     atom_add_release_gpu(l1_full_count + Int64((rows // block_m) % ring_blocks) * 4, block_m - tail)
-                fence_gpu()
-                st_release_gpu(control + Int64(4 * RING_READY), Int32(1))
+                st_release_gpu(control + Int64(4 * RING_READY), Int32(1))  # after the block's offsets (bar.sync)
 
         # 6b. pull: one grouped row per warp at a time
         warp = tid // 32

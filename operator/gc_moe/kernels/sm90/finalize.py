@@ -13,6 +13,7 @@ Grid: any number of CTAs (min(compute SMs, 64) at decode sizes), 256 threads. Pe
 3. every CTA acquires combine_ready[parity] >= P (bounded by `timeout_ns`, then `trap`), then combines: for
    each token and 8-column chunk, the BF16 partials of its valid top-k slots (topk_idx >= 0) in slot order,
    then lane k (the shared expert) when `combine_lanes` = k + 1, accumulated in FP32, stored as BF16 into y;
+   the loads of LANES_PER_PASS lanes go out together before any add;
 4. the last CTA to finish (a departure counter, no grid-wide wait) clears combine_ready[parity], counts the
    replay and flips RECV_PARITY with release, so the next replay's role1 publishes into the other parity.
 
@@ -23,6 +24,7 @@ Kernel parameters (all scalars, in order): `PARAMS`. Host side (no DSL needed): 
 from __future__ import annotations
 
 THREADS = 256
+LANES_PER_PASS = 9  # combine lanes whose loads one pass issues together: k = 8 routed slots and the shared lane
 DEFAULT_TIMEOUT_S = 3600.0
 
 PARAMS = (
@@ -134,6 +136,10 @@ if cute is not None:
     def ldg_v4(addr: Int64) -> list:
         return asm("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", [Uint32] * 4, [addr])
 
+    def ldg_nc_s64(addr: Int64) -> Int64:
+        """A read-only input (topk_idx: the caller wrote it before the call) through the non-coherent path."""
+        return asm("ld.global.nc.b64 $0, [$1];", [Int64], [addr])
+
     def stg_v4(addr: Int64, w: list) -> None:
         asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", [], [addr] + list(w))
 
@@ -210,17 +216,29 @@ if cute is not None:
             for q in cutlass.range_constexpr(8):
                 acc[q] = Float32(0.0)
             column = Int64(t) * Int64(hidden) + Int64(c * 8)
-            j = Int32(0)
-            while j < combine_lanes:
-                valid = j >= topk  # the shared lane is always valid
-                if j < topk:
-                    valid = Int32(ld_s64(topk_idx + Int64(t * topk + j) * 8)) >= 0
-                if valid:
-                    w = ldg_v4(combine + (Int64(j) * lane_rows + column) * 2)
+            first = Int32(0)
+            while first < combine_lanes:
+                # a pass issues its lanes' loads (slot ids and partials) before adding any: one round trip
+                # per pass, not two per lane; a lane past combine_lanes re-reads the last one, unused
+                ids, parts = [], []
+                for p in cutlass.range_constexpr(LANES_PER_PASS):
+                    lane = min(first + p, combine_lanes - 1)  # branch-free, so the loads stay together
+                    slot = min(lane, topk - 1)  # the shared lane has no slot id (the one read is unused)
+                    ids.append(ldg_nc_s64(topk_idx + Int64(t * topk + slot) * 8))
+                    parts.append(ldg_v4(combine + (Int64(lane) * lane_rows + column) * 2))
+                for p in cutlass.range_constexpr(LANES_PER_PASS):
+                    j = first + p
+                    keep = Uint32(0)  # an invalid lane adds +0.0: bit-exact, acc (from +0.0) is never -0.0
+                    if j < combine_lanes:  # the shared lane (j = k) is always valid
+                        keep = Uint32(0xFFFFFFFF)
+                    if j < topk:
+                        if Int32(ids[p]) < 0:
+                            keep = Uint32(0)
                     for q in cutlass.range_constexpr(4):
-                        acc[2 * q] = acc[2 * q] + bf16_lo(w[q])
-                        acc[2 * q + 1] = acc[2 * q + 1] + bf16_hi(w[q])
-                j = j + 1
+                        w = parts[p][q] & keep
+                        acc[2 * q] = acc[2 * q] + bf16_lo(w)
+                        acc[2 * q + 1] = acc[2 * q + 1] + bf16_hi(w)
+                first = first + LANES_PER_PASS
             stg_v4(y + column * 2, [pack_bf16x2(acc[2 * q], acc[2 * q + 1]) for q in range(4)])
             item = item + nblocks * THREADS
 
@@ -243,7 +261,9 @@ if cute is not None:
         finalize_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, num_tokens, num_ranks, local_experts, topk,
                         hidden, capacity, combine_lanes, ring_blocks, w1_done_words, dispatch_ctas,
                         timeout_ns).launch(
-            grid=(1, 1, 1), block=(THREADS, 1, 1))
+            # `.minnctapersm 1`: without launch bounds ptxas keeps this kernel near 34 registers and issues the
+            # combine's lane loads one after the other; with them it keeps a pass's 9 loads in flight (80)
+            grid=(1, 1, 1), block=(THREADS, 1, 1), min_blocks_per_mp=1)
 
     def build_finalize(arch: str = "sm_90a"):
         from gc_moe.runtime.jit import CompileRequest, LaunchShape

@@ -65,6 +65,7 @@ FINALIZE_MAX_CTAS = 64
 LAYER_MAX_BLOCK_N = gg.WS_MAX_BLOCK_N  # the layer's token tiles: 8 / 16 / 32, all warp-specialized
 LAYER_BLOCK_N_CHOICES = tuple(bn for bn in gg.BLOCK_N_CHOICES if bn <= LAYER_MAX_BLOCK_N)
 GRAPH_CACHE_SIZE = 64
+TIMING_NODES = ("dispatch", "role2", "finalize")  # what Sm90Layer.timing_nodes may keep (role4 stays)
 SHARED_EXPERT_MODULE = "gc_moe.kernels.sm90.shared_expert"
 UNCHECKED = object()  # an option unsupported_reasons was not asked about
 
@@ -443,9 +444,9 @@ class Sm90Layer:
                                        described["compute_sms"])
         self._stage = None  # output rows for a non-contiguous or empty y
         self._graphs: OrderedDict = OrderedDict()
-        # timing only: True builds the graph without role2 (dispatch -> finalize, plus role4), so a harness can
-        # time the rest of the layer and take differences; y is then not the layer's output
-        self.leave_out_role2 = False
+        # timing only: the layer's nodes the graph keeps (None: all), e.g. ("dispatch", "finalize"), so a harness
+        # can time parts of the layer and take differences; y is then not the layer's output
+        self.timing_nodes = None
 
     # the inputs of Listing 1 are the workspace's first regions
     def input_views(self) -> dict:
@@ -471,12 +472,18 @@ class Sm90Layer:
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
+        keep = TIMING_NODES if self.timing_nodes is None else self.timing_nodes
+        if not set(keep) <= set(TIMING_NODES) or "finalize" not in keep or ("role2" in keep) > ("dispatch" in keep):
+            raise ValueError(f"timing_nodes {self.timing_nodes!r}; allowed: None or a subset of {TIMING_NODES} "
+                             f"with 'finalize', and 'dispatch' wherever 'role2' (it waits for dispatch's ring)")
         g = ChildGraph()
-        d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
-                         dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
-                         self.parts.comm_context)
-        if self.leave_out_role2:
-            last = d
+        d = None
+        if "dispatch" in keep:
+            d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
+                             dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
+                             self.parts.comm_context)
+        if "role2" not in keep:
+            last = None
         elif role2_fused(self.role2_nodes, num_tokens):
             k_role2 = self.role2_kernel(role2_block_n(plan.block_n, self.role2_tile))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
@@ -494,7 +501,7 @@ class Sm90Layer:
                                       ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
                                       gg.ring_args_w2(ws, shape))
             last = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
-        before_finalize = [d] if last is d else [d, last]
+        before_finalize = [n for n in (d, last) if n is not None]
         if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
             # role4 as one node (W1 and W2 in one kernel) when asked for, else W1 -> W2
             nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
@@ -520,7 +527,7 @@ class Sm90Layer:
         """The cached child graph for (token count, output rows, weights); built on first use."""
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
-               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.leave_out_role2)
+               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.timing_nodes)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)
