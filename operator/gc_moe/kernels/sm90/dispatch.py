@@ -303,24 +303,6 @@ if cute is not None:
                 seen = ld_acquire_gpu(addr)
 
     @cute.jit
-    def pull_entry(r: Int32, prefix: Int32, segments: Int32, num_ranks: Int32, src_index: Int64,
-                   local_experts: Int32, entries: Int32):
-        """Grouped row r's routing entry (token * k + slot at its source) and source rank: the (local expert,
-        source rank) segment holding r by a binary search of the shared prefix, then the entry's load."""
-        lo = Int32(0)
-        hi = segments
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if lds(prefix + 4 * mid) <= r:
-                lo = mid
-            else:
-                hi = mid
-        le = lo // num_ranks
-        src = lo - le * num_ranks
-        entry = ld_s32_sys(src_index + Int64((src * local_experts + le) * entries + r - lds(prefix + 4 * lo)) * 4)
-        return entry, src
-
-    @cute.jit
     def grid_sync(control: Int64, target: Int32, started: Int64, timeout_ns: Int64):
         """Barrier over this kernel's grid: every CTA adds 1, waits for `target` arrivals (bounded)."""
         bar_sync()
@@ -491,30 +473,29 @@ if cute is not None:
                     atom_add_release_gpu(l1_full_count + Int64((rows // block_m) % ring_blocks) * 4, block_m - tail)
                 st_release_gpu(control + Int64(4 * RING_READY), Int32(1))  # after the block's offsets (bar.sync)
 
-        # 6b. pull: one grouped row per warp at a time, rows pipelined: a row's loads (bytes, scale words and its
-        # routing weight) go out first, then the previous row's release (its fence now also covers these
-        # loads) and the next row's routing entry, then the conversion; a row costs about one round trip
+        # 6b. pull: one grouped row per warp at a time
         warp = tid // 32
         lane = tid % 32
         k_blocks = hidden // 128
-        step_rows = nblocks * WARPS
         r = bid * WARPS + warp
-        entry, src = Int32(0), Int32(0)
-        if r < rows:
-            entry, src = pull_entry(r, prefix, segments, num_ranks, src_index, local_experts, entries)
-        pending = Int32(-1)  # ring block of the row pulled last, released once the next row's loads are out
         while r < rows:
+            lo = Int32(0)
+            hi = segments
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if lds(prefix + 4 * mid) <= r:
+                    lo = mid
+                else:
+                    hi = mid
+            le = lo // num_ranks
+            src = lo - le * num_ranks
+            entry = ld_s32_sys(src_index + Int64((src * local_experts + le) * entries + r - lds(prefix + 4 * lo)) * 4)
             token = entry // topk
             slot = entry - token * topk
             peer = ld_s64(peers + Int64(src) * 8)
             x_row = x + peer + Int64(token) * Int64(hidden)
             sf_row = x_sf + peer + Int64(token) * Int64(k_blocks * 4)
             dst = ring_act + Int64(r) * Int64(hidden)
-            weight = Float32(0.0)
-            if lane == 0:
-                weight = ldg_f32(topk_weights + peer + Int64(entry) * 4)
-            r_next = r + step_rows
-            entry_next, src_next = Int32(0), Int32(0)
             # 16 bytes per lane: a warp step covers 4 K128 blocks (8 lanes each, 2 lanes per K32 group). A pass
             # issues the loads of PULL_PASS_STEPS steps (the scale words and the bytes) before it converts and
             # stores any of them, so a row costs one load latency per pass, not two per step
@@ -529,14 +510,6 @@ if cute is not None:
                         kb = lane // 8 + 4 * first
                     words.append(ldg_u32(sf_row + Int64(kb) * 4))
                     data.append(ld_16_bytes(x_row + Int64(kb * 128 + 16 * sub)))
-                if first == 0:
-                    if pending >= 0:
-                        warp_sync()  # the previous row precedes lane 0's release
-                        if lane == 0:
-                            atom_add_release_gpu(l1_full_count + Int64(pending) * 4, Int32(1))
-                    if r_next < rows:
-                        entry_next, src_next = pull_entry(r_next, prefix, segments, num_ranks, src_index,
-                                                          local_experts, entries)
                 for j in cutlass.range_constexpr(PULL_PASS_STEPS):
                     kb = lane // 8 + 4 * (first + j)
                     if kb < k_blocks:
@@ -556,17 +529,13 @@ if cute is not None:
                                     bits_to_f32(emax << 23))
                 first = first + PULL_PASS_STEPS
             if lane == 0:
-                stg_f32(routing_weight + Int64(r) * 4, weight)
+                stg_f32(routing_weight + Int64(r) * 4, ldg_f32(topk_weights + peer + Int64(entry) * 4))
                 st_s32(dest_row + Int64(r) * 4, slot * capacity + token)
                 st_s32(ring_source + Int64(r) * 4, (src * capacity + token) * topk + slot)
-            pending = (r // block_m) % ring_blocks
-            r = r_next
-            entry = entry_next
-            src = src_next
-        if pending >= 0:
             warp_sync()  # the whole row precedes lane 0's release
             if lane == 0:
-                atom_add_release_gpu(l1_full_count + Int64(pending) * 4, Int32(1))
+                atom_add_release_gpu(l1_full_count + Int64((r // block_m) % ring_blocks) * 4, Int32(1))
+            r = r + nblocks * WARPS
 
     @cute.jit
     def acquire_ring_rows(ring_ready: Int64, l1_full_count: Int64, first: Int32, rows: Int32, block_m: Int32,
