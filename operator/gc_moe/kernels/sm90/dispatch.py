@@ -1,6 +1,6 @@
 """Role1 of the SM90 GC-MoE layer: dispatch in the communication partition (Algorithm 1, steps 1-3).
 
-One CTA per communication SM (default 4 on SM90), 256 threads. Per replay:
+One CTA per communication SM (default 4 on SM90), 512 threads (16 pulling warps). Per replay:
 
 1. count: every CTA counts its share of the (token, slot) assignments per global expert in shared memory;
 2. publish locally: one packed `atom.global.add.u64` of (1 << 32) | count per expert on send_count (also for
@@ -35,11 +35,12 @@ Kernel parameters (all scalars, in order): `PARAMS`. Host side (no DSL needed): 
 
 from __future__ import annotations
 
-THREADS = 256
+THREADS = 512
 WARPS = THREADS // 32
 # the pull's steps (16 bytes per lane, 512 per warp) whose loads one pass issues before converting any:
-# 16 steps = 8 KB of a row per warp in flight (H <= 8192 in one pass), 80 registers of words and bytes
-PULL_PASS_STEPS = 16
+# 12 steps = 6 KB of a row per warp in flight (H <= 6144 in one pass), 60 registers of words and bytes, so the
+# kernel fits the 128 registers of 16 warps per SM: the pull is bound by the bytes in flight per SM
+PULL_PASS_STEPS = 12
 MAX_EXPERTS = 2048  # shared-memory count and prefix arrays
 SMEM_BYTES = 4 * MAX_EXPERTS + 4 * (MAX_EXPERTS + 1) + 4  # counts/cursors, grouped-row prefix, rounded
 DEFAULT_TIMEOUT_S = 3600.0
@@ -591,7 +592,7 @@ if cute is not None:
                          ring_blocks: Int32, timeout_ns: Int64):
         dispatch_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, num_tokens, rank,
                         num_ranks, num_experts, topk, hidden, capacity, block_m, ring_blocks, timeout_ns).launch(
-            grid=(1, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES)
+            grid=(1, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
 
     def build_dispatch(arch: str = "sm_90a"):
         from gc_moe.runtime.jit import CompileRequest, LaunchShape
