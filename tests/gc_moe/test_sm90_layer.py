@@ -172,7 +172,7 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     names = [v.name for v in vs]
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
     fused = [dict(v.params) for v in vs if v.name == "sm90.role2"]
-    assert sorted(p["block_n"] for p in fused) == [8, 16, 32]
+    assert sorted((p["block_n"], p.get("ctas_per_sm", 1)) for p in fused) == [(8, 1), (8, 2), (16, 1), (32, 1)]
     assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in fused)
     gemms = [dict(v.params) for v in vs[2:] if v.name == "sm90.grouped_gemm"]
     assert len(gemms) + len(fused) == len(vs) - 2
@@ -263,7 +263,8 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int =
     layer.overlap_roots = overlap_roots
     layer.role2_nodes, layer.role4_fused, layer.role2_tile = role2_nodes, False, "auto"
     monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
-    layer.role2_kernel = lambda block_n: "role2 kernel"
+    layer.role2_kernel = lambda block_n, ctas_per_sm=1: "role2 kernel"
+    layer.role2_ctas = 1
     layer.timing_nodes = timing_nodes
     return layer.build_graph(None, num_tokens, None, None).nodes
 
@@ -335,6 +336,7 @@ def test_settings_note():
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
+    layer.role2_ctas = 1
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
     layer.role4_fused = True
     assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node")
@@ -451,6 +453,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
+    layer.role2_ctas = 1
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}
@@ -510,6 +513,33 @@ def test_role2_at_bn32_splits_the_registers_with_a_producer_warpgroup():
         assert (small.producer_warps, small.consumer_registers) == (1, None)
         assert "consumer_registers" not in dict(role2.variant(bn).params)  # their cache keys stay as measured
     assert dict(role2.variant(32).params)["consumer_registers"] == 112
+
+
+def test_role2_at_two_ctas_per_sm_is_opt_in_at_bn8():
+    from gc_moe.kernels.sm90 import role2
+
+    two = role2.Role2Config(8, ctas_per_sm=2)
+    assert two.half("w1").ctas_per_sm == two.half("w2").ctas_per_sm == 2
+    assert gg.launch_register_bounds(two.half("w1"))["min_blocks_per_mp"] == 2
+    assert 2 * (two.half("w1").smem_bytes + 1024) <= 228 * 1024  # two CTAs (each with its reserved KB) fit an SM
+    assert dict(role2.variant(8, ctas_per_sm=2).params)["ctas_per_sm"] == 2
+    assert "ctas_per_sm" not in dict(role2.variant(8).params)  # the measured variants keep their cache keys
+    for bn in (16, 32):
+        with pytest.raises(ValueError, match=r"ctas_per_sm 2 at block_n .*allowed: 1, or 2 at block_n in \(8,\)"):
+            role2.Role2Config(bn, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="ctas_per_sm 3"):
+        role2.Role2Config(8, ctas_per_sm=3)
+    assert role2.launch_ctas(8, 128, 10_000, ctas_per_sm=2) == 256 and role2.launch_ctas(8, 128, 100, 2) == 100
+    # the layer's choice per call: one CTA per SM at 1 token and wherever the tile has no two-CTA build
+    assert sm90_layer.role2_ctas_from_env({}) == 1
+    assert sm90_layer.role2_ctas_from_env({sm90_layer.ROLE2_CTAS_ENV: "2"}) == 2
+    for bad in ("0", "3", "two"):
+        with pytest.raises(ValueError, match="GC_MOE_ROLE2_CTAS_PER_SM=.*allowed: 1 .* or 2 "):
+            sm90_layer.role2_ctas_from_env({sm90_layer.ROLE2_CTAS_ENV: bad})
+    assert [sm90_layer.role2_ctas_per_sm(2, 8, t) for t in (0, 1, 2, 16)] == [1, 1, 2, 2]
+    assert sm90_layer.role2_ctas_per_sm(2, 16, 64) == 1 and sm90_layer.role2_ctas_per_sm(1, 8, 8) == 1
+    assert sm90_layer.settings_note(4, 128, True, 1, role2_ctas=2).endswith(
+        "role2 one fused node (fused kernel at two CTAs per SM at token tile 8 from 2 tokens)")
 
 
 def test_role2_block_n_from_env():

@@ -59,16 +59,17 @@ def test_layer_matches_the_float32_reference(api_layer, num_tokens):
 
 
 @needs_sm90
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
-def test_fused_role2_writes_what_the_two_gemm_nodes_write(api_layer, num_tokens):
-    """Role2 as one kernel against W1 and W2 as two graph nodes on the same staged inputs: the
-    same tiles and arithmetic, so y is bit-equal (each into its own NaN-poisoned output)."""
+@pytest.mark.parametrize("num_tokens,ctas_per_sm", [(1, 1), (8, 1), (64, 1), (256, 1), (2, 2), (8, 2)])
+def test_fused_role2_writes_what_the_two_gemm_nodes_write(api_layer, num_tokens, ctas_per_sm):
+    """Role2 as one kernel (one, or at bn 8 two persistent CTAs per SM) against W1 and W2 as two graph nodes on
+    the same staged inputs: the same tiles and arithmetic, so y is bit-equal (each into its own NaN-poisoned
+    output)."""
     from gc_moe.kernels.sm90 import layer_checks as lc
 
     layer = api_layer.buffer.extras["sm90_layer"]
     default = layer.role2_nodes
     try:
-        layer.role2_nodes = 1
+        layer.role2_nodes, layer.role2_ctas = 1, ctas_per_sm
         r = lc.check_point(api_layer, num_tokens, seed=num_tokens * 53 + int(time.time()) % 1000)
         fused = r.pop("y")
         assert r["nonfinite"] == 0 and r["cosine"] >= 0.97, r
@@ -77,7 +78,7 @@ def test_fused_role2_writes_what_the_two_gemm_nodes_write(api_layer, num_tokens)
         api_layer.call(two, num_tokens)
         torch.cuda.synchronize()
     finally:
-        layer.role2_nodes = default
+        layer.role2_nodes, layer.role2_ctas = default, 1
     assert torch.equal(fused.view(torch.int16), two.view(torch.int16))
     control = api_layer.control()
     assert control["arrival_errors"] == 0 and control["ring_overflows"] == 0, control

@@ -72,6 +72,7 @@ def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
         yield finalize.variant()
         yield dispatch.consumer_probe_variant()
         yield from (sm90_layer.role2_variant(bn) for bn in sm90_layer.role2.BLOCK_N_CHOICES)
+        yield from (sm90_layer.role2_variant(bn, ctas_per_sm=2) for bn in sm90_layer.role2.TWO_CTA_BLOCK_N)
 
 
 @family

@@ -47,6 +47,7 @@ ARCH = "sm_90a"
 DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
+ROLE2_CTAS_ENV = "GC_MOE_ROLE2_CTAS_PER_SM"  # "1" (default) or "2": the fused role2 kernel at two CTAs per SM (bn 8)
 ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
 # the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
@@ -225,14 +226,15 @@ def kernel_variants() -> list:
     at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
     out += [role2_variant(bn) for bn in role2.BLOCK_N_CHOICES]
+    out += [role2_variant(bn, ctas_per_sm=2) for bn in role2.TWO_CTA_BLOCK_N]
     for bn in LAYER_BLOCK_N_CHOICES:
         out += list(gemm_variants(bn))
     return out
 
 
-def role2_variant(block_n: int):
+def role2_variant(block_n: int, ctas_per_sm: int = 1):
     """The fused role2 kernel (W1 and W2 units in one launch) at one token tile."""
-    return role2.variant(block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP)
+    return role2.variant(block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ctas_per_sm=ctas_per_sm)
 
 
 def gemm_variants(block_n: int):
@@ -312,6 +314,25 @@ def role2_block_n_from_env(environ=os.environ):
     return int(raw)
 
 
+def role2_ctas_from_env(environ=os.environ) -> int:
+    """Persistent CTAs per SM of the fused role2 kernel: GC_MOE_ROLE2_CTAS_PER_SM "1" (the default when unset or
+    empty) or "2" (two at the token tiles that build that way, role2.TWO_CTA_BLOCK_N, from 2 tokens per rank;
+    one CTA per SM stays at 1 token, where it measured faster)."""
+    raw = environ.get(ROLE2_CTAS_ENV, "")
+    if raw == "":
+        return 1
+    if raw not in ("1", "2"):
+        raise ValueError(f"{ROLE2_CTAS_ENV}={raw!r}; allowed: 1 (one persistent role2 CTA per SM, the default) or 2 "
+                         f"(two at token tile {' / '.join(map(str, role2.TWO_CTA_BLOCK_N))} from 2 tokens per rank)")
+    return int(raw)
+
+
+def role2_ctas_per_sm(setting: int, block_n: int, num_tokens: int) -> int:
+    """The fused kernel's CTAs per SM for one call: `setting` where its token tile builds with two and the call has
+    more than one token per rank, else one."""
+    return 2 if setting == 2 and block_n in role2.TWO_CTA_BLOCK_N and num_tokens >= 2 else 1
+
+
 def role2_block_n(plan_block_n: int, setting="auto") -> int:
     """The fused role2 kernel's token tile for a call whose plan picked `plan_block_n`: the plan's, at most the
     kernel's largest, unless `setting` fixes one."""
@@ -330,13 +351,14 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
-                  role4_fused: bool = False, role2_tile="auto") -> str:
+                  role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 1) -> str:
     """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node, the
-    fused role2 kernel's token tile only when it is fixed)."""
+    fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when two)."""
     role2_text = {"auto": f"one fused node up to {ROLE2_FUSED_MAX_TOKENS} token per rank, W1 and W2 nodes above",
                   1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
+            + (" (fused kernel at two CTAs per SM at token tile 8 from 2 tokens)" if role2_ctas == 2 else "")
             + ("; role4 one fused node" if role4_fused else ""))
 
 
@@ -389,6 +411,7 @@ class Sm90Layer:
                              f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
         self.role2_tile = role2_block_n_from_env()  # "auto", or the fused kernel's fixed token tile
+        self.role2_ctas = role2_ctas_from_env()  # 1, or 2: two fused-kernel CTAs per SM at bn 8 from 2 tokens
         if role4_fused is None:
             role4_fused = role4_fused_from_env()
         if not isinstance(role4_fused, bool):
@@ -436,7 +459,8 @@ class Sm90Layer:
         self.k_dispatch = _load(dispatch.variant())
         self.k_finalize = _load(finalize.variant())
         for k in [k for bn in LAYER_BLOCK_N_CHOICES for k in self.gemm_kernels(bn)] + [
-                self.role2_kernel(bn) for bn in role2.BLOCK_N_CHOICES]:
+                self.role2_kernel(bn) for bn in role2.BLOCK_N_CHOICES] + [
+                self.role2_kernel(bn, 2) for bn in role2.TWO_CTA_BLOCK_N]:
             k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
         if shape.num_shared_experts:
@@ -456,14 +480,14 @@ class Sm90Layer:
         """The partition and the overlap switch, e.g. "partition comm/compute 4/128 SMs; overlap on"."""
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
-                             self.role2_nodes, self.role4_fused, self.role2_tile)
+                             self.role2_nodes, self.role4_fused, self.role2_tile, self.role2_ctas)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
         return _load(w1), _load(w2)
 
-    def role2_kernel(self, block_n: int):
-        return _load(role2_variant(block_n))
+    def role2_kernel(self, block_n: int, ctas_per_sm: int = 1):
+        return _load(role2_variant(block_n, ctas_per_sm))
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
         """The child graph of one call: [dispatch || role2] -> finalize; with shared experts also the shared
@@ -485,7 +509,8 @@ class Sm90Layer:
         if "role2" not in keep:
             last = None
         elif role2_fused(self.role2_nodes, num_tokens):
-            k_role2 = self.role2_kernel(role2_block_n(plan.block_n, self.role2_tile))
+            bn = role2_block_n(plan.block_n, self.role2_tile)
+            k_role2 = self.role2_kernel(bn, role2_ctas_per_sm(self.role2_ctas, bn, num_tokens))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
                                             self.parts.describe()["compute_sms"])
             last = g.add_kernel("role2", k_role2, grid, args, self.parts.compute_context,
@@ -527,7 +552,8 @@ class Sm90Layer:
         """The cached child graph for (token count, output rows, weights); built on first use."""
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
-               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.timing_nodes)
+               l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.timing_nodes,
+               self.role2_ctas)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)

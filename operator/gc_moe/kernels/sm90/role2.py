@@ -5,7 +5,8 @@ fills it and drives W2 by the W1-completion bitmap, so the layer graph has three
 finalize), four with the shared expert. The two GEMMs are the halves of `grouped_gemm` (`GemmConfig.fused_role2`);
 this module only decides which unit each CTA runs and how the halves hand over:
 
-- **persistent CTAs and compact tickets**: one CTA per compute SM (`launch_ctas`). After RING_READY, warp 0 of
+- **persistent CTAs and compact tickets**: one CTA per compute SM (`launch_ctas`; two at bn 8 with
+  `ctas_per_sm=2`, opt-in). After RING_READY, warp 0 of
   each CTA builds the experts' token-tile prefix in shared memory; tickets (`atom.add` on the control word
   ROLE2_TICKET) number only the units with rows, W1's (expert, weight-row CTA, token tile fastest) before W2's
   in the same order (`unit_of_ticket` is the host twin). The producer draws the CTA's next unit after its
@@ -58,6 +59,9 @@ BLOCK_N_CHOICES = (8, 16, 32)  # token tiles of the persistent kernel
 # bn 32 spills 128 bytes per thread in the 96 registers a 544-thread CTA gets (both halves, the loop and the
 # scheduler): there the producer is a warpgroup that lends the consumers registers for the main loop
 SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers)
+# token tiles whose kernel also builds at two CTAs per SM (bn 8: 56 registers, no stack, 6 stages); opt-in, the
+# layer's GC_MOE_ROLE2_CTAS_PER_SM (docs/sm90-layer.md)
+TWO_CTA_BLOCK_N = (8,)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
@@ -86,14 +90,16 @@ class Role2Config:
     producer_warps: int | None = None  # None: 4 where the registers are split (SPLIT_BLOCK_N), else 1
     consumer_registers: int | None = None  # None: SPLIT_BLOCK_N's where it names the token tile
     side_threads: int = 0  # threads of the CTA beside the loop's (the Mega MoE port's dispatch warps)
+    ctas_per_sm: int = 1  # 2: two persistent CTAs per SM (TWO_CTA_BLOCK_N only)
 
     def half(self, role: str) -> gg.GemmConfig:
         """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
-        persistent CTA per SM: the layer runs this kernel at 1 token per rank, where one CTA per SM measured
-        99.1 / 87.7 us (GLM-5.2 / DeepSeek) against 117.5 / 107.1 with two at bn 8 (docs/sm90-layer.md)."""
+        persistent CTA per SM by default: the layer runs this kernel at 1 token per rank, where one CTA per SM
+        measured 99.1 / 87.7 us (GLM-5.2 / DeepSeek) against 117.5 / 107.1 with two at bn 8 (docs/sm90-layer.md);
+        two (`ctas_per_sm`) at bn 8 for more tokens, opt-in."""
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
-                             ctas_per_sm=1, fused_role2=True, consumer_registers=self.consumer_registers,
+                             ctas_per_sm=self.ctas_per_sm, fused_role2=True, consumer_registers=self.consumer_registers,
                              side_threads=self.side_threads)
 
     def __post_init__(self):
@@ -105,6 +111,9 @@ class Role2Config:
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n {self.block_n}: the persistent role2 kernel is built at {BLOCK_N_CHOICES} (bn 64 "
                              f"needs more registers than a consumer can get); allowed: {BLOCK_N_CHOICES}")
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.block_n not in TWO_CTA_BLOCK_N):
+            raise ValueError(f"ctas_per_sm {self.ctas_per_sm} at block_n {self.block_n}; allowed: 1, or 2 at block_n "
+                             f"in {TWO_CTA_BLOCK_N} (the registers of two CTAs per SM)")
         w1, w2 = self.half("w1"), self.half("w2")
         if (w1.stages, w1.threads, w1.smem_bytes, w1.ctas_per_sm) != (w2.stages, w2.threads, w2.smem_bytes,
                                                                       w2.ctas_per_sm):
@@ -119,9 +128,9 @@ def units(block_n: int, hidden: int, intermediate: int, local_experts: int, expe
     return {"token_tiles": token_tiles, "w1": w1, "w2": w2}
 
 
-def launch_ctas(block_n: int, compute_sms: int, max_units: int) -> int:
+def launch_ctas(block_n: int, compute_sms: int, max_units: int, ctas_per_sm: int = 1) -> int:
     """Persistent CTAs of the launch: as many as the compute partition holds at once, never more than units."""
-    return max(1, min(max_units, compute_sms * Role2Config(block_n).half("w1").ctas_per_sm))
+    return max(1, min(max_units, compute_sms * Role2Config(block_n, ctas_per_sm=ctas_per_sm).half("w1").ctas_per_sm))
 
 
 def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int):
@@ -140,12 +149,15 @@ def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int):
 
 
 def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int | None = None,
-            consumer_registers: int | None = None):
+            consumer_registers: int | None = None, ctas_per_sm: int = 1):
     """The runtime KernelVariant of the fused role2 kernel at one token tile."""
     from gc_moe.runtime.jit import KernelVariant
 
-    cfg = Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers)  # validates
+    cfg = Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers,
+                      ctas_per_sm=ctas_per_sm)  # validates
     params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    if ctas_per_sm != 1:  # the one-CTA variants keep their measured parameters (and cache keys)
+        params["ctas_per_sm"] = ctas_per_sm
     if cfg.producer_warps != 1:
         params["producer_warps"] = cfg.producer_warps
     if cfg.consumer_registers is not None:
@@ -190,7 +202,7 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
             i32(h // 128), i32(2 * i // 64), i32(i // 128), i32(h // 64),
             i32(shape.block_m), i32(shape.ring_blocks), i32(shape.capacity * shape.topk),
             i32(e), i32(mask_stride), i64(int(timeout_s * 1e9))]
-    return (launch_ctas(cfg.block_n, compute_sms, n["w1"] + n["w2"]), 1, 1), args
+    return (launch_ctas(cfg.block_n, compute_sms, n["w1"] + n["w2"], cfg.ctas_per_sm), 1, 1), args
 
 
 # ------------------------------------------------------------------------------------------------- device code
@@ -438,7 +450,7 @@ def make_unit_loop(cfg: Role2Config):
 
 
 def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-                producer_warps: int | None = None, consumer_registers: int | None = None):
+                producer_warps: int | None = None, consumer_registers: int | None = None, ctas_per_sm: int = 1):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -446,6 +458,7 @@ def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 role2 kernel is built for sm_90a only, not {arch!r}")
-    host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers))
+    host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers,
+                                          ctas_per_sm=ctas_per_sm))
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
