@@ -262,7 +262,7 @@ if cute is not None:
                         hidden, capacity, combine_lanes, ring_blocks, w1_done_words, dispatch_ctas,
                         timeout_ns).launch(
             # `.minnctapersm 1`: without launch bounds ptxas keeps this kernel near 34 registers and issues the
-            # combine's lane loads one after the other; with them it keeps a pass's 9 loads in flight (80)
+            # combine's lane loads one after the other; with them it keeps a pass's 9 loads in flight (90)
             grid=(1, 1, 1), block=(THREADS, 1, 1), min_blocks_per_mp=1)
 
     def build_finalize(arch: str = "sm_90a"):
