@@ -766,7 +766,9 @@ def _make_kernel(cfg: GemmConfig):
     PER = PNP * (BN // 2)
 
     @cute.jit
-    def issue_group(sbase, wa, grp, buf):
+    def issue_group(wa, desc_lo, grp, buf):
+        """wa: the thread's A fragment in the stage; desc_lo: the low word of the descriptor of the stage's token
+        tile (ptx.smem_desc_kmajor_lo), advanced by 16 per K32 block (256 bytes)."""
         # the group's own 8 x PNP bytes of the thread's A fragment (fewer live registers than the whole step)
         words = ptx.lds128(wa + 16 * grp) if PNP == 2 else ptx.lds64(wa + 8 * grp)
         a_regs = []
@@ -778,16 +780,16 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
                 ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
             ]
-            descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+            descs.append(ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024))
         ptx.wgmma_fence()
         out = ptx.wgmma_rs_e4m3_issue(BN, a_regs, descs, [buf[r] for r in range(PER)], 1)
         for r in cutlass.range_constexpr(PER):
             buf[r] = out[r]
 
     @cute.jit
-    def finish_group(sbase, wg, warp, g, grp, buf, tsum):
-        """tsum (+)= P_j s_j for the K32 blocks of group `grp` (their WGMMAs have completed)."""
-        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+    def finish_group(srow, grp, buf, tsum):
+        """tsum (+)= P_j s_j for the K32 blocks of group `grp` (their WGMMAs have completed); srow: the thread's
+        row g scale word in the stage (row g + 8's is 32 bytes on)."""
         sc_lo = ptx.lds32(srow)
         sc_hi = ptx.lds32(srow + 32)
         for jj in cutlass.range_constexpr(PNP):
@@ -802,16 +804,21 @@ def _make_kernel(cfg: GemmConfig):
                     tsum[r] = tsum[r] + buf[jj * (BN // 2) + r] * s_row
 
     @cute.jit
-    def finish_step(sbase, q, tsum, acc):
+    def finish_step(xs, tsum, acc):
+        """acc += tsum x the step's activation scales; xs: the thread's column pair q in the stage's scales."""
         for i in cutlass.range_constexpr(NSUB):
-            xs = ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4)
+            xv = ptx.lds_f32x2(xs + 8 * i * 4)
             for c in cutlass.range_constexpr(4):
-                acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xs[c % 2]
+                acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xv[c % 2]
 
     @cute.jit
     def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None):
         """base: the fused halves' first step of the unit (their stages and phases run on across units); None:
-        the unit's steps start at stage 0, phase 0."""
+        the unit's steps start at stage 0, phase 0.
+
+        The loop's bookkeeping is kept out of the issue-bound step: the stage and its parity are carried (an add
+        and a compare at the wrap, not a division by STAGES per step), the descriptors' low word advances by the
+        stage stride, and the thread's fragment, scale-row and activation-scale offsets are computed once."""
         bufs = (cute.make_rmem_tensor((PER,), Float32), cute.make_rmem_tensor((PER,), Float32))
         tsum = cute.make_rmem_tensor((BN // 2,), Float32)
         for r in cutlass.range_constexpr(PER):
@@ -820,57 +827,60 @@ def _make_kernel(cfg: GemmConfig):
         for r in cutlass.range_constexpr(BN // 2):
             tsum[r] = Float32(0.0)
         bar0 = smem + cfg.barrier_offset
-        if cutlass.const_expr(base is None):
-            ptx.mbarrier_wait(bar0, Int32(0), suspend_ns=SUSPEND)
-            first = smem
-        else:
+        a_off = wg * TILE_BYTES + t * 32
+        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        x_off = cfg.xs_offset + 2 * q * 4
+        desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
+        stage = Int32(0)
+        phase = Int32(0)
+        if cutlass.const_expr(base is not None):
             # base comes from shared memory (the unit slot): marked warp-uniform so the stage addresses and WGMMA
             # descriptors derived from it stay in uniform registers (without it: 8 R2UR and ~6 more
             # instructions per K128 step, on a loop that is issue-bound at bn 8 / 16)
             base = cute.arch.make_warp_uniform(base)
-            ptx.mbarrier_wait(bar0 + step_stage(base, STAGES) * 8, full_parity(base, STAGES), suspend_ns=SUSPEND)
-            first = smem + step_stage(base, STAGES) * cfg.stage_bytes
+            stage = step_stage(base, STAGES)
+            phase = full_parity(base, STAGES)
+        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-        wa = first + wg * TILE_BYTES + t * 32
+        sbase = smem + stage * cfg.stage_bytes
+        desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
         for grp in cutlass.range_constexpr(GROUPS):
-            issue_group(first, wa, grp, bufs[grp % 2])
+            issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
             if cutlass.const_expr(grp > 0):
-                finish_group(first, wg, warp, g, grp - 1, bufs[(grp - 1) % 2], tsum)
+                finish_group(sbase + s_off, grp - 1, bufs[(grp - 1) % 2], tsum)
         for kb in cutlass.range(1, k_blocks):
-            step = kb if cutlass.const_expr(base is None) else base + kb
-            stage = step % STAGES
-            prev = (step - 1) % STAGES
+            prev = stage
+            pbase = sbase
+            stage = stage + 1
+            if stage == STAGES:
+                stage = Int32(0)
+                phase = phase ^ 1
             sbase = smem + stage * cfg.stage_bytes
-            pbase = smem + prev * cfg.stage_bytes
-            ptx.mbarrier_wait(bar0 + stage * 8, (step // STAGES) % 2, suspend_ns=SUSPEND)
+            desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()
-            wa = sbase + wg * TILE_BYTES + t * 32
             for grp in cutlass.range_constexpr(GROUPS):
-                issue_group(sbase, wa, grp, bufs[grp % 2])
+                issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
                 if cutlass.const_expr(grp == 0):
                     # step kb - 1 is complete: its last group, its activation scales, then its stage goes back
-                    finish_group(pbase, wg, warp, g, GROUPS - 1, bufs[(GROUPS - 1) % 2], tsum)
-                    finish_step(pbase, q, tsum, acc)
+                    finish_group(pbase + s_off, GROUPS - 1, bufs[(GROUPS - 1) % 2], tsum)
+                    finish_step(pbase + x_off, tsum, acc)
                     ptx.warp_sync()
                     if t % 32 == 0:
                         ptx.mbarrier_arrive(bar0 + (STAGES + prev) * 8)
                 else:
-                    finish_group(sbase, wg, warp, g, grp - 1, bufs[(grp - 1) % 2], tsum)
+                    finish_group(sbase + s_off, grp - 1, bufs[(grp - 1) % 2], tsum)
         last = bufs[(GROUPS - 1) % 2]
         out = ptx.wgmma_wait_tied([last[r] for r in range(PER)], 0)
         for r in cutlass.range_constexpr(PER):
             last[r] = out[r]
-        if cutlass.const_expr(base is None):
-            lbase = smem + ((k_blocks - 1) % STAGES) * cfg.stage_bytes
-        else:
-            lbase = smem + ((base + k_blocks - 1) % STAGES) * cfg.stage_bytes
-        finish_group(lbase, wg, warp, g, GROUPS - 1, last, tsum)
-        finish_step(lbase, q, tsum, acc)
+        finish_group(sbase + s_off, GROUPS - 1, last, tsum)
+        finish_step(sbase + x_off, tsum, acc)
         if cutlass.const_expr(base is not None):
             # the unit's last stage goes back too (the next unit's steps reuse it; a one-unit kernel never does)
             ptx.warp_sync()
             if t % 32 == 0:
-                ptx.mbarrier_arrive(bar0 + (STAGES + (base + k_blocks - 1) % STAGES) * 8)
+                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
 
     @cute.jit
     def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc):

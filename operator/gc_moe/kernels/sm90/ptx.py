@@ -171,7 +171,17 @@ def fold_exponent_step(scale_word: Uint32, byte: int) -> Uint32:
 # ------------------------------------------------------------------------------------------ WGMMA
 def smem_desc_kmajor(addr: Int32, lbo: int, sbo: int) -> Int64:
     """WGMMA shared-memory descriptor, no swizzle: start, K-direction core stride (LBO), N-direction (SBO)."""
-    lo = ((addr >> 4) & Int32(0x3FFF)) | Int32((lbo >> 4) << 16)
+    return smem_desc_kmajor_from_lo(smem_desc_kmajor_lo(addr, lbo), sbo)
+
+
+def smem_desc_kmajor_lo(addr: Int32, lbo: int) -> Int32:
+    """The low word of smem_desc_kmajor (start-address field | LBO field). A shared::cta address is below
+    256 KB, so its field (address >> 4) stays below 2^14: a loop may advance this word by (bytes >> 4) without
+    touching the LBO bits, and rebuild each descriptor with smem_desc_kmajor_from_lo alone."""
+    return ((addr >> 4) & Int32(0x3FFF)) | Int32((lbo >> 4) << 16)
+
+
+def smem_desc_kmajor_from_lo(lo: Int32, sbo: int) -> Int64:
     return Int64(lo) & Int64(0xFFFFFFFF) | Int64((sbo >> 4) << 32)
 
 
