@@ -282,8 +282,24 @@ def test_fused_role2_makes_a_three_node_graph(monkeypatch):
     assert on == {"dispatch": ("comm", []), "role2": ("compute", []), "finalize": ("compute", ["dispatch", "role2"])}
     off = _graph_of(monkeypatch, False)
     assert off == {**on, "role2": ("compute", ["dispatch"])}
-    assert _graph_of(monkeypatch, True, "auto", num_tokens=1) == on  # the default: fused at 1 token per rank
-    assert set(_graph_of(monkeypatch, True, "auto", num_tokens=2)) == {"dispatch", "w1", "w2", "finalize"}
+    for t in (1, 2, 64, 256):  # the default: the three-node graph at every token count
+        assert _graph_of(monkeypatch, True, "auto", num_tokens=t) == on
+    assert set(_graph_of(monkeypatch, True, 2, num_tokens=2)) == {"dispatch", "w1", "w2", "finalize"}
+
+
+def test_default_fused_tile_and_ctas_per_call():
+    """The fused kernel's (token tile, CTAs per SM) per call under the defaults: tile 8 wherever the plan's tile
+    is at most 16 (two CTAs per SM from 2 tokens), the plan's 32 above, at both models' per-rank shapes."""
+    for experts, hidden, inter in ((256, 6144, 2048), (384, 4096, 2048)):
+        shape = sm90_layer.layer_shape(1, experts // 8, 8, hidden, inter, 256)
+        seen = {}
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            plan_bn = sm90_layer.plan_call(shape, t).block_n
+            bn = sm90_layer.role2_block_n(plan_bn)
+            seen[t] = (bn, sm90_layer.role2_ctas_per_sm(sm90_layer.role2_ctas_from_env({}), bn, t))
+            assert bn == (8 if plan_bn <= 16 else 32), (t, plan_bn)
+        assert seen[1] == (8, 1) and seen[2] == (8, 2) and seen[256] == (32, 1)
+        assert all(c == (2 if bn == 8 else 1) for t, (bn, c) in seen.items() if t > 1)
 
 
 def test_timing_graphs_keep_the_named_nodes(monkeypatch):
@@ -305,8 +321,8 @@ def test_role2_nodes_from_env_and_argument(monkeypatch):
     assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "auto"}) == "auto"
     assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "1"}) == 1
     assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "2"}) == 2
-    assert [sm90_layer.role2_fused("auto", t) for t in (0, 1, 2, 256)] == [True, True, False, False]
-    assert sm90_layer.role2_fused(1, 256) and not sm90_layer.role2_fused(2, 1)
+    assert [sm90_layer.role2_fused("auto", t) for t in (0, 1, 2, 256)] == [True] * 4  # three nodes everywhere
+    assert sm90_layer.role2_fused(1, 256) and not sm90_layer.role2_fused(2, 1) and not sm90_layer.role2_fused(2, 64)
     for bad in ("0", "3", "fused", " 1"):
         with pytest.raises(ValueError, match=r"GC_MOE_ROLE2_NODES=.*allowed: auto .* 1 .* or 2 "):
             sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: bad})
@@ -331,8 +347,7 @@ def test_settings_note():
     from types import SimpleNamespace
 
     assert sm90_layer.settings_note(4, 128, True) == \
-        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node up to 1 token per rank, W1 and W2 " \
-        "nodes above"
+        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
@@ -453,7 +468,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
-    layer.role2_ctas = 1
+    layer.role2_ctas = 2
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}
@@ -463,8 +478,8 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     monkeypatch.setitem(api._BACKENDS, "sm90", fake)
     inv = get_operator("gc").prepare(_tiny_workload(0), None)
     assert inv.note == "gc_moe backend: sm90; partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
-    layer.role2_nodes = "auto"
-    assert get_operator("gc").prepare(_tiny_workload(0), None).note.endswith("W1 and W2 nodes above")
+    layer.role2_nodes = 2
+    assert get_operator("gc").prepare(_tiny_workload(0), None).note.endswith("role2 W1 and W2 nodes")
     assert partition_from_note(inv.note) == (4, 128)
 
 
@@ -531,15 +546,18 @@ def test_role2_at_two_ctas_per_sm_is_opt_in_at_bn8():
         role2.Role2Config(8, ctas_per_sm=3)
     assert role2.launch_ctas(8, 128, 10_000, ctas_per_sm=2) == 256 and role2.launch_ctas(8, 128, 100, 2) == 100
     # the layer's choice per call: one CTA per SM at 1 token and wherever the tile has no two-CTA build
-    assert sm90_layer.role2_ctas_from_env({}) == 1
+    assert sm90_layer.role2_ctas_from_env({}) == 2
+    assert sm90_layer.role2_ctas_from_env({sm90_layer.ROLE2_CTAS_ENV: "1"}) == 1
     assert sm90_layer.role2_ctas_from_env({sm90_layer.ROLE2_CTAS_ENV: "2"}) == 2
     for bad in ("0", "3", "two"):
-        with pytest.raises(ValueError, match="GC_MOE_ROLE2_CTAS_PER_SM=.*allowed: 1 .* or 2 "):
+        with pytest.raises(ValueError, match="GC_MOE_ROLE2_CTAS_PER_SM=.*allowed: 2 .* or 1 "):
             sm90_layer.role2_ctas_from_env({sm90_layer.ROLE2_CTAS_ENV: bad})
     assert [sm90_layer.role2_ctas_per_sm(2, 8, t) for t in (0, 1, 2, 16)] == [1, 1, 2, 2]
     assert sm90_layer.role2_ctas_per_sm(2, 16, 64) == 1 and sm90_layer.role2_ctas_per_sm(1, 8, 8) == 1
-    assert sm90_layer.settings_note(4, 128, True, 1, role2_ctas=2).endswith(
-        "role2 one fused node (fused kernel at two CTAs per SM at token tile 8 from 2 tokens)")
+    assert sm90_layer.settings_note(4, 128, True, 1, role2_ctas=2).endswith("role2 one fused node")  # the default
+    assert sm90_layer.settings_note(4, 128, True, 1, role2_ctas=1).endswith(
+        "role2 one fused node (fused kernel at one CTA per SM)")
+    assert sm90_layer.settings_note(4, 128, True, 2, role2_ctas=1).endswith("role2 W1 and W2 nodes")
 
 
 def test_role2_block_n_from_env():
@@ -549,8 +567,9 @@ def test_role2_block_n_from_env():
     for bad in ("64", "x", "0"):
         with pytest.raises(ValueError, match="GC_MOE_ROLE2_BLOCK_N.*allowed: auto"):
             sm90_layer.role2_block_n_from_env({sm90_layer.ROLE2_BLOCK_N_ENV: bad})
-    assert sm90_layer.role2_block_n(8) == 8 and sm90_layer.role2_block_n(64) == 32  # the plan's, at most 32
-    assert sm90_layer.role2_block_n(8, 32) == 32
+    # tile 8 up to a plan tile of 16 (two CTAs per SM there), else the plan's, at most 32
+    assert [sm90_layer.role2_block_n(b) for b in (8, 16, 32, 64)] == [8, 8, 32, 32]
+    assert sm90_layer.role2_block_n(8, 32) == 32 and sm90_layer.role2_block_n(16, 16) == 16
 
 
 def test_settings_note_names_a_fixed_fused_tile():

@@ -9,7 +9,8 @@
 - the kernels: dispatch (role1), role2 at the token tile the token-bound heuristic picks for the call's token
   count (`plan_call`), finalize (role3), role4 when the layer has a shared expert. Role2 is one persistent
   kernel (`role2`: W1 and W2 units of the ring-consumer grouped GEMM, W2 driven by the W1-completion bitmap) at
-  1 token per rank and W1 -> W2 as two nodes from 2 tokens (`role2_nodes` "auto", measured faster each way);
+  every token count (`role2_nodes` "auto"): at token tile 8 wherever the plan's tile is at most 16, two CTAs per
+  SM from 2 tokens per rank, else the plan's tile (32) at one CTA per SM;
 - one child graph per (token count, output, weights): dispatch (communication context) and role2 (compute
   context) as concurrent roots, finalize after both: three nodes with the fused role2, four with W1 and W2; the
   shared expert adds W1 -> W2 (or one node with `role4_fused`). Every replay leaves the state ready for the next
@@ -18,10 +19,11 @@
 - the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, role2 (W1) depends on dispatch,
   so the two roots run one after the other (the ablation of the overlap; the ring holds the whole pool, so
   dispatch finishes without W1 consuming anything).
-- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" as above; 1, the fused role2
-  kernel at every token count; 2, W1 and W2 as two nodes at every token count.
-- the fused role2 kernel's token tile (GC_MOE_ROLE2_BLOCK_N, "auto"): the call's tile (at most 32), or a fixed
-  8 / 16 / 32 (an experiment knob: bn 32 at every token count measured slower where the call's tile is smaller).
+- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" and 1, the fused role2 kernel
+  (three nodes); 2, W1 and W2 as two nodes at every token count (four nodes).
+- the fused role2 kernel's token tile (GC_MOE_ROLE2_BLOCK_N, "auto"): as above, or a fixed 8 / 16 / 32 (an
+  experiment knob: bn 32 at every token count measured slower where the call's tile is smaller), and its CTAs per
+  SM at tile 8 (GC_MOE_ROLE2_CTAS_PER_SM, "2"; "1": one).
 - the role4 switch (`role4_fused`, default GC_MOE_ROLE4_FUSED, "0"): the shared expert as one fused node ("1")
   instead of W1 -> W2 (measured 2-6% slower on the H200, so off by default).
 
@@ -47,16 +49,18 @@ ARCH = "sm_90a"
 DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
-ROLE2_CTAS_ENV = "GC_MOE_ROLE2_CTAS_PER_SM"  # "1" (default) or "2": the fused role2 kernel at two CTAs per SM (bn 8)
+ROLE2_CTAS_ENV = "GC_MOE_ROLE2_CTAS_PER_SM"  # "2" (default) or "1": the fused role2 kernel's CTAs per SM at bn 8
 ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
 # the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
 ROLE2_BLOCK_N_ENV = "GC_MOE_ROLE2_BLOCK_N"
 ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
-# "auto": the fused role2 kernel at 1 token per rank, W1 and W2 nodes from 2 on. Measured on the H200
-# (docs/sm90-layer.md): the persistent fused kernel (one CTA per SM) is 10-15% faster at 1 token and 20-40%
-# slower from 2 tokens, where two W1 / W2 CTAs per SM stream more weights than one persistent CTA
-ROLE2_FUSED_MAX_TOKENS = 1
+# "auto": the fused role2 kernel at every token count. Measured on the H200 (docs/sm90-layer.md): with two CTAs
+# per SM at token tile 8 from 2 tokens it is within -17..+5% of W1 and W2 as two nodes at every point of both
+# models (one CTA per SM was 20-40% slower at 2-32 tokens); at a planned tile of 16 its one-CTA bn 16 variant
+# (96 registers) was 13-17% slower than the two nodes, bn 8 at two CTAs per SM within 1%. So plan tiles up to
+# this one run the fused kernel at 8
+ROLE2_FUSED_TILE8_UP_TO = 16
 # Ring block rows: the smallest token tile, so the first ring block is full after as few pulled rows as possible
 # (W1 of any token tile acquires every block its rows touch, so the GEMM's tile need not equal it).
 RING_BLOCK_M = 8
@@ -283,15 +287,14 @@ def overlap_from_env(environ=os.environ) -> bool:
 
 
 def role2_nodes_from_env(environ=os.environ):
-    """How role2 runs: GC_MOE_ROLE2_NODES "auto" (the default when unset or empty: one fused kernel at 1 token
-    per rank, W1 and W2 nodes above), "1" (always one fused kernel) or "2" (always W1 and W2 nodes)."""
+    """How role2 runs: GC_MOE_ROLE2_NODES "auto" (the default when unset or empty: one fused kernel, its tile
+    chosen per call), "1" (one fused kernel) or "2" (W1 and W2 nodes)."""
     raw = environ.get(ROLE2_ENV, "")
     if raw in ("", "auto"):
         return "auto"
     if raw not in ("1", "2"):
-        raise ValueError(f"{ROLE2_ENV}={raw!r}; allowed: auto (the default: one fused kernel at 1 token per "
-                         f"rank, W1 and W2 nodes above), 1 (role2 as one fused kernel) or 2 (W1 and W2 as two "
-                         f"graph nodes)")
+        raise ValueError(f"{ROLE2_ENV}={raw!r}; allowed: auto (the default: one fused kernel, its tile chosen per "
+                         f"call), 1 (role2 as one fused kernel) or 2 (W1 and W2 as two graph nodes)")
     return int(raw)
 
 
@@ -315,15 +318,16 @@ def role2_block_n_from_env(environ=os.environ):
 
 
 def role2_ctas_from_env(environ=os.environ) -> int:
-    """Persistent CTAs per SM of the fused role2 kernel: GC_MOE_ROLE2_CTAS_PER_SM "1" (the default when unset or
-    empty) or "2" (two at the token tiles that build that way, role2.TWO_CTA_BLOCK_N, from 2 tokens per rank;
-    one CTA per SM stays at 1 token, where it measured faster)."""
+    """Persistent CTAs per SM of the fused role2 kernel: GC_MOE_ROLE2_CTAS_PER_SM "2" (the default when unset or
+    empty: two at the token tiles that build that way, role2.TWO_CTA_BLOCK_N, from 2 tokens per rank; one CTA per
+    SM stays at 1 token, where it measured faster) or "1" (one everywhere)."""
     raw = environ.get(ROLE2_CTAS_ENV, "")
     if raw == "":
-        return 1
+        return 2
     if raw not in ("1", "2"):
-        raise ValueError(f"{ROLE2_CTAS_ENV}={raw!r}; allowed: 1 (one persistent role2 CTA per SM, the default) or 2 "
-                         f"(two at token tile {' / '.join(map(str, role2.TWO_CTA_BLOCK_N))} from 2 tokens per rank)")
+        raise ValueError(f"{ROLE2_CTAS_ENV}={raw!r}; allowed: 2 (the default: two persistent role2 CTAs per SM at "
+                         f"token tile {' / '.join(map(str, role2.TWO_CTA_BLOCK_N))} from 2 tokens per rank) or 1 "
+                         f"(one per SM)")
     return int(raw)
 
 
@@ -334,14 +338,19 @@ def role2_ctas_per_sm(setting: int, block_n: int, num_tokens: int) -> int:
 
 
 def role2_block_n(plan_block_n: int, setting="auto") -> int:
-    """The fused role2 kernel's token tile for a call whose plan picked `plan_block_n`: the plan's, at most the
-    kernel's largest, unless `setting` fixes one."""
-    return min(plan_block_n, max(role2.BLOCK_N_CHOICES)) if setting == "auto" else setting
+    """The fused role2 kernel's token tile for a call whose plan picked `plan_block_n`: 8 up to a plan tile of
+    ROLE2_FUSED_TILE8_UP_TO (where it runs two CTAs per SM), else the plan's, at most the kernel's largest;
+    `setting` may fix one."""
+    if setting != "auto":
+        return setting
+    if plan_block_n <= ROLE2_FUSED_TILE8_UP_TO:
+        return min(role2.BLOCK_N_CHOICES)
+    return min(plan_block_n, max(role2.BLOCK_N_CHOICES))
 
 
 def role2_fused(role2_nodes, num_tokens: int) -> bool:
     """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel."""
-    return role2_nodes == 1 or (role2_nodes == "auto" and num_tokens <= ROLE2_FUSED_MAX_TOKENS)
+    return role2_nodes in ("auto", 1)
 
 
 def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
@@ -351,14 +360,13 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
-                  role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 1) -> str:
+                  role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2) -> str:
     """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node, the
-    fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when two)."""
-    role2_text = {"auto": f"one fused node up to {ROLE2_FUSED_MAX_TOKENS} token per rank, W1 and W2 nodes above",
-                  1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
+    fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one)."""
+    role2_text = {"auto": "one fused node", 1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
-            + (" (fused kernel at two CTAs per SM at token tile 8 from 2 tokens)" if role2_ctas == 2 else "")
+            + (" (fused kernel at one CTA per SM)" if role2_ctas == 1 and role2_nodes != 2 else "")
             + ("; role4 one fused node" if role4_fused else ""))
 
 
@@ -411,7 +419,7 @@ class Sm90Layer:
                              f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
         self.role2_tile = role2_block_n_from_env()  # "auto", or the fused kernel's fixed token tile
-        self.role2_ctas = role2_ctas_from_env()  # 1, or 2: two fused-kernel CTAs per SM at bn 8 from 2 tokens
+        self.role2_ctas = role2_ctas_from_env()  # 2: two fused-kernel CTAs per SM at bn 8 from 2 tokens; or 1
         if role4_fused is None:
             role4_fused = role4_fused_from_env()
         if not isinstance(role4_fused, bool):
