@@ -67,7 +67,7 @@ def test_fused_role2_writes_what_the_two_gemm_nodes_write(api_layer, num_tokens,
     from gc_moe.kernels.sm90 import layer_checks as lc
 
     layer = api_layer.buffer.extras["sm90_layer"]
-    default = layer.role2_nodes
+    default, default_ctas = layer.role2_nodes, layer.role2_ctas
     try:
         layer.role2_nodes, layer.role2_ctas = 1, ctas_per_sm
         r = lc.check_point(api_layer, num_tokens, seed=num_tokens * 53 + int(time.time()) % 1000)
@@ -78,7 +78,7 @@ def test_fused_role2_writes_what_the_two_gemm_nodes_write(api_layer, num_tokens,
         api_layer.call(two, num_tokens)
         torch.cuda.synchronize()
     finally:
-        layer.role2_nodes, layer.role2_ctas = default, 1
+        layer.role2_nodes, layer.role2_ctas = default, default_ctas
     assert torch.equal(fused.view(torch.int16), two.view(torch.int16))
     control = api_layer.control()
     assert control["arrival_errors"] == 0 and control["ring_overflows"] == 0, control
