@@ -322,6 +322,9 @@ def test_role2_nodes_from_env_and_argument(monkeypatch):
     assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "1"}) == 1
     assert sm90_layer.role2_nodes_from_env({sm90_layer.ROLE2_ENV: "2"}) == 2
     assert [sm90_layer.role2_fused("auto", t) for t in (0, 1, 2, 256)] == [True] * 4  # three nodes everywhere
+    # beside the shared expert: fused at 1 token, W1 -> W2 from 2 (role4 would wait for the persistent kernel)
+    assert [sm90_layer.role2_fused("auto", t, shared=True) for t in (0, 1, 2, 256)] == [True, True, False, False]
+    assert sm90_layer.role2_fused(1, 256, shared=True) and not sm90_layer.role2_fused(2, 1, shared=True)
     assert sm90_layer.role2_fused(1, 256) and not sm90_layer.role2_fused(2, 1) and not sm90_layer.role2_fused(2, 64)
     for bad in ("0", "3", "fused", " 1"):
         with pytest.raises(ValueError, match=r"GC_MOE_ROLE2_NODES=.*allowed: auto .* 1 .* or 2 "):
@@ -347,7 +350,8 @@ def test_settings_note():
     from types import SimpleNamespace
 
     assert sm90_layer.settings_note(4, 128, True) == \
-        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node"
+        "partition comm/compute 4/128 SMs; overlap on; role2 one fused node (W1 and W2 nodes beside the shared " \
+        "expert from 2 tokens per rank)"
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"

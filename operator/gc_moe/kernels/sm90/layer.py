@@ -10,7 +10,8 @@
   count (`plan_call`), finalize (role3), role4 when the layer has a shared expert. Role2 is one persistent
   kernel (`role2`: W1 and W2 units of the ring-consumer grouped GEMM, W2 driven by the W1-completion bitmap) at
   every token count (`role2_nodes` "auto"): at token tile 8 wherever the plan's tile is at most 16, two CTAs per
-  SM from 2 tokens per rank, else the plan's tile (32) at one CTA per SM;
+  SM from 2 tokens per rank, else the plan's tile (32) at one CTA per SM; beside the shared expert (role4 in the
+  same partition) W1 -> W2 as two nodes from 2 tokens, where the persistent kernel would keep role4 waiting;
 - one child graph per (token count, output, weights): dispatch (communication context) and role2 (compute
   context) as concurrent roots, finalize after both: three nodes with the fused role2, four with W1 and W2; the
   shared expert adds W1 -> W2 (or one node with `role4_fused`). Every replay leaves the state ready for the next
@@ -19,8 +20,9 @@
 - the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, role2 (W1) depends on dispatch,
   so the two roots run one after the other (the ablation of the overlap; the ring holds the whole pool, so
   dispatch finishes without W1 consuming anything).
-- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" and 1, the fused role2 kernel
-  (three nodes); 2, W1 and W2 as two nodes at every token count (four nodes).
+- the role2 switch (`role2_nodes`, default GC_MOE_ROLE2_NODES, "auto"): "auto" as above; 1, the fused role2
+  kernel at every token count (three nodes, five with role4's W1 -> W2); 2, W1 and W2 as two nodes at every
+  token count (four nodes).
 - the fused role2 kernel's token tile (GC_MOE_ROLE2_BLOCK_N, "auto"): as above, or a fixed 8 / 16 / 32 (an
   experiment knob: bn 32 at every token count measured slower where the call's tile is smaller), and its CTAs per
   SM at tile 8 (GC_MOE_ROLE2_CTAS_PER_SM, "2"; "1": one).
@@ -61,6 +63,11 @@ ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2
 # (96 registers) was 13-17% slower than the two nodes, bn 8 at two CTAs per SM within 1%. So plan tiles up to
 # this one run the fused kernel at 8
 ROLE2_FUSED_TILE8_UP_TO = 16
+# ... except beside the shared expert (role4's W1 -> W2 nodes in the same partition) from 2 tokens per rank: the
+# persistent fused kernel holds every compute SM until its last unit, so role4's CTAs wait for it instead of
+# running between W1 / W2 CTAs; measured 5-15% slower there (sweep 20261203T165408Z against 20261203T160713Z),
+# so "auto" keeps W1 -> W2 as two nodes for those calls
+ROLE2_FUSED_MAX_TOKENS_WITH_SHARED = 1
 # Ring block rows: the smallest token tile, so the first ring block is full after as few pulled rows as possible
 # (W1 of any token tile acquires every block its rows touch, so the GEMM's tile need not equal it).
 RING_BLOCK_M = 8
@@ -288,7 +295,8 @@ def overlap_from_env(environ=os.environ) -> bool:
 
 def role2_nodes_from_env(environ=os.environ):
     """How role2 runs: GC_MOE_ROLE2_NODES "auto" (the default when unset or empty: one fused kernel, its tile
-    chosen per call), "1" (one fused kernel) or "2" (W1 and W2 nodes)."""
+    chosen per call; W1 and W2 nodes beside the shared expert from 2 tokens), "1" (one fused kernel) or "2" (W1
+    and W2 nodes)."""
     raw = environ.get(ROLE2_ENV, "")
     if raw in ("", "auto"):
         return "auto"
@@ -348,9 +356,12 @@ def role2_block_n(plan_block_n: int, setting="auto") -> int:
     return min(plan_block_n, max(role2.BLOCK_N_CHOICES))
 
 
-def role2_fused(role2_nodes, num_tokens: int) -> bool:
-    """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel."""
-    return role2_nodes in ("auto", 1)
+def role2_fused(role2_nodes, num_tokens: int, shared: bool = False) -> bool:
+    """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel; `shared`: the layer
+    runs the shared expert (role4) beside role2 in the compute partition."""
+    if role2_nodes == "auto":
+        return not shared or num_tokens <= ROLE2_FUSED_MAX_TOKENS_WITH_SHARED
+    return role2_nodes == 1
 
 
 def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
@@ -363,7 +374,8 @@ def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_no
                   role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2) -> str:
     """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node, the
     fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one)."""
-    role2_text = {"auto": "one fused node", 1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
+    role2_text = {"auto": "one fused node (W1 and W2 nodes beside the shared expert from 2 tokens per rank)",
+                  1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
             + (" (fused kernel at one CTA per SM)" if role2_ctas == 1 and role2_nodes != 2 else "")
@@ -516,7 +528,7 @@ class Sm90Layer:
                              self.parts.comm_context)
         if "role2" not in keep:
             last = None
-        elif role2_fused(self.role2_nodes, num_tokens):
+        elif role2_fused(self.role2_nodes, num_tokens, shared is not None):
             bn = role2_block_n(plan.block_n, self.role2_tile)
             k_role2 = self.role2_kernel(bn, role2_ctas_per_sm(self.role2_ctas, bn, num_tokens))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
