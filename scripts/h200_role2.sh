@@ -3,14 +3,15 @@
 # float32 reference, 1,000 graph replays), the backend check through the public API (points, 1,000 replays
 # each, 100,000 replays of one point, latency per call) with role2 as the fused kernel at every token count
 # (GC_MOE_ROLE2_NODES=1; `bn32`: the same with the fused kernel's token tile fixed at 32, GC_MOE_ROLE2_BLOCK_N;
-# `ctas2`: the same with two fused-kernel CTAs per SM at bn 8 from 2 tokens, GC_MOE_ROLE2_CTAS_PER_SM=2),
+# `ctas2`: the same without the 100,000-replay point (two fused-kernel CTAs per SM at bn 8 from 2 tokens, the
+# default, named: GC_MOE_ROLE2_CTAS_PER_SM=2); `ctas1`: one fused CTA per SM at every tile),
 # and the latency with role2 as W1 and W2 nodes (GC_MOE_ROLE2_NODES=2) beside it. The
 # role4 steps check the shared suite through the public API with the shared expert as one fused kernel
 # (GC_MOE_ROLE4_FUSED=1) and time it (`role4`), and time it as W1 and W2 nodes (`role4off`). `parts` splits
 # the default layer's time by differences (as built, role2 after dispatch, without role2). TESTS names the
 # GPU test files. Logs and JSON under OUT; a short table last.
 #
-#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [ctas2] [nodes2] [role4] [role4off] [parts]
+#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [ctas2] [ctas1] [nodes2] [role4] [role4off] [parts]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-role2-out}; mkdir -p "$OUT"
@@ -28,6 +29,8 @@ for s in $steps; do
             scripts/device_layer_backend.py --skip "${BACKEND_SKIP:-bounded}" --out "$OUT/bn32" ;;
     ctas2) run ctas2 "${BACKEND_LIMIT:-260}" env GC_MOE_ROLE2_NODES=1 GC_MOE_ROLE2_CTAS_PER_SM=2 python \
              scripts/device_layer_backend.py --skip "${BACKEND_SKIP:-bounded,long}" --out "$OUT/ctas2" ;;
+    ctas1) run ctas1 "${BACKEND_LIMIT:-260}" env GC_MOE_ROLE2_NODES=1 GC_MOE_ROLE2_CTAS_PER_SM=1 python \
+             scripts/device_layer_backend.py --skip "${BACKEND_SKIP:-bounded,long}" --out "$OUT/ctas1" ;;
     nodes2) run nodes2 "${NODES2_LIMIT:-100}" env GC_MOE_ROLE2_NODES=2 python scripts/device_layer_backend.py \
               --skip points,shared,long,bounded --out "$OUT/nodes2" ;;
     role4) run role4 "${ROLE4_LIMIT:-200}" env GC_MOE_ROLE4_FUSED=1 python scripts/device_layer_backend.py \
@@ -39,7 +42,7 @@ for s in $steps; do
     parts) run parts "${PARTS_LIMIT:-150}" python scripts/device_layer_backend.py \
              --skip points,shared,long,bounded,latency --parts-tokens "${PARTS_TOKENS:-1,2,4,8,16,32,64,128,256}" \
              --out "$OUT/parts" ;;
-    *) echo "unknown step $s (allowed: tests backend bn32 ctas2 nodes2 role4 role4off parts)"; exit 2 ;;
+    *) echo "unknown step $s (allowed: tests backend bn32 ctas2 ctas1 nodes2 role4 role4off parts)"; exit 2 ;;
   esac
 done
 print_steps

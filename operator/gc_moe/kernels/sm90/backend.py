@@ -12,7 +12,8 @@ kernel (`kernels.sm90.shared_expert`) and its cubins are here; otherwise they ar
 `run` launches the layer's child graph for (token count, y, weights), or attaches it when torch is capturing
 a CUDA graph: the call is capturable and does no host synchronization. Waits are bounded by GC_MOE_WAIT_TIMEOUT_S (default 3600 s).
 GC_MOE_OVERLAP_ROOTS ("1" default, "0") says whether dispatch and W1 overlap (`Sm90Layer.overlap_roots`);
-GC_MOE_ROLE2_NODES ("auto" default: fused at 1 token per rank; "1", "2") how role2 runs (`Sm90Layer.role2_nodes`);
+GC_MOE_ROLE2_NODES ("auto" default: the fused kernel, W1 and W2 nodes beside the shared expert from 2 tokens;
+"1", "2") how role2 runs (`Sm90Layer.role2_nodes`);
 GC_MOE_ROLE4_FUSED ("0" default, "1") whether the shared expert runs as one fused node (`Sm90Layer.role4_fused`);
 `settings_note(buffer)` gives the partition and that switch as one line.
 """

@@ -427,8 +427,9 @@ class Sm90Layer:
         if role2_nodes is None:
             role2_nodes = role2_nodes_from_env()
         if role2_nodes not in ROLE2_NODE_CHOICES or isinstance(role2_nodes, bool):
-            raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel at 1 token per rank), "
-                             f"1 (one fused kernel), 2 (W1 and W2 nodes) or None ({ROLE2_ENV})")
+            raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel; W1 and W2 nodes beside "
+                             f"the shared expert from 2 tokens), 1 (one fused kernel), 2 (W1 and W2 nodes) or None "
+                             f"({ROLE2_ENV})")
         self.role2_nodes = role2_nodes
         self.role2_tile = role2_block_n_from_env()  # "auto", or the fused kernel's fixed token tile
         self.role2_ctas = role2_ctas_from_env()  # 2: two fused-kernel CTAs per SM at bn 8 from 2 tokens; or 1

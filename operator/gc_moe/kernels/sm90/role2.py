@@ -59,8 +59,8 @@ BLOCK_N_CHOICES = (8, 16, 32)  # token tiles of the persistent kernel
 # bn 32 spills 128 bytes per thread in the 96 registers a 544-thread CTA gets (both halves, the loop and the
 # scheduler): there the producer is a warpgroup that lends the consumers registers for the main loop
 SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers)
-# token tiles whose kernel also builds at two CTAs per SM (bn 8: 56 registers, no stack, 6 stages); opt-in, the
-# layer's GC_MOE_ROLE2_CTAS_PER_SM (docs/sm90-layer.md)
+# token tiles whose kernel also builds at two CTAs per SM (bn 8: 56 registers, no stack, 6 stages); the layer's
+# default from 2 tokens per rank (GC_MOE_ROLE2_CTAS_PER_SM, docs/sm90-layer.md)
 TWO_CTA_BLOCK_N = (8,)
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
