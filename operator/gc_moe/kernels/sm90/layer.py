@@ -27,7 +27,7 @@
   experiment knob: bn 32 at every token count measured slower where the call's tile is smaller), and its CTAs per
   SM at tile 8 (GC_MOE_ROLE2_CTAS_PER_SM, "2"; "1": one).
 - the role4 switch (`role4_fused`, default GC_MOE_ROLE4_FUSED, "0"): the shared expert as one fused node ("1")
-  instead of W1 -> W2 (measured 2-6% slower on the H200, so off by default).
+  instead of W1 -> W2 (measured 1.4-6% slower on the H200, so off by default).
 
 Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
 Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only
