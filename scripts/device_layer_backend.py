@@ -25,6 +25,10 @@ Steps (each prints JSON lines; a short table last):
    finalize) and finalize alone (`Sm90Layer.timing_nodes`); role2 with a full ring = off - without, what the
    overlap hides = off - on, role1 = without - finalize alone. Same timing as step 4 (finalize alone combines
    whatever the buffers hold and counts arrival errors: statistics only, this step runs last).
+6. where the shared expert runs (--orders-tokens, off unless given): per token count the shared layer with role4
+   beside role2 (W1 -> W2 nodes: the default; one fused node with the fused role2), before role2 (role2 waits
+   on role4; fused: the four-node graph) and after it, the routed nodes alone (role4 left out), and role4 alone
+   (role4 -> finalize minus finalize alone), same timing as step 4.
 
     gcmoe-bench build --arch sm_90a --profile h200        # on the build machine; copy .cubin-cache over
     PYTHONPATH=operator GC_MOE_WAIT_TIMEOUT_S=30 python scripts/device_layer_backend.py --out device-out
@@ -78,6 +82,42 @@ def layer_parts(layer, num_tokens: int, replays: int) -> dict:
             "role2_nodes": sm90.role2_nodes}
 
 
+ROLE4_FORMS = {  # step 6: (role2_nodes, role4_fused, role4_order)
+    "beside_nodes": ("auto", False, "beside"),
+    "beside_fused": (1, True, "beside"),
+    "before_fused": ("auto", True, "before"),
+    "before_nodes": ("auto", False, "before"),
+    "after_fused": ("auto", True, "after"),
+}
+
+
+def role4_forms(layer, num_tokens: int, replays: int) -> dict:
+    """Step 6 at one point: us per call of the shared layer in each of ROLE4_FORMS, without role4, and role4
+    alone (fused and as W1 -> W2) by difference with finalize alone."""
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    sm90 = layer.buffer.extras["sm90_layer"]
+    saved = sm90.role2_nodes, sm90.role4_fused, sm90.role4_order, sm90.timing_nodes
+    row = {}
+    try:
+        for form, (nodes, fused, order) in ROLE4_FORMS.items():
+            sm90.role2_nodes, sm90.role4_fused, sm90.role4_order = nodes, fused, order
+            row[f"{form}_us"] = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
+        sm90.role2_nodes, sm90.role4_order = "auto", "beside"
+        sm90.timing_nodes = ("dispatch", "role2", "finalize")
+        row["routed_us"] = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
+        sm90.timing_nodes = ("finalize",)
+        row["finalize_us"] = lc.time_calls(layer, num_tokens, seed=5000 + num_tokens, replays=replays)
+        sm90.timing_nodes = ("role4", "finalize")
+        for fused in (True, False):
+            sm90.role4_fused = fused
+            row[f"role4_{'fused' if fused else 'nodes'}_alone_us"] = lc.time_calls(
+                layer, num_tokens, seed=5000 + num_tokens, replays=replays) - row["finalize_us"]
+    finally:
+        sm90.role2_nodes, sm90.role4_fused, sm90.role4_order, sm90.timing_nodes = saved
+    return row
+
+
 def main() -> int:
     import torch
     from gc_moe import api
@@ -93,6 +133,7 @@ def main() -> int:
     p.add_argument("--latency-tokens", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--latency-replays", type=int, default=50)
     p.add_argument("--parts-tokens", default="", help="token counts of step 5 (empty: skip it)")
+    p.add_argument("--orders-tokens", default="", help="token counts of step 6 (empty: skip it)")
     p.add_argument("--skip", default="", help="comma-separated steps to skip: points,shared,long,bounded,latency")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -100,7 +141,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     out = {"points": [], "separate_shared": [], "long": None, "bounded": None, "latency": [], "parts": [],
-           "backend": None}
+           "orders": [], "backend": None}
     ok = True
     layers, shared_layers = {}, {}
     for name in args.models.split(","):
@@ -200,6 +241,16 @@ def main() -> int:
             out["parts"].append(row)
             print(json.dumps(row), flush=True)
 
+    for name, layer in shared_layers.items():
+        for t in (int(v) for v in filter(None, args.orders_tokens.split(","))):
+            try:
+                row = {"model": name, "tokens": t, **role4_forms(layer, t, args.latency_replays)}
+            except Exception as exc:  # noqa: BLE001
+                row = {"model": name, "tokens": t, "error": f"{type(exc).__name__}: {exc}"}
+                ok = False
+            out["orders"].append(row)
+            print(json.dumps(row), flush=True)
+
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "device_layer_backend.json").write_text(json.dumps(out, indent=1))
@@ -235,6 +286,14 @@ def main() -> int:
             print(f"{r['model']:20s} {r['tokens']:>4} {r['on_us']:>9.1f} {r['serial_us']:>8.1f} "
                   f"{r['without_role2_us']:>8.1f} {r['serial_us'] - r['without_role2_us']:>8.1f} "
                   f"{r['serial_us'] - r['on_us']:>8.1f} {r['finalize_us']:>8.1f}")
+    if out["orders"]:
+        cols = [f"{f}_us" for f in ROLE4_FORMS] + ["routed_us", "role4_fused_alone_us", "role4_nodes_alone_us"]
+        print(f"\n{'model':20s} {'T':>4} " + " ".join(f"{c[:-3]:>13}" for c in cols))
+        for r in out["orders"]:
+            if "error" in r:
+                print(f"{r['model']:20s} {r['tokens']:>4} ERROR {r['error']}")
+                continue
+            print(f"{r['model']:20s} {r['tokens']:>4} " + " ".join(f"{r[c]:>13.1f}" for c in cols))
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

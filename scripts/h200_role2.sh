@@ -8,10 +8,11 @@
 # and the latency with role2 as W1 and W2 nodes (GC_MOE_ROLE2_NODES=2) beside it. The
 # role4 steps check the shared suite through the public API with the shared expert as one fused kernel
 # (GC_MOE_ROLE4_FUSED=1) and time it (`role4`), and time it as W1 and W2 nodes (`role4off`). `parts` splits
-# the default layer's time by differences (as built, role2 after dispatch, without role2). TESTS names the
+# the default layer's time by differences (as built, role2 after dispatch, without role2); `orders` times the
+# shared layer with role4 beside, before and after role2 (fused and as nodes) and role4 alone. TESTS names the
 # GPU test files. Logs and JSON under OUT; a short table last.
 #
-#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [ctas2] [ctas1] [nodes2] [role4] [role4off] [parts]
+#   OUT=<logs> bash scripts/h200_role2.sh [tests] [backend] [bn32] [ctas2] [ctas1] [nodes2] [role4] [role4off] [parts] [orders]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-role2-out}; mkdir -p "$OUT"
@@ -42,7 +43,10 @@ for s in $steps; do
     parts) run parts "${PARTS_LIMIT:-150}" python scripts/device_layer_backend.py \
              --skip points,shared,long,bounded,latency --parts-tokens "${PARTS_TOKENS:-1,2,4,8,16,32,64,128,256}" \
              --out "$OUT/parts" ;;
-    *) echo "unknown step $s (allowed: tests backend bn32 ctas2 ctas1 nodes2 role4 role4off parts)"; exit 2 ;;
+    orders) run orders "${ORDERS_LIMIT:-200}" python scripts/device_layer_backend.py \
+              --skip points,long,bounded,latency --orders-tokens "${ORDERS_TOKENS:-1,2,4,8,16,32,64,128,256}" \
+              --out "$OUT/orders" ;;
+    *) echo "unknown step $s (allowed: tests backend bn32 ctas2 ctas1 nodes2 role4 role4off parts orders)"; exit 2 ;;
   esac
 done
 print_steps

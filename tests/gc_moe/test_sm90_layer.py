@@ -237,8 +237,10 @@ class _RecordingGraph:
         return name
 
 
-def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int = 8, timing_nodes=None) -> dict:
-    """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins."""
+def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int = 8, timing_nodes=None,
+              shared: bool = False, role4_order: str = "beside", role4_fused: bool = False) -> dict:
+    """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins; `shared`: the
+    layer has a shared expert (role4: W1 -> W2 nodes, or one node with `role4_fused`)."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -261,12 +263,19 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int =
     layer.dispatch_ctas, layer.finalize_ctas = 4, 64
     layer.gemm_kernels = lambda block_n: ("w1 kernel", "w2 kernel")
     layer.overlap_roots = overlap_roots
-    layer.role2_nodes, layer.role4_fused, layer.role2_tile = role2_nodes, False, "auto"
+    layer.role2_nodes, layer.role4_fused, layer.role2_tile = role2_nodes, role4_fused, "auto"
+    layer.role4_order = role4_order
     monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
     layer.role2_kernel = lambda block_n, ctas_per_sm=1: "role2 kernel"
     layer.role2_ctas = 1
     layer.timing_nodes = timing_nodes
-    return layer.build_graph(None, num_tokens, None, None).nodes
+    if shared:
+        from gc_moe.kernels.sm90 import shared_expert
+
+        def nodes(*a, fused=False, **k):
+            return [("shared", "k", 1, ())] if fused else [("shared_w1", "k", 1, ()), ("shared_w2", "k", 1, ())]
+        layer.shared = SimpleNamespace(nodes=nodes, se=shared_expert)
+    return layer.build_graph(None, num_tokens, None, None, shared="weights" if shared else None).nodes
 
 
 def test_graph_edges_follow_the_overlap_switch(monkeypatch):
@@ -346,6 +355,50 @@ def test_role4_switch_reads_the_environment():
             sm90_layer.role4_fused_from_env({sm90_layer.ROLE4_ENV: bad})
 
 
+def test_role4_order_sets_the_shared_expert_s_edges(monkeypatch):
+    """Role4 beside role2 (a third root), before it (role2 waits on role4: with the fused role4 and role2 the
+    paper's four-node graph) or after it; finalize after everything; the timing graphs may leave role4 out."""
+    beside = _graph_of(monkeypatch, True, "auto", num_tokens=8, shared=True)
+    assert beside == {"dispatch": ("comm", []), "w1": ("compute", []), "w2": ("compute", ["w1"]),
+                      "shared_w1": ("compute", []), "shared_w2": ("compute", ["shared_w1"]),
+                      "finalize": ("compute", ["dispatch", "w2", "shared_w2"])}
+    before = _graph_of(monkeypatch, True, "auto", num_tokens=8, shared=True, role4_order="before", role4_fused=True)
+    assert before == {"dispatch": ("comm", []), "shared": ("compute", []), "role2": ("compute", ["shared"]),
+                      "finalize": ("compute", ["dispatch", "role2", "shared"])}
+    assert _graph_of(monkeypatch, False, 1, shared=True, role4_order="before", role4_fused=True)["role2"] == (
+        "compute", ["dispatch", "shared"])
+    after = _graph_of(monkeypatch, True, "auto", num_tokens=8, shared=True, role4_order="after", role4_fused=True)
+    assert after == {"dispatch": ("comm", []), "role2": ("compute", []), "shared": ("compute", ["role2"]),
+                     "finalize": ("compute", ["dispatch", "role2", "shared"])}
+    two = _graph_of(monkeypatch, True, "auto", num_tokens=8, shared=True, role4_order="before")
+    assert two["shared_w2"] == ("compute", ["shared_w1"]) and two["role2"] == ("compute", ["shared_w2"])
+    assert _graph_of(monkeypatch, True, "auto", num_tokens=0, shared=True, role4_order="before") == {
+        "dispatch": ("comm", []), "role2": ("compute", []), "finalize": ("compute", ["dispatch", "role2"])}
+    for order in sm90_layer.ROLE4_ORDERS:
+        assert _graph_of(monkeypatch, True, "auto", shared=True, role4_order=order,
+                         timing_nodes=("role4", "finalize")) in (
+            {"shared_w1": ("compute", []), "shared_w2": ("compute", ["shared_w1"]),
+             "finalize": ("compute", ["shared_w2"])},)
+        assert "shared_w1" not in _graph_of(monkeypatch, True, "auto", shared=True, role4_order=order,
+                                            timing_nodes=("dispatch", "role2", "finalize"))
+
+
+def test_role4_order_reads_the_environment_and_picks_role2_s_form():
+    assert sm90_layer.role4_order_from_env({}) == "beside"
+    for order in sm90_layer.ROLE4_ORDERS:
+        assert sm90_layer.role4_order_from_env({sm90_layer.ROLE4_ORDER_ENV: order}) == order
+    for bad in ("first", "1", "Before"):
+        with pytest.raises(ValueError, match=r"GC_MOE_ROLE4_ORDER=.*allowed: beside .* before .* or after "):
+            sm90_layer.role4_order_from_env({sm90_layer.ROLE4_ORDER_ENV: bad})
+    # only beside role4 does "auto" keep W1 -> W2 from 2 tokens: before or after it, nothing waits for the
+    # persistent kernel's SMs
+    for order in ("before", "after"):
+        assert all(sm90_layer.role2_fused("auto", t, True, order) for t in (1, 2, 8, 256))
+    shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256)
+    with pytest.raises(ValueError, match="role4_order 'first'; allowed: one of"):
+        sm90_layer.Sm90Layer(shape, device="cpu", role4_order="first")
+
+
 def test_settings_note():
     from types import SimpleNamespace
 
@@ -355,10 +408,12 @@ def test_settings_note():
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
-    layer.role2_ctas = 1
+    layer.role2_ctas, layer.role4_order = 1, "beside"
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
     layer.role4_fused = True
     assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node")
+    layer.role4_order = "before"
+    assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node; role4 before role2")
 
 
 # ------------------------------------------------------------------------------------------------ weights
@@ -472,7 +527,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
-    layer.role2_ctas = 2
+    layer.role2_ctas, layer.role4_order = 2, "beside"
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}

@@ -164,6 +164,33 @@ def test_fused_nodes_with_the_shared_expert_write_what_the_separate_nodes_write(
 
 
 @needs_sm90
+@pytest.mark.parametrize("num_tokens", [1, 8, 256])
+def test_role4_before_and_after_role2_write_what_role4_beside_writes(shared_layer, num_tokens):
+    """The shared expert (fused) before role2 (role2 waits on role4: four nodes) and after it, against role4's
+    W1 / W2 beside role2: y bit-equal on the same staged inputs, and replays of the four-node graph too."""
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    layer = shared_layer.buffer.extras["sm90_layer"]
+    saved = layer.role2_nodes, layer.role4_fused, layer.role4_order
+    try:
+        layer.role2_nodes, layer.role4_fused, layer.role4_order = 2, False, "beside"
+        r = lc.check_point(shared_layer, num_tokens, seed=num_tokens * 61 + int(time.time()) % 1000)
+        beside = r.pop("y")
+        assert r["nonfinite"] == 0 and r["cosine"] >= 0.99, r
+        for order in ("before", "after"):
+            layer.role2_nodes, layer.role4_fused, layer.role4_order = "auto", True, order
+            y = torch.full_like(beside, float("nan"))
+            shared_layer.call(y, num_tokens)
+            torch.cuda.synchronize()
+            assert torch.equal(y.view(torch.int16), beside.view(torch.int16)), order
+        layer.role4_order = "before"
+        rep = lc.replay_check(shared_layer, beside, num_tokens, replays=200)
+        assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0, rep
+    finally:
+        layer.role2_nodes, layer.role4_fused, layer.role4_order = saved
+
+
+@needs_sm90
 def test_fused_shared_graph_replays_equal_the_eager_call(shared_layer):
     from gc_moe.kernels.sm90 import layer_checks as lc
 

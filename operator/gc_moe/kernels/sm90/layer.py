@@ -57,6 +57,10 @@ ROLE2_NODE_CHOICES = ("auto", 1, 2)
 # the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
 ROLE2_BLOCK_N_ENV = "GC_MOE_ROLE2_BLOCK_N"
 ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
+# where role4 runs against role2 in the compute partition: "beside" (concurrent roots), "before" (role2 waits on
+# role4: the shared expert runs while dispatch fills the ring) or "after" (role4 waits on role2)
+ROLE4_ORDER_ENV = "GC_MOE_ROLE4_ORDER"
+ROLE4_ORDERS = ("beside", "before", "after")
 # "auto": the fused role2 kernel at every token count. Measured on the H200 (docs/sm90-layer.md): with two CTAs
 # per SM at token tile 8 from 2 tokens it is within -17..+5% of W1 and W2 as two nodes at every point of both
 # models (one CTA per SM was 20-40% slower at 2-32 tokens); at a planned tile of 16 its one-CTA bn 16 variant
@@ -77,7 +81,7 @@ FINALIZE_MAX_CTAS = 64
 LAYER_MAX_BLOCK_N = gg.WS_MAX_BLOCK_N  # the layer's token tiles: 8 / 16 / 32, all warp-specialized
 LAYER_BLOCK_N_CHOICES = tuple(bn for bn in gg.BLOCK_N_CHOICES if bn <= LAYER_MAX_BLOCK_N)
 GRAPH_CACHE_SIZE = 64
-TIMING_NODES = ("dispatch", "role2", "finalize")  # what Sm90Layer.timing_nodes may keep (role4 stays)
+TIMING_NODES = ("dispatch", "role2", "role4", "finalize")  # what Sm90Layer.timing_nodes may keep
 SHARED_EXPERT_MODULE = "gc_moe.kernels.sm90.shared_expert"
 UNCHECKED = object()  # an option unsupported_reasons was not asked about
 
@@ -313,6 +317,18 @@ def role4_fused_from_env(environ=os.environ) -> bool:
                             "0 (the shared expert as W1 and W2 nodes, the default) or 1 (one fused node)")
 
 
+def role4_order_from_env(environ=os.environ) -> str:
+    """Where the shared expert (role4) runs against role2: GC_MOE_ROLE4_ORDER "beside" (the default when unset or
+    empty: concurrent roots), "before" (role2 waits on role4) or "after" (role4 waits on role2)."""
+    raw = environ.get(ROLE4_ORDER_ENV, "")
+    if raw == "":
+        return "beside"
+    if raw not in ROLE4_ORDERS:
+        raise ValueError(f"{ROLE4_ORDER_ENV}={raw!r}; allowed: beside (the default: role4 and role2 concurrent), "
+                         f"before (role2 waits on role4) or after (role4 waits on role2)")
+    return raw
+
+
 def role2_block_n_from_env(environ=os.environ):
     """The fused role2 kernel's token tile: GC_MOE_ROLE2_BLOCK_N "auto" (the default when unset or empty: the
     call's) or a fixed tile, one of role2.BLOCK_N_CHOICES."""
@@ -356,11 +372,12 @@ def role2_block_n(plan_block_n: int, setting="auto") -> int:
     return min(plan_block_n, max(role2.BLOCK_N_CHOICES))
 
 
-def role2_fused(role2_nodes, num_tokens: int, shared: bool = False) -> bool:
+def role2_fused(role2_nodes, num_tokens: int, shared: bool = False, role4_order: str = "beside") -> bool:
     """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel; `shared`: the layer
-    runs the shared expert (role4) beside role2 in the compute partition."""
+    runs the shared expert (role4) in the compute partition, `role4_order` where (only "beside" keeps role4's CTAs
+    waiting for the persistent kernel's SMs)."""
     if role2_nodes == "auto":
-        return not shared or num_tokens <= ROLE2_FUSED_MAX_TOKENS_WITH_SHARED
+        return not shared or role4_order != "beside" or num_tokens <= ROLE2_FUSED_MAX_TOKENS_WITH_SHARED
     return role2_nodes == 1
 
 
@@ -371,15 +388,17 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
-                  role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2) -> str:
-    """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node, the
-    fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one)."""
+                  role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2,
+                  role4_order: str = "beside") -> str:
+    """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node or
+    not beside role2, the fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one)."""
     role2_text = {"auto": "one fused node (W1 and W2 nodes beside the shared expert from 2 tokens per rank)",
                   1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
             + (" (fused kernel at one CTA per SM)" if role2_ctas == 1 and role2_nodes != 2 else "")
-            + ("; role4 one fused node" if role4_fused else ""))
+            + ("; role4 one fused node" if role4_fused else "")
+            + (f"; role4 {role4_order} role2" if role4_order != "beside" else ""))
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -414,7 +433,8 @@ class Sm90Layer:
     """One layer on one rank: partition, workspace, kernels and its child graphs (see the module docstring)."""
 
     def __init__(self, shape: ll.LayerShape, *, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 overlap_roots: bool | None = None, role2_nodes=None, role4_fused: bool | None = None):
+                 overlap_roots: bool | None = None, role2_nodes=None, role4_fused: bool | None = None,
+                 role4_order: str | None = None):
         import torch
 
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -440,6 +460,11 @@ class Sm90Layer:
         # role4 as one kernel (shared_expert's fused launch): correct on the H200 but 2-6% slower than its two
         # nodes (W2 CTAs wait resident for all W1 CTAs), so off by default (docs/sm90-layer.md)
         self.role4_fused = role4_fused
+        if role4_order is None:
+            role4_order = role4_order_from_env()
+        if role4_order not in ROLE4_ORDERS:
+            raise ValueError(f"role4_order {role4_order!r}; allowed: one of {ROLE4_ORDERS} or None ({ROLE4_ORDER_ENV})")
+        self.role4_order = role4_order
         device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         if device.type != "cuda":
             raise ValueError(f"device {device}; allowed: an sm_90 CUDA device")
@@ -501,7 +526,8 @@ class Sm90Layer:
         """The partition and the overlap switch, e.g. "partition comm/compute 4/128 SMs; overlap on"."""
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
-                             self.role2_nodes, self.role4_fused, self.role2_tile, self.role2_ctas)
+                             self.role2_nodes, self.role4_fused, self.role2_tile, self.role2_ctas,
+                             self.role4_order)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
@@ -511,9 +537,10 @@ class Sm90Layer:
         return _load(role2_variant(block_n, ctas_per_sm))
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
-        """The child graph of one call: [dispatch || role2] -> finalize; with shared experts also the shared
-        W1 -> W2 (role4, a third root) into combine lane k, before finalize. With the overlap off, dispatch ->
-        role2 (`w1_dependencies`); with role2_nodes 2, role2 is W1 -> W2."""
+        """The child graph of one call: [dispatch || role2] -> finalize; with shared experts also role4 (the shared
+        expert's W1 -> W2, or one fused node) into combine lane k, before finalize: beside role2 (a third root),
+        before it (role2 waits on role4) or after it (`role4_order`). With the overlap off, dispatch -> role2
+        (`w1_dependencies`); with role2_nodes 2, role2 is W1 -> W2."""
         from gc_moe.runtime.graph import ChildGraph
 
         shape, ws, plan = self.shape, self.ws, plan_call(self.shape, num_tokens)
@@ -522,40 +549,45 @@ class Sm90Layer:
             raise ValueError(f"timing_nodes {self.timing_nodes!r}; allowed: None or a subset of {TIMING_NODES} "
                              f"with 'finalize', and 'dispatch' wherever 'role2' (it waits for dispatch's ring)")
         g = ChildGraph()
+        compute = self.parts.compute_context
         d = None
         if "dispatch" in keep:
             d = g.add_kernel("dispatch", self.k_dispatch, self.dispatch_ctas,
                              dispatch.dispatch_args(ws, shape, num_tokens, self.rank, self.timeout_s),
                              self.parts.comm_context)
+        role4_nodes = None  # lane k of this rank's own tokens (finalize reads no row at T = 0)
+        if shared is not None and num_tokens and "role4" in keep:
+            role4_nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
+                                            fused=self.role4_fused, timeout_s=self.timeout_s)
+        role4_last = None
+        if role4_nodes is not None and self.role4_order == "before":
+            role4_last = self.shared.se.add_to_graph(g, compute, role4_nodes)[-1]
+        role2_after = w1_dependencies(d, self.overlap_roots) + ([role4_last] if role4_last is not None else [])
         if "role2" not in keep:
             last = None
-        elif role2_fused(self.role2_nodes, num_tokens, shared is not None):
+        elif role2_fused(self.role2_nodes, num_tokens, shared is not None, self.role4_order):
             bn = role2_block_n(plan.block_n, self.role2_tile)
             k_role2 = self.role2_kernel(bn, role2_ctas_per_sm(self.role2_ctas, bn, num_tokens))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
                                             self.parts.describe()["compute_sms"])
-            last = g.add_kernel("role2", k_role2, grid, args, self.parts.compute_context,
-                                depends_on=w1_dependencies(d, self.overlap_roots))
+            last = g.add_kernel("role2", k_role2, grid, args, compute, depends_on=role2_after)
         else:
             k_w1, k_w2 = self.gemm_kernels(plan.block_n)
             grid, args = gg.w1_launch(k_w1, l1, ws.ring_act, ws.ring_scale, ws.expert_offsets, ws.routing_weight,
                                       ws.l2_act, ws.l2_scale, plan.expert_rows_bound,
                                       gg.ring_args_w1(ws, shape, self.timeout_s))
-            w1 = g.add_kernel("w1", k_w1, grid, args, self.parts.compute_context,
-                              depends_on=w1_dependencies(d, self.overlap_roots))
+            w1 = g.add_kernel("w1", k_w1, grid, args, compute, depends_on=role2_after)
             grid, args = gg.w2_launch(k_w2, l2, ws.l2_act, ws.l2_scale, ws.expert_offsets, ws.dest_row,
                                       ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
                                       gg.ring_args_w2(ws, shape))
-            last = g.add_kernel("w2", k_w2, grid, args, self.parts.compute_context, depends_on=[w1])
-        before_finalize = [n for n in (d, last) if n is not None]
-        if shared is not None and num_tokens:  # lane k of this rank's own tokens (finalize reads no row at T = 0)
-            # role4 as one node (W1 and W2 in one kernel) when asked for, else W1 -> W2
-            nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
-                                      fused=self.role4_fused, timeout_s=self.timeout_s)
-            before_finalize.append(self.shared.se.add_to_graph(g, self.parts.compute_context, nodes)[-1])
+            last = g.add_kernel("w2", k_w2, grid, args, compute, depends_on=[w1])
+        if role4_nodes is not None and self.role4_order != "before":
+            after = [last] if self.role4_order == "after" and last is not None else []
+            role4_last = self.shared.se.add_to_graph(g, compute, role4_nodes, depends_on=after)[-1]
+        before_finalize = [n for n in (d, last, role4_last) if n is not None]
         g.add_kernel("finalize", self.k_finalize, self.finalize_ctas,
                      finalize.finalize_args(ws, shape, y, num_tokens, self.dispatch_ctas, self.timeout_s),
-                     self.parts.compute_context, depends_on=before_finalize)
+                     compute, depends_on=before_finalize)
         return g
 
     def _output_rows(self, y, num_tokens: int):
@@ -574,7 +606,7 @@ class Sm90Layer:
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
                l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.timing_nodes,
-               self.role2_ctas)
+               self.role2_ctas, self.role4_order)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
         g = self._graphs.get(key)
