@@ -1063,17 +1063,42 @@ def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),
     return rows
 
 
+def profile_launches(model: str, num_tokens: int, launches: int = 3) -> None:
+    """W1 then W2 of one model's shared expert at `num_tokens`, `launches` times eagerly (for a profiler: the
+    kernels are the only `kernel_cutlass` launches of the process)."""
+    import torch
+
+    hidden, inter, recipe = MODELS[model]
+    torch.zeros(1, device="cuda")
+    kernels = load("sm_90a", recipe)
+    weights, x, x_sf = random_inputs(hidden, inter, recipe, max(num_tokens, 1), seed=1)
+    ws = SharedExpertWorkspace.allocate(hidden, inter, max(num_tokens, 1), "cuda")
+    out = torch.empty(max(num_tokens, 1), hidden, dtype=torch.bfloat16, device="cuda")
+    nodes = launch_args(kernels, weights, x, x_sf, out, hidden, num_tokens, ws)
+    stream = torch.cuda.current_stream()
+    for _ in range(launches):
+        launch(stream, nodes)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
+    import argparse
     import json
     import os
-    import sys
 
+    p = argparse.ArgumentParser(description="Latency of the shared-expert kernels on a GPU (both models).")
+    p.add_argument("out", nargs="?", default=os.environ.get("OUT"), help="folder for shared_expert_bench.json")
+    p.add_argument("--profile", default="", help="model:tokens: only launch W1 -> W2 three times (for ncu)")
+    args = p.parse_args()
+    if args.profile:
+        model, tokens = args.profile.split(":")
+        profile_launches(model, int(tokens))
+        raise SystemExit(0)
     results = bench()
     print("model tokens bn splits(w1,w2) default bytes floor_us us w1_us w2_us %bw")
     for r in results:
         print(r["model"], r["tokens"], r["block_n"], r["k_splits"], r["default_plan"], r["bytes"], r["floor_us"],
               r["us"], r["w1_us"], r["w2_us"], r["pct_of_bw"])
-    out = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "shared_expert_bench.json"), "w") as f:
+    if args.out:
+        with open(os.path.join(args.out, "shared_expert_bench.json"), "w") as f:
             json.dump(results, f, indent=1)
