@@ -635,3 +635,12 @@ def test_settings_note_names_a_fixed_fused_tile():
     note = sm90_layer.settings_note(4, 128, True, 1, False, 32)
     assert note == "partition comm/compute 4/128 SMs; overlap on; role2 one fused node (fused token tile 32)"
     assert "tile" not in sm90_layer.settings_note(4, 128, True, 1, False)
+
+
+def test_shared_pipeline_reads_the_environment():
+    assert sm90_layer.shared_pipeline_from_env({}) == "auto"
+    for value in ("auto", "cp.async", "ws"):
+        assert sm90_layer.shared_pipeline_from_env({sm90_layer.SHARED_PIPELINE_ENV: value}) == value
+    for bad in ("tma", "WS", "1"):
+        with pytest.raises(ValueError, match=r"GC_MOE_SHARED_PIPELINE=.*allowed: auto .* cp.async .* or ws "):
+            sm90_layer.shared_pipeline_from_env({sm90_layer.SHARED_PIPELINE_ENV: bad})

@@ -104,9 +104,53 @@ def test_host_twin_matches_the_float32_reference(recipe):
 
 def test_registry_builds_every_variant_of_both_recipes():
     names = [v for v in registry.variants_for_profile("sm_90a") if v.name == "sm90.shared_expert"]
-    assert len(names) == 2 * 2 * len(se.BLOCK_N_CHOICES)
+    assert len(names) == 2 * 2 * (len(se.BLOCK_N_CHOICES) + len(se.WS_BLOCK_N))
     assert {dict(v.params)["recipe"] for v in names} == {"k32", "block128"}
+    assert sorted({dict(v.params)["block_n"] for v in names if dict(v.params)["pipeline"] == "ws"}) == list(
+        se.WS_BLOCK_N)
     assert not [v for v in registry.variants_for_profile("sm_100a") if v.name == "sm90.shared_expert"]
+
+
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 128, 128)], ids=["k32", "block128"])
+def test_packed_weights_hold_each_tile_in_the_wgmma_core_matrix_order(recipe):
+    """pack_weights: byte (row r, K k) of tile m's K128 block kb sits at ((r // 8) * 8 + k // 16) * 128 +
+    (r % 8) * 16 + k % 16 of its 8 KB block (W1's rows in the gate/up interleave), and the block's scale words
+    are the 64 rows' in tile order (block128: the FP32 of the row's 128-row block)."""
+    hidden, inter = 512, 384
+    weights, _, _ = se.random_inputs(hidden, inter, recipe, 4, seed=3, device="cpu")
+    packed = se.pack_weights(weights)
+    for name, w, w_sf, row_of in (
+            ("w1", weights.w1, weights.w1_sf, lambda m, r: se.w1_tile_row_to_weight_row(m, r, inter)),
+            ("w2", weights.w2, weights.w2_sf, lambda m, r: m * se.TILE_ROWS + r)):
+        codes, sf = getattr(packed, name), getattr(packed, name + "_sf")
+        tiles, kb = w.shape[0] // se.TILE_ROWS, w.shape[1] // 128
+        assert codes.shape == (tiles, kb, se.A_BLOCK_BYTES) and sf.shape == (tiles, kb, se.TILE_ROWS)
+        assert codes.dtype == torch.uint8 and sf.dtype == torch.int32 and codes.is_contiguous()
+        raw = w.view(torch.uint8)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(300):
+            m, b = int(torch.randint(tiles, (1,), generator=gen)), int(torch.randint(kb, (1,), generator=gen))
+            r, k = int(torch.randint(64, (1,), generator=gen)), int(torch.randint(128, (1,), generator=gen))
+            at = ((r // 8) * 8 + k // 16) * 128 + (r % 8) * 16 + k % 16
+            assert codes[m, b, at] == raw[row_of(m, r), b * 128 + k], (name, m, b, r, k)
+            want = w_sf[row_of(m, r) // 128, b].view(torch.int32) if recipe == (1, 128, 128) else w_sf[row_of(m, r), b]
+            assert sf[m, b, r] == want, (name, m, b, r)
+    assert packed.source == tuple(t.data_ptr() for t in (weights.w1, weights.w1_sf, weights.w2, weights.w2_sf))
+
+
+def test_plans_pick_the_warp_specialized_pipeline_where_it_builds():
+    assert [se.plan_launch(t, 6144, 2048).pipeline for t in (1, 8, 9, 32, 33, 256)] == [
+        "ws", "ws", "ws", "ws", "cp.async", "cp.async"]
+    assert se.plan_launch(8, 6144, 2048, pipeline="cp.async").pipeline == "cp.async"
+    wide = se.plan_launch(256, 6144, 2048, pipeline="ws")  # more 32-token tiles instead of 64-token ones
+    assert (wide.block_n, wide.token_tiles, wide.pipeline) == (32, 8, "ws")
+    with pytest.raises(ValueError, match="warp-specialized pipeline runs block_n"):
+        se.SharedConfig("w1", 64, pipeline="ws")
+    with pytest.raises(ValueError, match="pipeline must be one of"):
+        se.SharedConfig("w1", 8, pipeline="tma")
+    cfg = se.SharedConfig("w1", 8, pipeline="ws")
+    assert cfg.threads == 544 and cfg.smem_bytes <= se.SMEM_LIMIT and cfg.barrier_offset >= cfg.flag_offset + 8
+    assert cfg.name.endswith("_ws") and se.SharedConfig("w1", 8).threads == 512
 
 
 # --------------------------------------------------------------------------------------------- offline builds
@@ -122,10 +166,10 @@ def built(request, tmp_path_factory):
 
 def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order(built):
     separate = {v: e for v, e in built.items() if v.name == "sm90.shared_expert"}
-    assert len(separate) == 2 * len(se.BLOCK_N_CHOICES)
+    assert len(separate) == 2 * (len(se.BLOCK_N_CHOICES) + len(se.WS_BLOCK_N))
     for variant, entry in separate.items():
         params = dict(variant.params)
-        cfg = se.SharedConfig(params["role"], params["block_n"], params["recipe"])
+        cfg = se.SharedConfig(params["role"], params["block_n"], params["recipe"], params["pipeline"])
         ptx = entry.ptx_path.read_text()
         # both operands from shared memory (two 64-bit descriptors), E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k32\.f32\.e4m3\.e4m3 "
@@ -136,10 +180,25 @@ def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order
         assert res["frame_bytes"] == 0 and res["registers"] <= 128, (variant.describe(), res)
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         assert [size for _, size in res["params"]] == [8 if kind == "u64" else 4 for _, kind in cfg.params]
-        assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
-        # copies land, then the proxy fence, then the barrier the WGMMAs follow
-        wait = ptx.index("cp.async.wait_group")
-        assert wait < ptx.index("fence.proxy.async.shared::cta", wait) < ptx.index("bar.sync", wait)
+        assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes <= se.SMEM_LIMIT
+        assert entry.launch.block == (cfg.threads, 1, 1) and res["required_block"] == [cfg.threads, 1, 1]
+        if cfg.ws:
+            # the producer: both bulk copies announced on the stage's full barrier, the token rows' cp.async
+            # arriving on it; the consumers: the full barrier's wait, then the proxy fence before the WGMMAs,
+            # the empty barrier's arrival after them; the epilogue's barrier among the 512 consumers only
+            assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
+            assert "mbarrier.arrive.expect_tx.shared::cta.b64" in ptx
+            assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx and "cp.async.wait_group" not in ptx
+            wait = ptx.index("mbarrier.try_wait.parity.shared::cta.b64")
+            assert "trap;" in ptx  # the waits are bounded
+            first_mma = ptx.index("wgmma.mma_async")
+            assert ptx.index("fence.proxy.async.shared::cta") < first_mma
+            assert "mbarrier.arrive.shared::cta.b64" in ptx[first_mma:]
+            assert "bar.sync 1, 512;" in ptx and wait > 0
+        else:
+            # copies land, then the proxy fence, then the barrier the WGMMAs follow
+            wait = ptx.index("cp.async.wait_group")
+            assert wait < ptx.index("fence.proxy.async.shared::cta", wait) < ptx.index("bar.sync", wait)
         # fixup: partials stored, fenced, then one acq_rel arrival; the last CTA fences before reading them
         store = ptx.index("st.global.cg.f32")
         fence = ptx.index("fence.acq_rel.gpu", store)
@@ -201,7 +260,7 @@ def test_gpu_checks_accept_the_twin_and_reject_misplaced_elements(recipe):
 
 
 # --------------------------------------------------------------------------------------------- GPU check
-def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, replays=1):
+def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, replays=1, pipeline="auto"):
     """Launch W1 + W2 into combine lane `topk` of a poisoned [topk + 1, C, H] buffer; return everything the
     checks need. Lanes other than `topk` and rows >= tokens must stay untouched."""
     dev = torch.device("cuda")
@@ -209,7 +268,7 @@ def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, 
     weights, x, x_sf = se.random_inputs(hidden, inter, recipe, capacity, seed=seed)
     kernels = se.load("sm_90a", recipe)
     ws = se.SharedExpertWorkspace.allocate(hidden, inter, capacity, dev)
-    if plan is not None:  # forced splits: scratch and counters for them
+    if plan is not None:  # forced splits: scratch and counters for them (`plan` may name its pipeline)
         ws.scratch = torch.empty(se.scratch_floats("w1", plan, hidden, inter)
                                  + se.scratch_floats("w2", plan, hidden, inter) + 1, device=dev)
         ws.counters = torch.zeros(se.counter_words("w1", plan, hidden, inter)
@@ -217,7 +276,9 @@ def _run(hidden, inter, recipe, tokens, seed, plan=None, capacity=None, topk=2, 
     ws.act.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
     ws.act_scale.fill_(float("nan"))
     combine = torch.full((topk + 1, capacity, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
-    nodes = se.launch_args(kernels, weights, x, x_sf, combine[topk], hidden, tokens, ws, plan=plan)
+    plan = plan or se.plan_launch(max(tokens, 1), hidden, inter, pipeline=pipeline)
+    packed = se.pack_weights(weights) if plan.pipeline == "ws" else None
+    nodes = se.launch_args(kernels, weights, x, x_sf, combine[topk], hidden, tokens, ws, plan=plan, packed=packed)
     outs = []
     for _ in range(replays):
         se.launch(torch.cuda.current_stream(), nodes)
@@ -285,16 +346,32 @@ def _verify(weights, x, x_sf, tokens, act, scale, y):
 @pytest.mark.parametrize("model", sorted(se.MODELS))
 def test_shared_expert_matches_float32_reference_at_model_shapes(model, tokens):
     hidden, inter, recipe = se.MODELS[model]
-    _check(hidden, inter, recipe, tokens, seed=tokens)
+    _check(hidden, inter, recipe, tokens, seed=tokens)  # the default plan: warp-specialized up to 32 tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 16, 32])
+@pytest.mark.parametrize("model", sorted(se.MODELS))
+def test_both_pipelines_write_the_same_bytes(model, tokens):
+    """The warp-specialized pipeline (packed weights, bulk copies) against the cp.async one: the same K order per
+    warpgroup and the same fixup, so the intermediate and the output are bit-equal."""
+    hidden, inter, recipe = se.MODELS[model]
+    runs = {p: _run(hidden, inter, recipe, tokens, seed=70 + tokens, pipeline=p) for p in ("ws", "cp.async")}
+    (_, _, _, ws_a, _, out_a), (_, _, _, ws_b, _, out_b) = runs["ws"], runs["cp.async"]
+    assert torch.equal(ws_a.act[:tokens].view(torch.uint8), ws_b.act[:tokens].view(torch.uint8))
+    assert torch.equal(out_a[0].view(torch.int16), out_b[0].view(torch.int16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 128, 128)], ids=["k32", "block128"])
-@pytest.mark.parametrize("block_n,splits", [(8, (3, 2)), (16, (5, 4)), (32, (2, 3)), (64, (1, 2))])
-def test_forced_k_splits_fix_up_across_ctas_and_replay_bit_equal(recipe, block_n, splits):
-    # K = 640 (5 K128 blocks) over 3 splits leaves one split without a whole step; 3 replays reuse the counters
+@pytest.mark.parametrize("block_n,splits,pipeline", [
+    (8, (3, 2), "cp.async"), (16, (5, 4), "cp.async"), (32, (2, 3), "cp.async"), (64, (1, 2), "cp.async"),
+    (8, (3, 2), "ws"), (16, (5, 4), "ws"), (32, (2, 3), "ws")])
+def test_forced_k_splits_fix_up_across_ctas_and_replay_bit_equal(recipe, block_n, splits, pipeline):
+    # K = 640 (5 K128 blocks) over 3 splits leaves one split without a whole step, and the last step holds one
+    # K128 block (the producer's partial stage); 3 replays reuse the counters
     tokens = block_n + 3
-    plan = se.LaunchPlan(block_n, 2, *splits)
+    plan = se.LaunchPlan(block_n, 2, *splits, pipeline)
     _check(640, 384, recipe, tokens, seed=block_n, plan=plan, capacity=2 * block_n, replays=3)
 
 

@@ -61,6 +61,10 @@ ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2
 # role4: the shared expert runs while dispatch fills the ring) or "after" (role4 waits on role2)
 ROLE4_ORDER_ENV = "GC_MOE_ROLE4_ORDER"
 ROLE4_ORDERS = ("beside", "before", "after")
+# the shared expert's pipeline: "auto" (default: warp-specialized wherever its token tile builds, 1-32 tokens),
+# "cp.async" (everywhere) or "ws" (everywhere: 32-token tiles above 32 tokens)
+SHARED_PIPELINE_ENV = "GC_MOE_SHARED_PIPELINE"
+PACKED_CACHE_SIZE = 8  # weight sets whose packed copy the shared expert keeps
 # "auto": the fused role2 kernel at every token count. Measured on the H200 (docs/sm90-layer.md): with two CTAs
 # per SM at token tile 8 from 2 tokens it is within -17..+5% of W1 and W2 as two nodes at every point of both
 # models (one CTA per SM was 20-40% slower at 2-32 tokens); at a planned tile of 16 its one-CTA bn 16 variant
@@ -175,6 +179,8 @@ class SharedExpert:
         self.se = importlib.import_module(SHARED_EXPERT_MODULE)
         self.hidden, self.intermediate, self.capacity = hidden, intermediate, capacity
         self.ws = self.se.SharedExpertWorkspace.allocate(hidden, intermediate, capacity, device, num_sms)
+        self._packed: OrderedDict = OrderedDict()
+        self.pipeline = shared_pipeline_from_env()  # "auto": warp-specialized wherever the token tile allows
         self.kernels = {}
         for recipe in self.se.RECIPES:  # loaded now: a graph first built inside a capture loads nothing
             name = self.se.recipe_name(recipe)
@@ -182,19 +188,37 @@ class SharedExpert:
                                     for key in ((r, bn) for r in ("w1", "w2") for bn in self.se.BLOCK_N_CHOICES)}
             self.kernels[recipe].update({("fused", bn): _load(self.se.fused_variant(bn, name))
                                          for bn in self.se.BLOCK_N_CHOICES})
+            self.kernels[recipe].update({(f"{r}_ws", bn): _load(self.se.variant(r, bn, name, "ws"))
+                                         for r in ("w1", "w2") for bn in self.se.WS_BLOCK_N})
             for k in self.kernels[recipe].values():
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
 
+    def packed(self, shared):
+        """The weights packed for the warp-specialized pipeline (`shared_expert.pack_weights`), once per weight
+        set: the first call with a weight set should run outside a CUDA graph capture (packing is torch work on
+        the current stream)."""
+        key = tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = self.se.pack_weights(shared)
+            while len(self._packed) > PACKED_CACHE_SIZE:
+                self._packed.popitem(last=False)
+        return packed
+
     def nodes(self, shared, x, x_sf, out, out_row_stride: int, num_tokens: int, fused: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-        """The launches of one call: W1 then W2, or (fused) one kernel doing both (`shared_expert.FUSED_PARAMS`)."""
-        plan = self.se.plan_launch(max(1, num_tokens), self.hidden, self.intermediate, self.ws.num_sms)
+        """The launches of one call: W1 then W2 (the warp-specialized pipeline where the token tile allows it,
+        on the packed weights), or (fused) one kernel doing both (`shared_expert.FUSED_PARAMS`)."""
+        plan = self.se.plan_launch(max(1, num_tokens), self.hidden, self.intermediate, self.ws.num_sms,
+                                   pipeline=self.pipeline)
         if fused:
             return self.se.fused_launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out,
                                              out_row_stride, num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA,
                                              clamp=SWIGLU_CLAMP, timeout_s=timeout_s)
+        packed = self.packed(shared) if plan.pipeline == "ws" else None
         return self.se.launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out, out_row_stride,
-                                   num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA, clamp=SWIGLU_CLAMP)
+                                   num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA, clamp=SWIGLU_CLAMP,
+                                   packed=packed)
 
     def launch(self, shared, x, x_sf, out, num_tokens: int, stream) -> None:
         """Eager W1 then W2 on `stream` into out rows [0, num_tokens) (stride H); captured when it captures."""
@@ -326,6 +350,20 @@ def role4_order_from_env(environ=os.environ) -> str:
     if raw not in ROLE4_ORDERS:
         raise ValueError(f"{ROLE4_ORDER_ENV}={raw!r}; allowed: beside (the default: role4 and role2 concurrent), "
                          f"before (role2 waits on role4) or after (role4 waits on role2)")
+    return raw
+
+
+def shared_pipeline_from_env(environ=os.environ) -> str:
+    """The shared expert's pipeline: GC_MOE_SHARED_PIPELINE "auto" (the default when unset or empty: the
+    warp-specialized one at token tiles 8-32, the cp.async one above), "cp.async" or "ws" (at every token count,
+    32-token tiles above 32 tokens)."""
+    raw = environ.get(SHARED_PIPELINE_ENV, "")
+    if raw in ("", "auto"):
+        return "auto"
+    if raw not in ("cp.async", "ws"):
+        raise ValueError(f"{SHARED_PIPELINE_ENV}={raw!r}; allowed: auto (the default: warp-specialized at 1-32 "
+                         f"tokens), cp.async (every thread copies, a CTA barrier per stage) or ws "
+                         f"(warp-specialized at every token count)")
     return raw
 
 

@@ -48,7 +48,7 @@ Host API (no DSL needed; the layer backend calls these):
 launches that share a workspace must be serialized (stream order or graph edges), as for the layer workspace.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 THREADS = 512
 WARPGROUPS = 4
@@ -64,6 +64,15 @@ AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
 # stages in flight per block_n: every stage moves 4 x 8 KB of weights; the count fills ~200 KB of shared memory
 STAGES = {8: 5, 16: 5, 32: 4, 64: 3}
 SMEM_LIMIT = 227 * 1024
+# The two pipelines. "cp.async": every thread copies 16-byte pieces of the stage, a CTA barrier per stage (the
+# first version; bn 64 and the fused role4 kernel keep it). "ws" (warp-specialized): one producer warp fills a
+# ring of stages, each completing on its "full" mbarrier: the weight tile's K128 blocks and their scale words as
+# ONE bulk copy each from the packed weights (`pack_weights`: tile-contiguous, already in the WGMMA operand's
+# core-matrix order), the token rows as 16-byte cp.async; the 4 consumer warpgroups wait on "full", compute and
+# release the stage on its "empty" mbarrier: no CTA barrier per stage, nothing for the consumers to issue.
+PIPELINES = ("cp.async", "ws")
+WS_BLOCK_N = (8, 16, 32)  # bn 64 needs 128 registers per thread: 544 threads do not fit the register file
+PRODUCER_THREADS = 32
 
 PARAMS_W1 = (
     ("w", "u64"), ("w_sf", "u64"), ("x", "u64"), ("x_sf", "u64"), ("act", "u64"), ("act_scale", "u64"),
@@ -83,6 +92,7 @@ class SharedConfig:
     role: str  # "w1" or "w2"
     block_n: int = 8
     recipe: str = "k32"  # "k32" = (1,1,32), "block128" = (1,128,128)
+    pipeline: str = "cp.async"  # or "ws" (PIPELINES)
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -91,6 +101,19 @@ class SharedConfig:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
         if self.recipe not in RECIPES.values():
             raise ValueError(f"recipe must be one of {sorted(RECIPES.values())}, got {self.recipe!r}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.pipeline == "ws" and self.block_n not in WS_BLOCK_N:
+            raise ValueError(f"the warp-specialized pipeline runs block_n {WS_BLOCK_N}, got {self.block_n}")
+
+    @property
+    def ws(self) -> bool:
+        return self.pipeline == "ws"
+
+    @property
+    def threads(self) -> int:
+        """The CTA: 4 consumer warpgroups, and the producer warp with the warp-specialized pipeline."""
+        return THREADS + (PRODUCER_THREADS if self.ws else 0)
 
     @property
     def stages(self) -> int:
@@ -119,8 +142,13 @@ class SharedConfig:
         return self.stages * self.stage_bytes
 
     @property
-    def smem_bytes(self) -> int:
+    def barrier_offset(self) -> int:
+        """The warp-specialized ring's mbarriers (full, then empty, 8 bytes each), past the flag words."""
         return self.flag_offset + 128
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.barrier_offset + (-(-2 * self.stages * 8 // 128) * 128 if self.ws else 0)
 
     # epilogue, after the pipeline drained: the 3 partials of warpgroups 1..3, then the amax table
     @property
@@ -142,7 +170,7 @@ class SharedConfig:
 
     @property
     def name(self) -> str:
-        return f"sm90_shared_expert_{self.role}_n{self.block_n}_{self.recipe}"
+        return f"sm90_shared_expert_{self.role}_n{self.block_n}_{self.recipe}" + ("_ws" if self.ws else "")
 
 
 def recipe_name(recipe) -> str:
@@ -177,24 +205,75 @@ class LaunchPlan:
     token_tiles: int
     k_splits_w1: int
     k_splits_w2: int
+    pipeline: str = "cp.async"
 
 
-def plan_launch(num_tokens: int, hidden: int, inter: int, num_sms: int = 132, max_tokens: int | None = None):
-    """block_n = the smallest choice >= the tokens (64 beyond), token tiles for `max_tokens` (default:
-    num_tokens), and per GEMM the most K splits that keep every CTA in one wave on `num_sms` SMs."""
+def default_pipeline(block_n: int) -> str:
+    """The warp-specialized pipeline wherever it builds (block_n in WS_BLOCK_N), else the cp.async one."""
+    return "ws" if block_n in WS_BLOCK_N else "cp.async"
+
+
+def plan_launch(num_tokens: int, hidden: int, inter: int, num_sms: int = 132, max_tokens: int | None = None,
+                pipeline: str = "auto"):
+    """block_n = the smallest choice >= the tokens (64 beyond; "ws" asked for: 32 beyond, more token tiles),
+    token tiles for `max_tokens` (default: num_tokens), per GEMM the most K splits that keep every CTA in one
+    wave on `num_sms` SMs, and the pipeline ("auto": `default_pipeline`, or one of PIPELINES)."""
     if num_tokens < 0 or hidden % 128 or inter % 128 or hidden < 128 or inter < 128:
         raise ValueError(f"tokens {num_tokens} >= 0, hidden {hidden} and inter {inter} multiples of 128 needed")
     tokens = max(1, max_tokens if max_tokens is not None else num_tokens)
     if tokens < num_tokens:
         raise ValueError(f"max_tokens {max_tokens} < num_tokens {num_tokens}")
-    block_n = next((b for b in BLOCK_N_CHOICES if b >= tokens), BLOCK_N_CHOICES[-1])
+    choices = WS_BLOCK_N if pipeline == "ws" else BLOCK_N_CHOICES
+    block_n = next((b for b in choices if b >= tokens), choices[-1])
     token_tiles = -(-tokens // block_n)
 
     def splits(rows, k):
         ctas = rows // TILE_ROWS * token_tiles
         return max(1, min(num_sms // ctas, super_steps(k // 128))) if ctas <= num_sms else 1
 
-    return LaunchPlan(block_n, token_tiles, splits(2 * inter, hidden), splits(hidden, inter))
+    if pipeline == "auto":
+        pipeline = default_pipeline(block_n)
+    SharedConfig("w1", block_n, pipeline=pipeline)  # a pipeline block_n does not allow: the error names why
+    return LaunchPlan(block_n, token_tiles, splits(2 * inter, hidden), splits(hidden, inter), pipeline)
+
+
+# ---------------------------------------------------------------------------------------------- packed weights
+@dataclass(frozen=True)
+class PackedSharedWeights:
+    """The shared expert's weights as the warp-specialized pipeline reads them: per 64-row weight tile (W1's rows
+    in the gate/up interleave of `w1_tile_row_to_weight_row`) and K128 block, 8 KB of E4M3 in the WGMMA
+    operand's core-matrix order (8 rows x 16 bytes per 128-byte core matrix, K-adjacent cores 128 bytes apart,
+    8-row groups 1 KB apart) and the 64 rows' scale words (the k32 recipe's packed UE8M0 int32, the block128
+    recipe's FP32 bits of the row's 128 x 128 block); [tiles, K/128, 8192] uint8 and [tiles, K/128, 64] int32."""
+    w1: object
+    w1_sf: object
+    w2: object
+    w2_sf: object
+    source: tuple  # (data_ptr of w1, w1_sf, w2, w2_sf): the weights these were packed from
+
+
+def _pack_gemm(w, w_sf, row_of, block128: bool):
+    import torch
+
+    rows, k = w.shape
+    tiles, kb = rows // TILE_ROWS, k // K128
+    order = torch.tensor([row_of(m, r) for m in range(tiles) for r in range(TILE_ROWS)], device=w.device)
+    codes = w.view(torch.uint8)[order].view(tiles, 8, 8, kb, 8, 16)  # [tile, row group, row, kb, chunk, 16]
+    codes = codes.permute(0, 3, 1, 4, 2, 5).contiguous().view(tiles, kb, A_BLOCK_BYTES)
+    sf = w_sf[order // 128] if block128 else w_sf[order]  # [rows in tile order, kb]
+    sf = sf.contiguous().view(torch.int32).view(tiles, TILE_ROWS, kb).transpose(1, 2).contiguous()
+    return codes, sf
+
+
+def pack_weights(weights) -> PackedSharedWeights:
+    """`weights` (formats.SharedExpertWeights) packed for the warp-specialized pipeline (once per weight set, on
+    the weights' device; it only moves bytes)."""
+    inter = weights.intermediate
+    block128 = recipe_name(weights.recipe) == "block128"
+    w1, w1_sf = _pack_gemm(weights.w1, weights.w1_sf, lambda m, r: w1_tile_row_to_weight_row(m, r, inter), block128)
+    w2, w2_sf = _pack_gemm(weights.w2, weights.w2_sf, lambda m, r: m * TILE_ROWS + r, block128)
+    source = tuple(t.data_ptr() for t in (weights.w1, weights.w1_sf, weights.w2, weights.w2_sf))
+    return PackedSharedWeights(w1, w1_sf, w2, w2_sf, source)
 
 
 def grid(role: str, plan: LaunchPlan, hidden: int, inter: int) -> tuple[int, int, int]:
@@ -223,7 +302,8 @@ def fixup_group_size(role: str, plan: LaunchPlan) -> int:
 def workspace_sizes(hidden: int, inter: int, capacity: int, num_sms: int = 132) -> tuple[int, int]:
     """(scratch floats, counter words) enough for every plan of 1..capacity tokens, W1 and W2 together
     (W2's regions follow W1's)."""
-    plans = {plan_launch(t, hidden, inter, num_sms) for t in range(1, capacity + 1)}
+    plans = {plan_launch(t, hidden, inter, num_sms, pipeline=p) for t in range(1, capacity + 1)
+             for p in ("auto", "ws")}
     scratch = max(scratch_floats("w1", p, hidden, inter) + scratch_floats("w2", p, hidden, inter) for p in plans)
     counters = max(counter_words("w1", p, hidden, inter) + counter_words("w2", p, hidden, inter) for p in plans)
     return scratch, counters
@@ -323,6 +403,25 @@ def _device_helpers():
 
     h.smem_desc = smem_desc
     h.wgmma_fence = lambda: asm("wgmma.fence.sync.aligned;", [], [])
+    # the warp-specialized pipeline's ring: mbarriers (shared addresses), bulk copies completing on them
+    h.mbarrier_init = lambda a, count: asm(f"mbarrier.init.shared::cta.b64 [$0], {count};", [], [a])
+    h.fence_mbarrier_init = lambda: asm("fence.mbarrier_init.release.cluster;", [], [])
+    h.mbarrier_arrive = lambda a: asm("mbarrier.arrive.shared::cta.b64 _, [$0];", [], [a])
+    h.arrive_expect_tx = lambda a, n: asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", [], [a, n])
+    h.bulk_g2s = lambda dst, src, n, bar: asm(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];", [],
+        [dst, src, n, bar])
+    h.cp_async_arrive_noinc = lambda a: asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", [], [a])
+    h.cp_async_wait_all = lambda: asm("cp.async.wait_all;", [], [])
+    h.warp_sync = lambda: asm("bar.warp.sync -1;", [], [])
+    h.consumer_sync = lambda: asm(f"bar.sync 1, {THREADS};", [], [])  # the 4 consumer warpgroups only
+    # wait for the phase of parity `parity`; trap after 2^26 polls (each try_wait suspends for a while) instead of
+    # hanging when a copy never lands
+    h.mbarrier_wait = lambda a, parity: asm(
+        "{\n.reg .pred done, more;\n.reg .b32 tries;\nmov.b32 tries, 0;\n"
+        "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n@done bra.uni DONE;\n"
+        "add.s32 tries, tries, 1;\nsetp.lt.s32 more, tries, 67108864;\n@more bra.uni WAIT;\ntrap;\n"
+        "DONE:\n}", [], [a, parity])
     return h
 
 
@@ -451,8 +550,9 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                     acc[4 * i + 3] = acc[4 * i + 3] + p[3] * (s_hi * x1)
 
     @cute.jit
-    def tile_product(a, tile, split, row0, count, k_blocks, inter, k_splits, smem, acc):
-        """This CTA's K range of the 64 x BN tile, summed over the 4 warpgroups into warpgroup 0's `acc`."""
+    def tile_product_cp(a, tile, split, row0, count, k_blocks, inter, k_splits, smem, acc):
+        """This CTA's K range of the 64 x BN tile (the cp.async pipeline), summed over the 4 warpgroups into
+        warpgroup 0's `acc`."""
         tid = cute.arch.thread_idx()[0]
         wg = tid // 128
         t = tid % 128
@@ -498,6 +598,145 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
         return tid, wg, t, warp, g, q
 
     @cute.jit
+    def split_steps(split, k_blocks, k_splits):
+        """(first pipeline step, steps) of this CTA's K split."""
+        steps = (k_blocks + WARPGROUPS - 1) // WARPGROUPS
+        per = (steps + k_splits - 1) // k_splits
+        first = split * per
+        last = first + per
+        if last > steps:  # noqa: PLR1730 (a DSL value: Python min() cannot trace it)
+            last = steps
+        n_steps = last - first
+        if n_steps < 0:
+            n_steps = Int32(0)
+        return first, n_steps
+
+    @cute.jit
+    def produce(a, tile, first, n_steps, row0, count, k_blocks, smem, lane):
+        """The producer warp: per stage wait for it to be empty; lane 0 announces the stage's bulk bytes and
+        copies the tile's K128 blocks and their scale words (one bulk copy each, from the packed weights); every
+        lane copies its 16-byte pieces of the token rows and its token-scale words (cp.async, rows past the
+        valid tokens zero-filled), then arrives on the stage's full barrier once they landed."""
+        wp, wsp, tok, tok_sf = a
+        bar = smem + cfg.barrier_offset
+        block0 = Int64(tile) * Int64(k_blocks) + Int64(first * WARPGROUPS)
+        w_src = wp + block0 * A_BLOCK_BYTES
+        s_src = wsp + block0 * (TILE_ROWS * 4)
+        row_bytes = Int64(k_blocks * 128)
+        n_lo = lane % 8
+        c_lo = lane // 8
+        d_lane = c_lo * 128 + n_lo * 16
+        # piece r of the lane (r < BN): b = lane + 32 r of the stage's 4 x BN x 8 pieces -> K128 block
+        # i = 32 r // (8 BN), token n = 8 ((r // 2) mod NSUB) + lane % 8, 16-byte chunk 4 (r % 2) + lane // 8
+        rows_src = []
+        rows_bytes = []
+        for ns in cutlass.range_constexpr(NSUB):
+            nrow = Int64(row0) + Int64(ns * 8 + n_lo)
+            nbytes = Int32(16)
+            if ns * 8 + n_lo >= count:
+                nrow = Int64(row0)
+                nbytes = Int32(0)
+            rows_src.append(tok + nrow * row_bytes + Int64(first * WARPGROUPS * 128 + c_lo * 16))
+            rows_bytes.append(nbytes)
+        # scale word r2 of the lane: b = lane + 32 r2 of the stage's 4 x BN words -> block b // BN, token b % BN
+        xs_src = []
+        xs_bytes = []
+        xs_block = []
+        for r2 in cutlass.range_constexpr(NSUB):
+            b = lane + 32 * r2
+            nrow = Int64(row0) + Int64(b % BN)
+            nbytes = Int32(4)
+            if b % BN >= count:
+                nrow = Int64(row0)
+                nbytes = Int32(0)
+            xs_src.append(tok_sf + (nrow * Int64(k_blocks) + Int64(first * WARPGROUPS + b // BN)) * 4)
+            xs_bytes.append(nbytes)
+            xs_block.append(b // BN)
+        for it in cutlass.range(n_steps):
+            stage = it % STG
+            full = bar + stage * 8
+            sbase = smem + stage * cfg.stage_bytes
+            if it >= STG:
+                ptx.mbarrier_wait(bar + (STG + stage) * 8, ((it // STG) + 1) % 2)
+            blocks = k_blocks - (first + it) * WARPGROUPS
+            if blocks > WARPGROUPS:  # noqa: PLR1730
+                blocks = Int32(WARPGROUPS)
+            if lane == 0:
+                ptx.arrive_expect_tx(full, blocks * (A_BLOCK_BYTES + TILE_ROWS * 4))
+                ptx.bulk_g2s(sbase, w_src + Int64(it) * (WARPGROUPS * A_BLOCK_BYTES), blocks * A_BLOCK_BYTES, full)
+                ptx.bulk_g2s(sbase + cfg.ws_offset, s_src + Int64(it) * (WARPGROUPS * TILE_ROWS * 4),
+                             blocks * (TILE_ROWS * 4), full)
+            for r in cutlass.range_constexpr(BN):
+                i = 32 * r // (8 * BN)
+                ns = (r // 2) % NSUB
+                if i < blocks:
+                    ptx.cp_async_16_zfill(
+                        sbase + cfg.b_offset + i * BN * 128 + (ns * 8 + 4 * (r % 2)) * 128 + d_lane,
+                        rows_src[ns] + Int64(it * (WARPGROUPS * 128) + i * 128 + (r % 2) * 64), rows_bytes[ns])
+            for r2 in cutlass.range_constexpr(NSUB):
+                if xs_block[r2] < blocks:
+                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (lane + 32 * r2) * 4,
+                                         xs_src[r2] + Int64(it * WARPGROUPS * 4), xs_bytes[r2])
+            ptx.cp_async_arrive_noinc(full)
+        ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+
+    @cute.jit
+    def consume(first, n_steps, k_blocks, smem, wg, warp, g, q, lane, acc):
+        """A consumer warpgroup: per stage wait for it to be full, compute its K128 block of the stage, release
+        the stage (one arrival per warp)."""
+        bar = smem + cfg.barrier_offset
+        for it in cutlass.range(n_steps):
+            stage = it % STG
+            ptx.mbarrier_wait(bar + stage * 8, (it // STG) % 2)
+            ptx.fence_proxy_async()  # the token rows came through cp.async (generic proxy)
+            if (first + it) * WARPGROUPS + wg < k_blocks:  # warpgroup-uniform: WGMMA is warpgroup-collective
+                compute_stage(smem, stage, wg, warp, g, q, acc)
+            ptx.warp_sync()
+            if lane == 0:
+                ptx.mbarrier_arrive(bar + (STG + stage) * 8)
+
+    @cute.jit
+    def tile_product_ws(a, tile, split, row0, count, k_blocks, inter, k_splits, smem, acc):
+        """This CTA's K range of the 64 x BN tile (the warp-specialized pipeline), summed over the 4 consumer
+        warpgroups into warpgroup 0's `acc`. The producer warp returns after its copies (tid >= THREADS: the
+        caller's epilogue is the consumers' alone)."""
+        tid = cute.arch.thread_idx()[0]
+        wg = tid // 128
+        t = tid % 128
+        warp = t // 32
+        lane = tid % 32
+        g = lane // 4
+        q = lane % 4
+        for i in cutlass.range_constexpr(HALF):
+            acc[i] = Float32(0.0)
+        first, n_steps = split_steps(split, k_blocks, k_splits)
+        bar = smem + cfg.barrier_offset
+        if tid == 0:
+            for st in cutlass.range_constexpr(STG):
+                ptx.mbarrier_init(bar + st * 8, PRODUCER_THREADS + 1)  # each lane's copies + the byte count
+                ptx.mbarrier_init(bar + (STG + st) * 8, THREADS // 32)  # each consumer warp
+            ptx.fence_mbarrier_init()
+        ptx.barrier_sync()
+        if tid >= THREADS:
+            produce(a, tile, first, n_steps, row0, count, k_blocks, smem, lane)
+        else:
+            consume(first, n_steps, k_blocks, smem, wg, warp, g, q, lane, acc)
+            ptx.consumer_sync()  # every stage is consumed: the ring's shared memory is reused below
+            if wg > 0:
+                for i in cutlass.range_constexpr(HALF):
+                    ptx.sts_f32(smem + (((wg - 1) * HALF + i) * 128 + t) * 4, acc[i])
+            ptx.consumer_sync()
+            if wg == 0:
+                for w in cutlass.range_constexpr(WARPGROUPS - 1):
+                    for i in cutlass.range_constexpr(HALF):
+                        acc[i] = acc[i] + ptx.lds_f32(smem + ((w * HALF + i) * 128 + t) * 4)
+        return tid, wg, t, warp, g, q
+
+    tile_product = tile_product_ws if cfg.ws else tile_product_cp
+    # the epilogue's barrier: the consumers only when a producer warp shares the CTA
+    epilogue_sync = ptx.consumer_sync if cfg.ws else ptx.barrier_sync
+
+    @cute.jit
     def arrive_last(tid, wg, t, acc, scratch, slot, counter, group):
         """Warpgroup 0 stores this CTA's partial tile in its scratch slot; returns 1 in the CTA that arrives
         last at `counter` (which it resets), else 0. The slot layout is [accumulator index][thread]."""
@@ -505,7 +744,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
             for i in cutlass.range_constexpr(HALF):
                 ptx.stg_f32_cg(scratch + ((Int64(slot) * HALF + i) * 128 + t) * 4, acc[i])
             ptx.fence_gpu()
-        ptx.barrier_sync()
+        epilogue_sync()
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         if tid == 0:
             old = ptx.atom_add_acq_rel(counter, Int32(1))
@@ -514,7 +753,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                 last = Int32(1)
                 ptx.st_relaxed_s32(counter, Int32(0))  # every CTA of the group arrived: ready for the next launch
             ptx.sts_s32(smem + cfg.flag_offset, last)
-        ptx.barrier_sync()
+        epilogue_sync()
         is_last = ptx.lds_s32(smem + cfg.flag_offset)
         if is_last == 1:
             ptx.fence_gpu()
@@ -531,6 +770,50 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
 
     if W1:
         @cute.jit
+        def w1_finish(act, act_scale, scratch, counters, inter, k_splits, alpha, clamp, tt, split, tile, token_tiles,
+                      count, row0, smem, acc, tid, wg, t, warp, g, q):
+            """The consumers' part after the tile product: the fixup group's arrival, then (its last CTA) SwiGLU,
+            the amax over the 128 channels of the group and the E4M3 rows with their scale."""
+            group = tile // W1_TILES_PER_GROUP
+            slot = (tile * k_splits + split) * token_tiles + tt
+            is_last = arrive_last(tid, wg, t, acc, scratch, slot, counters + Int64(group * token_tiles + tt) * 4,
+                                  W1_TILES_PER_GROUP * k_splits)
+            if is_last == 1:
+                # warpgroup v takes weight tile 4 group + v: 32 channels of this K128 scale group
+                my_tile = group * W1_TILES_PER_GROUP + wg
+                sum_slots(acc, scratch, my_tile * k_splits * token_tiles + tt, token_tiles, k_splits, t)
+                channel = my_tile * 32 + warp * 8 + g
+                hv = cute.make_rmem_tensor((BN // 4,), Float32)
+                for i in cutlass.range_constexpr(NSUB):
+                    for c in cutlass.range_constexpr(2):
+                        n = 8 * i + 2 * q + c
+                        gate = ptx.fmin(acc[4 * i + c], clamp)
+                        up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c], clamp), -clamp)
+                        h = gate * ptx.fast_sigmoid(gate * alpha) * up
+                        hv[2 * i + c] = h
+                        m = ptx.fabs(h)
+                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
+                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
+                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
+                        if g == 0:
+                            ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
+                epilogue_sync()
+                for i in cutlass.range_constexpr(NSUB):
+                    for c in cutlass.range_constexpr(2):
+                        n = 8 * i + 2 * q + c
+                        amax = Float32(0.0)
+                        for p in cutlass.range_constexpr(16):
+                            amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
+                        amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
+                        inv = Float32(FP8_MAX) * ptx.rcp(amax)
+                        if n < count:
+                            nrow = Int64(row0) + Int64(n)
+                            ptx.stg_e4m3(act + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
+                            if tid < 4:
+                                ptx.stg_f32(act_scale + (nrow * Int64(inter // 128) + Int64(group)) * 4,
+                                            amax * Float32(1.0 / FP8_MAX))
+
+        @cute.jit
         def w1_body(w, w_sf, x, x_sf, act, act_scale, scratch, counters, num_tokens, k_blocks, inter, k_splits,
                     alpha, clamp, tt, split, tile, token_tiles):
             count = num_tokens - tt * BN
@@ -540,44 +823,13 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                 acc = cute.make_rmem_tensor((HALF,), Float32)
                 tid, wg, t, warp, g, q = tile_product((w, w_sf, x, x_sf), tile, split, row0, count, k_blocks,
                                                       inter, k_splits, smem, acc)
-                group = tile // W1_TILES_PER_GROUP
-                slot = (tile * k_splits + split) * token_tiles + tt
-                is_last = arrive_last(tid, wg, t, acc, scratch, slot, counters + Int64(group * token_tiles + tt) * 4,
-                                      W1_TILES_PER_GROUP * k_splits)
-                if is_last == 1:
-                    # warpgroup v takes weight tile 4 group + v: 32 channels of this K128 scale group
-                    my_tile = group * W1_TILES_PER_GROUP + wg
-                    sum_slots(acc, scratch, my_tile * k_splits * token_tiles + tt, token_tiles, k_splits, t)
-                    channel = my_tile * 32 + warp * 8 + g
-                    hv = cute.make_rmem_tensor((BN // 4,), Float32)
-                    for i in cutlass.range_constexpr(NSUB):
-                        for c in cutlass.range_constexpr(2):
-                            n = 8 * i + 2 * q + c
-                            gate = ptx.fmin(acc[4 * i + c], clamp)
-                            up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c], clamp), -clamp)
-                            h = gate * ptx.fast_sigmoid(gate * alpha) * up
-                            hv[2 * i + c] = h
-                            m = ptx.fabs(h)
-                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 4))
-                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
-                            m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
-                            if g == 0:
-                                ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
-                    ptx.barrier_sync()
-                    for i in cutlass.range_constexpr(NSUB):
-                        for c in cutlass.range_constexpr(2):
-                            n = 8 * i + 2 * q + c
-                            amax = Float32(0.0)
-                            for p in cutlass.range_constexpr(16):
-                                amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
-                            amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
-                            inv = Float32(FP8_MAX) * ptx.rcp(amax)
-                            if n < count:
-                                nrow = Int64(row0) + Int64(n)
-                                ptx.stg_e4m3(act + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
-                                if tid < 4:
-                                    ptx.stg_f32(act_scale + (nrow * Int64(inter // 128) + Int64(group)) * 4,
-                                                amax * Float32(1.0 / FP8_MAX))
+                rest = (act, act_scale, scratch, counters, inter, k_splits, alpha, clamp, tt, split, tile,
+                        token_tiles, count, row0, smem, acc, tid, wg, t, warp, g, q)
+                if cutlass.const_expr(cfg.ws):
+                    if tid < THREADS:  # the producer warp is done
+                        w1_finish(*rest)
+                else:
+                    w1_finish(*rest)
 
         @cute.kernel
         def kernel(w: Int64, w_sf: Int64, x: Int64, x_sf: Int64, act: Int64, act_scale: Int64, scratch: Int64,
@@ -601,6 +853,23 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                         ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c])
 
         @cute.jit
+        def w2_finish(out, scratch, counters, out_row_stride, k_splits, tt, split, tile, token_tiles, count, row0,
+                      acc, tid, wg, t, warp, g, q):
+            """The consumers' part after the tile product: BF16 rows straight from registers, or through the
+            fixup group's last CTA when K is split."""
+            if k_splits == 1:
+                if wg == 0:
+                    store_rows(acc, out, out_row_stride, tile, row0, count, warp, g, q)
+            else:
+                slot = (tile * k_splits + split) * token_tiles + tt
+                is_last = arrive_last(tid, wg, t, acc, scratch, slot,
+                                      counters + Int64(tile * token_tiles + tt) * 4, k_splits)
+                if is_last == 1:  # noqa: SIM102 (device branches: the DSL traces no `and` of DSL values)
+                    if wg == 0:
+                        sum_slots(acc, scratch, tile * k_splits * token_tiles + tt, token_tiles, k_splits, t)
+                        store_rows(acc, out, out_row_stride, tile, row0, count, warp, g, q)
+
+        @cute.jit
         def w2_body(w, w_sf, act, act_scale, out, scratch, counters, num_tokens, k_blocks, out_row_stride, k_splits,
                     tt, split, tile, token_tiles):
             count = num_tokens - tt * BN
@@ -610,17 +879,13 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                 acc = cute.make_rmem_tensor((HALF,), Float32)
                 tid, wg, t, warp, g, q = tile_product((w, w_sf, act, act_scale), tile, split, row0, count,
                                                       k_blocks, Int32(0), k_splits, smem, acc)
-                if k_splits == 1:
-                    if wg == 0:
-                        store_rows(acc, out, out_row_stride, tile, row0, count, warp, g, q)
+                rest = (out, scratch, counters, out_row_stride, k_splits, tt, split, tile, token_tiles, count, row0,
+                        acc, tid, wg, t, warp, g, q)
+                if cutlass.const_expr(cfg.ws):
+                    if tid < THREADS:  # the producer warp is done
+                        w2_finish(*rest)
                 else:
-                    slot = (tile * k_splits + split) * token_tiles + tt
-                    is_last = arrive_last(tid, wg, t, acc, scratch, slot,
-                                          counters + Int64(tile * token_tiles + tt) * 4, k_splits)
-                    if is_last == 1:  # noqa: SIM102 (device branches: the DSL traces no `and` of DSL values)
-                        if wg == 0:
-                            sum_slots(acc, scratch, tile * k_splits * token_tiles + tt, token_tiles, k_splits, t)
-                            store_rows(acc, out, out_row_stride, tile, row0, count, warp, g, q)
+                    w2_finish(*rest)
 
         @cute.kernel
         def kernel(w: Int64, w_sf: Int64, act: Int64, act_scale: Int64, out: Int64, scratch: Int64,
@@ -640,7 +905,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
 def _host_launcher(cfg: SharedConfig, kernel):
     from cutlass import Float32, Int32, Int64, cute
 
-    launch = {"grid": (1, 1, 1), "block": (THREADS, 1, 1), "smem": cfg.smem_bytes}
+    launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
     if cfg.role == "w1":
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -655,7 +920,8 @@ def _host_launcher(cfg: SharedConfig, kernel):
     return host
 
 
-def build_shared_expert(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, recipe: str = "k32"):
+def build_shared_expert(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, recipe: str = "k32",
+                        pipeline: str = "cp.async"):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Float32, Int32, Int64
 
@@ -663,12 +929,12 @@ def build_shared_expert(arch: str = "sm_90a", role: str = "w1", block_n: int = 8
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 shared-expert kernels are built for sm_90a only, not {arch!r}")
-    cfg = SharedConfig(role, block_n, recipe)
+    cfg = SharedConfig(role, block_n, recipe, pipeline)
     if cfg.smem_bytes > SMEM_LIMIT:
         raise ValueError(f"{cfg.name}: {cfg.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}")
     host = _host_launcher(cfg, _make_kernel(cfg))
     args = tuple(Int64(0) if kind == "u64" else Float32(1.0) if kind == "f32" else Int32(1) for _, kind in cfg.params)
-    return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
+    return CompileRequest(host, args, LaunchShape(block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
 # ---------------------------------------------------------------------------------------------- fused (role4 as one node)
@@ -800,32 +1066,42 @@ PROMISES_W1 = PROMISES + ("cvt.rn.satfinite.e4m3x2.f32", "ex2.approx")
 PROMISES_W2 = PROMISES + ("cvt.rn.bf16.f32",)
 
 
-def variant(role: str, block_n: int, recipe: str = "k32"):
+PROMISES_WS = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+               "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64")
+
+
+def variant(role: str, block_n: int, recipe: str = "k32", pipeline: str = "cp.async"):
     """The runtime KernelVariant of one configuration (what the registry builds and `load` loads)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    SharedConfig(role, block_n, recipe)
+    cfg = SharedConfig(role, block_n, recipe, pipeline)
+    promises = PROMISES_W1 if role == "w1" else PROMISES_W2
     return KernelVariant.make(
-        "sm90.shared_expert", MODULE, "build_shared_expert", {"role": role, "block_n": block_n, "recipe": recipe},
-        promises=PROMISES_W1 if role == "w1" else PROMISES_W2, local_bytes_budget=0,
-            )
+        "sm90.shared_expert", MODULE, "build_shared_expert",
+        {"role": role, "block_n": block_n, "recipe": recipe, "pipeline": pipeline},
+        promises=promises + (PROMISES_WS if cfg.ws else ()), local_bytes_budget=0)
 
 
 def all_variants():
-    """Both roles and the fused kernel, every block_n, both shared recipes."""
-    return [variant(role, bn, recipe) for recipe in ("k32", "block128") for role in ("w1", "w2")
-            for bn in BLOCK_N_CHOICES] + [fused_variant(bn, recipe) for recipe in ("k32", "block128")
-                                          for bn in BLOCK_N_CHOICES]
+    """Both roles of both pipelines (every block_n each builds), and the fused kernel, both shared recipes."""
+    return ([variant(role, bn, recipe) for recipe in ("k32", "block128") for role in ("w1", "w2")
+             for bn in BLOCK_N_CHOICES]
+            + [variant(role, bn, recipe, "ws") for recipe in ("k32", "block128") for role in ("w1", "w2")
+               for bn in WS_BLOCK_N]
+            + [fused_variant(bn, recipe) for recipe in ("k32", "block128") for bn in BLOCK_N_CHOICES])
 
 
 # ---------------------------------------------------------------------------------------------- launch
 def load(arch: str = "sm_90a", recipe=(1, 1, 32), cache_dir=None) -> dict:
-    """{(role, block_n): LoadedKernel} of one shared recipe from the cubin cache (build them first)."""
+    """{(role, block_n): LoadedKernel} of one shared recipe from the cubin cache (build them first): roles "w1",
+    "w2" (the cp.async pipeline), "w1_ws", "w2_ws" (warp-specialized) and "fused"."""
     from gc_moe.runtime import jit
 
     name = recipe_name(recipe)
     kernels = {(role, bn): jit.load_kernel(variant(role, bn, name), arch, cache_dir)
                for role in ("w1", "w2") for bn in BLOCK_N_CHOICES}
+    kernels.update({(f"{role}_ws", bn): jit.load_kernel(variant(role, bn, name, "ws"), arch, cache_dir)
+                    for role in ("w1", "w2") for bn in WS_BLOCK_N})
     kernels.update({("fused", bn): jit.load_kernel(fused_variant(bn, name), arch, cache_dir) for bn in BLOCK_N_CHOICES})
     return kernels
 
@@ -838,13 +1114,15 @@ def _check_cuda(what, t, dtype, shape=None):
 
 
 def launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_tokens: int, ws,
-                plan: LaunchPlan | None = None, alpha: float = 1.0, clamp: float | None = 10.0) -> list:
+                plan: LaunchPlan | None = None, alpha: float = 1.0, clamp: float | None = 10.0,
+                packed: PackedSharedWeights | None = None) -> list:
     """[(name, kernel, grid, args)] of the W1 and W2 launches (graph nodes or eager launches).
 
     weights: formats.SharedExpertWeights of the kernels' recipe; x float8_e4m3fn [C, H], x_sf int32 [C, H/128]
     (rows >= num_tokens, read in place); out: a BF16 tensor (or its element address range) receiving rows
     0..num_tokens-1 at `out_row_stride` elements; ws: SharedExpertWorkspace; plan: plan_launch(...) (default:
-    the plan for num_tokens on ws.num_sms SMs); clamp None = no clamp.
+    the plan for num_tokens on ws.num_sms SMs); clamp None = no clamp; packed: `pack_weights(weights)`, needed
+    when the plan's pipeline is "ws" (the kernels read the packed weights and the scale words from it).
     """
     import torch
 
@@ -877,18 +1155,27 @@ def launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_t
     if need_scratch > ws.scratch.numel() or need_counters > ws.counters.numel():
         raise ValueError(f"plan {plan} needs {need_scratch} scratch floats and {need_counters} counters, the "
                          f"workspace has {ws.scratch.numel()} and {ws.counters.numel()}")
-    k1, k2 = kernels[("w1", plan.block_n)], kernels[("w2", plan.block_n)]
+    src = weights
+    suffix = ""
+    if plan.pipeline == "ws":
+        if packed is None:
+            raise ValueError("the warp-specialized pipeline reads packed weights: pass packed=pack_weights(weights)")
+        if packed.source != tuple(t.data_ptr() for t in (weights.w1, weights.w1_sf, weights.w2, weights.w2_sf)):
+            raise ValueError("packed was not packed from these weights (pack_weights(weights) again)")
+        src, suffix = packed, "_ws"
+    k1, k2 = kernels[("w1" + suffix, plan.block_n)], kernels[("w2" + suffix, plan.block_n)]
     for k, role in ((k1, "w1"), (k2, "w2")):
         params = dict(k.entry.variant.params)
-        if params["role"] != role or params["recipe"] != name:
-            raise ValueError(f"kernel {k.name} is not the {role} kernel of recipe {weights.recipe}")
+        if params["role"] != role or params["recipe"] != name or params.get("pipeline", "cp.async") != plan.pipeline:
+            raise ValueError(f"kernel {k.name} is not the {role} kernel of recipe {weights.recipe} on the "
+                             f"{plan.pipeline} pipeline")
     scratch2 = ws.scratch.data_ptr() + 4 * scratch_floats("w1", plan, hidden, inter)
     counters2 = ws.counters.data_ptr() + 4 * counter_words("w1", plan, hidden, inter)
     clamp_value = float("inf") if clamp is None else float(clamp)
-    w1_args = [ptr(weights.w1), ptr(weights.w1_sf), ptr(x), ptr(x_sf), ptr(ws.act), ptr(ws.act_scale),
+    w1_args = [ptr(src.w1), ptr(src.w1_sf), ptr(x), ptr(x_sf), ptr(ws.act), ptr(ws.act_scale),
                ptr(ws.scratch), ptr(ws.counters), i32(num_tokens), i32(hidden // 128), i32(inter),
                i32(plan.k_splits_w1), f32(alpha), f32(clamp_value)]
-    w2_args = [ptr(weights.w2), ptr(weights.w2_sf), ptr(ws.act), ptr(ws.act_scale), ptr(out), ptr(scratch2),
+    w2_args = [ptr(src.w2), ptr(src.w2_sf), ptr(ws.act), ptr(ws.act_scale), ptr(out), ptr(scratch2),
                ptr(counters2), i32(num_tokens), i32(inter // 128), i32(out_row_stride), i32(plan.k_splits_w2)]
     return [("shared_w1", k1, grid("w1", plan, hidden, inter), w1_args),
             ("shared_w2", k2, grid("w2", plan, hidden, inter), w2_args)]
@@ -906,6 +1193,7 @@ def fused_launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int,
     if ws.sync is None:
         raise ValueError("the workspace has no sync words: allocate it with SharedExpertWorkspace.allocate")
     plan = plan or plan_launch(max(1, num_tokens), weights.hidden, weights.intermediate, ws.num_sms)
+    plan = replace(plan, pipeline="cp.async")  # the fused kernel's halves run the cp.async pipeline
     (_, _, _, a1), (_, _, _, a2) = launch_args(kernels, weights, x, x_sf, out, out_row_stride, num_tokens, ws,
                                                plan=plan, alpha=alpha, clamp=clamp)
     kernel = kernels[("fused", plan.block_n)]
@@ -1008,62 +1296,68 @@ def read_bandwidth_gbs(gib: int = 4, reps: int = 5) -> float:
     return gib * (1 << 30) / (times[len(times) // 2] * 1e-3) / 1e9
 
 
-def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None), (2, 2))) -> list:
-    """Latency per token count for both models' shared experts (L2 flushed before each launch pair), with
-    the bytes/floor figures: bytes = FP8 weights + scales read once, floor = bytes / amax read bandwidth."""
+def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),),
+          pipelines=PIPELINES) -> list:
+    """Latency per token count for both models' shared experts, per pipeline where the token tile allows it, with
+    the bytes/floor figures: bytes = FP8 weights + scales read once, floor = bytes / amax read bandwidth. Before
+    each W1 -> W2 pair the L2 is flushed by READING 512 MB (a write flush would leave ~50 MB of dirty lines whose
+    write-back lands in W1's time)."""
     import torch
 
     from gc_moe.runtime.launch import launch as launch_kernel
 
     torch.zeros(1, device="cuda")
     bandwidth = read_bandwidth_gbs()
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    flush = torch.ones(256 << 20, dtype=torch.float16, device="cuda")
     stream = torch.cuda.current_stream()
     rows = []
     for model, (hidden, inter, recipe) in MODELS.items():
         kernels = load("sm_90a", recipe)
         cap = max(tokens)
         weights, x, x_sf = random_inputs(hidden, inter, recipe, cap, seed=1)
+        packed = pack_weights(weights)
         nbytes = sum(t.numel() * t.element_size() for t in (weights.w1, weights.w1_sf, weights.w2, weights.w2_sf))
         ws = SharedExpertWorkspace.allocate(hidden, inter, cap, "cuda")
         out = torch.empty(cap, hidden, dtype=torch.bfloat16, device="cuda")
         for t in tokens:
-            for s1, s2 in split_overrides:
-                base = plan_launch(t, hidden, inter)
-                plan = LaunchPlan(base.block_n, base.token_tiles, s1 or base.k_splits_w1, s2 or base.k_splits_w2)
-                need = sum(scratch_floats(r, plan, hidden, inter) for r in ("w1", "w2"))
-                if need > ws.scratch.numel():  # a forced-split plan: more partial tiles
-                    ws.scratch = torch.empty(need, dtype=torch.float32, device="cuda")
-                need = sum(counter_words(r, plan, hidden, inter) for r in ("w1", "w2"))
-                if need > ws.counters.numel():
-                    ws.counters = torch.zeros(need, dtype=torch.int32, device="cuda")
-                nodes = launch_args(kernels, weights, x, x_sf, out, hidden, t, ws, plan=plan)
-                w1t, w2t = [], []
-                for _ in range(reps + 2):
-                    flush.zero_()
-                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                    ev[0].record()
-                    launch_kernel(nodes[0][1], nodes[0][2], nodes[0][3], stream)
-                    ev[1].record()
-                    launch_kernel(nodes[1][1], nodes[1][2], nodes[1][3], stream)
-                    ev[2].record()
-                    ev[2].synchronize()
-                    w1t.append(ev[0].elapsed_time(ev[1]) * 1e3)
-                    w2t.append(ev[1].elapsed_time(ev[2]) * 1e3)
-                tot = sorted(a + b for a, b in zip(w1t[2:], w2t[2:]))
-                med = tot[len(tot) // 2]
-                floor = nbytes / (bandwidth * 1e9) * 1e6
-                rows.append({
-                    "model": model, "tokens": t, "block_n": plan.block_n, "k_splits": (plan.k_splits_w1,
-                                                                                      plan.k_splits_w2),
-                    "default_plan": (s1, s2) == (None, None), "bytes": nbytes, "bandwidth_gbs": round(bandwidth, 1),
-                    "floor_us": round(floor, 2), "us": round(med, 2), "w1_us": round(sorted(w1t[2:])[reps // 2], 2),
-                    "w2_us": round(sorted(w2t[2:])[reps // 2], 2), "pct_of_bw": round(100 * floor / med, 1),
-                })
+            for pipeline in pipelines:
+                base = plan_launch(t, hidden, inter, pipeline=pipeline)  # "ws": 32-token tiles above 32 tokens
+                for s1, s2 in split_overrides:
+                    plan = LaunchPlan(base.block_n, base.token_tiles, s1 or base.k_splits_w1, s2 or base.k_splits_w2,
+                                      pipeline)
+                    need = sum(scratch_floats(r, plan, hidden, inter) for r in ("w1", "w2"))
+                    if need > ws.scratch.numel():  # a forced-split plan: more partial tiles
+                        ws.scratch = torch.empty(need, dtype=torch.float32, device="cuda")
+                    need = sum(counter_words(r, plan, hidden, inter) for r in ("w1", "w2"))
+                    if need > ws.counters.numel():
+                        ws.counters = torch.zeros(need, dtype=torch.int32, device="cuda")
+                    nodes = launch_args(kernels, weights, x, x_sf, out, hidden, t, ws, plan=plan, packed=packed)
+                    w1t, w2t = [], []
+                    for _ in range(reps + 2):
+                        flush.amax()
+                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                        ev[0].record()
+                        launch_kernel(nodes[0][1], nodes[0][2], nodes[0][3], stream)
+                        ev[1].record()
+                        launch_kernel(nodes[1][1], nodes[1][2], nodes[1][3], stream)
+                        ev[2].record()
+                        ev[2].synchronize()
+                        w1t.append(ev[0].elapsed_time(ev[1]) * 1e3)
+                        w2t.append(ev[1].elapsed_time(ev[2]) * 1e3)
+                    tot = sorted(a + b for a, b in zip(w1t[2:], w2t[2:]))
+                    med = tot[len(tot) // 2]
+                    floor = nbytes / (bandwidth * 1e9) * 1e6
+                    rows.append({
+                        "model": model, "tokens": t, "block_n": plan.block_n, "pipeline": pipeline,
+                        "k_splits": (plan.k_splits_w1, plan.k_splits_w2), "default_plan": (s1, s2) == (None, None),
+                        "bytes": nbytes, "bandwidth_gbs": round(bandwidth, 1), "floor_us": round(floor, 2),
+                        "us": round(med, 2), "w1_us": round(sorted(w1t[2:])[reps // 2], 2),
+                        "w2_us": round(sorted(w2t[2:])[reps // 2], 2), "pct_of_bw": round(100 * floor / med, 1),
+                    })
     return rows
 
 
-def profile_launches(model: str, num_tokens: int, launches: int = 3) -> None:
+def profile_launches(model: str, num_tokens: int, launches: int = 3, pipeline: str = "auto") -> None:
     """W1 then W2 of one model's shared expert at `num_tokens`, `launches` times eagerly (for a profiler: the
     kernels are the only `kernel_cutlass` launches of the process)."""
     import torch
@@ -1074,7 +1368,9 @@ def profile_launches(model: str, num_tokens: int, launches: int = 3) -> None:
     weights, x, x_sf = random_inputs(hidden, inter, recipe, max(num_tokens, 1), seed=1)
     ws = SharedExpertWorkspace.allocate(hidden, inter, max(num_tokens, 1), "cuda")
     out = torch.empty(max(num_tokens, 1), hidden, dtype=torch.bfloat16, device="cuda")
-    nodes = launch_args(kernels, weights, x, x_sf, out, hidden, num_tokens, ws)
+    plan = plan_launch(max(num_tokens, 1), hidden, inter, pipeline=pipeline)
+    nodes = launch_args(kernels, weights, x, x_sf, out, hidden, num_tokens, ws, plan=plan,
+                        packed=pack_weights(weights) if plan.pipeline == "ws" else None)
     stream = torch.cuda.current_stream()
     for _ in range(launches):
         launch(stream, nodes)
@@ -1089,15 +1385,17 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Latency of the shared-expert kernels on a GPU (both models).")
     p.add_argument("out", nargs="?", default=os.environ.get("OUT"), help="folder for shared_expert_bench.json")
     p.add_argument("--profile", default="", help="model:tokens: only launch W1 -> W2 three times (for ncu)")
+    p.add_argument("--pipeline", default="auto", help="with --profile: auto, cp.async or ws")
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     args = p.parse_args()
     if args.profile:
         model, tokens = args.profile.split(":")
-        profile_launches(model, int(tokens))
+        profile_launches(model, int(tokens), pipeline=args.pipeline)
         raise SystemExit(0)
-    results = bench()
-    print("model tokens bn splits(w1,w2) default bytes floor_us us w1_us w2_us %bw")
+    results = bench(tuple(int(t) for t in args.tokens.split(",")))
+    print("model tokens bn pipeline splits(w1,w2) bytes floor_us us w1_us w2_us %bw")
     for r in results:
-        print(r["model"], r["tokens"], r["block_n"], r["k_splits"], r["default_plan"], r["bytes"], r["floor_us"],
+        print(r["model"], r["tokens"], r["block_n"], r["pipeline"], r["k_splits"], r["bytes"], r["floor_us"],
               r["us"], r["w1_us"], r["w2_us"], r["pct_of_bw"])
     if args.out:
         with open(os.path.join(args.out, "shared_expert_bench.json"), "w") as f:
