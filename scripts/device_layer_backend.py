@@ -83,6 +83,7 @@ def layer_parts(layer, num_tokens: int, replays: int) -> dict:
 
 
 ROLE4_FORMS = {  # step 6: (role2_nodes, role4_fused, role4_order)
+    "default": ("auto", False, "auto"),
     "beside_nodes": ("auto", False, "beside"),
     "beside_fused": (1, True, "beside"),
     "before_fused": ("auto", True, "before"),

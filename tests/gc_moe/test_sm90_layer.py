@@ -372,6 +372,12 @@ def test_role4_order_sets_the_shared_expert_s_edges(monkeypatch):
                      "finalize": ("compute", ["dispatch", "role2", "shared"])}
     two = _graph_of(monkeypatch, True, "auto", num_tokens=8, shared=True, role4_order="before")
     assert two["shared_w2"] == ("compute", ["shared_w1"]) and two["role2"] == ("compute", ["shared_w2"])
+    # the default: before at 1 token (five nodes: role4 as W1 -> W2, then the fused role2), beside above
+    assert _graph_of(monkeypatch, True, "auto", num_tokens=1, shared=True, role4_order="auto") == {
+        "dispatch": ("comm", []), "shared_w1": ("compute", []), "shared_w2": ("compute", ["shared_w1"]),
+        "role2": ("compute", ["shared_w2"]), "finalize": ("compute", ["dispatch", "role2", "shared_w2"])}
+    assert _graph_of(monkeypatch, True, "auto", num_tokens=2, shared=True, role4_order="auto") == _graph_of(
+        monkeypatch, True, "auto", num_tokens=2, shared=True, role4_order="beside")
     assert _graph_of(monkeypatch, True, "auto", num_tokens=0, shared=True, role4_order="before") == {
         "dispatch": ("comm", []), "role2": ("compute", []), "finalize": ("compute", ["dispatch", "role2"])}
     for order in sm90_layer.ROLE4_ORDERS:
@@ -384,11 +390,14 @@ def test_role4_order_sets_the_shared_expert_s_edges(monkeypatch):
 
 
 def test_role4_order_reads_the_environment_and_picks_role2_s_form():
-    assert sm90_layer.role4_order_from_env({}) == "beside"
+    assert sm90_layer.role4_order_from_env({}) == "auto"
+    # auto: before role2 at 1 token per rank (where it measured faster), beside above
+    assert [sm90_layer.role4_order_at("auto", t) for t in (0, 1, 2, 256)] == ["before", "before", "beside", "beside"]
+    assert [sm90_layer.role4_order_at("after", t) for t in (1, 256)] == ["after", "after"]
     for order in sm90_layer.ROLE4_ORDERS:
         assert sm90_layer.role4_order_from_env({sm90_layer.ROLE4_ORDER_ENV: order}) == order
     for bad in ("first", "1", "Before"):
-        with pytest.raises(ValueError, match=r"GC_MOE_ROLE4_ORDER=.*allowed: beside .* before .* or after "):
+        with pytest.raises(ValueError, match=r"GC_MOE_ROLE4_ORDER=.*allowed: auto .* beside .* before .* or after "):
             sm90_layer.role4_order_from_env({sm90_layer.ROLE4_ORDER_ENV: bad})
     # only beside role4 does "auto" keep W1 -> W2 from 2 tokens: before or after it, nothing waits for the
     # persistent kernel's SMs
@@ -408,7 +417,7 @@ def test_settings_note():
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
-    layer.role2_ctas, layer.role4_order = 1, "beside"
+    layer.role2_ctas, layer.role4_order = 1, "auto"
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
     layer.role4_fused = True
     assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node")
@@ -527,7 +536,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
-    layer.role2_ctas, layer.role4_order = 2, "beside"
+    layer.role2_ctas, layer.role4_order = 2, "auto"
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}

@@ -72,7 +72,7 @@ def test_split_ranges_cover_every_k_step_once():
 def test_launch_plans_at_the_models_shapes():
     # (H, Is): W1 2Is/64 tiles, W2 H/64 tiles; splits only where every CTA still fits one wave of 132 SMs
     dsv = [se.plan_launch(t, 5120, 2304) for t in (1, 8, 9, 64, 65, 256)]
-    assert [(p.block_n, p.token_tiles) for p in dsv] == [(8, 1), (8, 1), (16, 1), (64, 1), (64, 2), (64, 4)]
+    assert [(p.block_n, p.token_tiles) for p in dsv] == [(8, 1), (8, 1), (16, 1), (32, 2), (32, 3), (32, 8)]
     assert {(p.k_splits_w1, p.k_splits_w2) for p in dsv} == {(1, 1)}  # 72 and 80 CTAs
     glm = se.plan_launch(1, 6144, 2048)
     assert (glm.k_splits_w1, glm.k_splits_w2) == (2, 1)  # 64 W1 tiles -> 128 CTAs; 96 W2 tiles
@@ -85,8 +85,8 @@ def test_launch_plans_at_the_models_shapes():
 def test_workspace_sizes_cover_every_plan_up_to_capacity():
     for hidden, inter in ((5120, 2304), (6144, 2048), (512, 256)):
         scratch, counters = se.workspace_sizes(hidden, inter, 256)
-        for t in range(1, 257):
-            p = se.plan_launch(t, hidden, inter)
+        for t, pipeline in ((t, p) for t in range(1, 257) for p in se.PIPELINES):
+            p = se.plan_launch(t, hidden, inter, pipeline=pipeline)
             assert se.scratch_floats("w1", p, hidden, inter) + se.scratch_floats("w2", p, hidden, inter) <= scratch
             assert se.counter_words("w1", p, hidden, inter) + se.counter_words("w2", p, hidden, inter) <= counters
 
@@ -139,11 +139,12 @@ def test_packed_weights_hold_each_tile_in_the_wgmma_core_matrix_order(recipe):
 
 
 def test_plans_pick_the_warp_specialized_pipeline_where_it_builds():
-    assert [se.plan_launch(t, 6144, 2048).pipeline for t in (1, 8, 9, 32, 33, 256)] == [
-        "ws", "ws", "ws", "ws", "cp.async", "cp.async"]
-    assert se.plan_launch(8, 6144, 2048, pipeline="cp.async").pipeline == "cp.async"
-    wide = se.plan_launch(256, 6144, 2048, pipeline="ws")  # more 32-token tiles instead of 64-token ones
-    assert (wide.block_n, wide.token_tiles, wide.pipeline) == (32, 8, "ws")
+    plans = [se.plan_launch(t, 6144, 2048) for t in (1, 8, 9, 32, 33, 256)]
+    assert [(p.pipeline, p.block_n, p.token_tiles) for p in plans] == [
+        ("ws", 8, 1), ("ws", 8, 1), ("ws", 16, 1), ("ws", 32, 1), ("ws", 32, 2), ("ws", 32, 8)]
+    old = [se.plan_launch(t, 6144, 2048, pipeline="cp.async") for t in (8, 33, 256)]
+    assert [(p.pipeline, p.block_n, p.token_tiles) for p in old] == [
+        ("cp.async", 8, 1), ("cp.async", 64, 1), ("cp.async", 64, 4)]
     with pytest.raises(ValueError, match="warp-specialized pipeline runs block_n"):
         se.SharedConfig("w1", 64, pipeline="ws")
     with pytest.raises(ValueError, match="pipeline must be one of"):
@@ -220,9 +221,11 @@ def test_fused_variants_hold_both_halves_and_the_hand_over(built):
     """Role4 as one kernel: both GEMMs' WGMMAs, the ticket, W1's release per CTA and W2's bounded acquire; no
     local memory except the one slot bn 64 keeps outside its K loops."""
     fused = {v: e for v, e in built.items() if v.name == "sm90.shared_fused"}
-    assert sorted(dict(v.params)["block_n"] for v in fused) == list(se.BLOCK_N_CHOICES)
+    assert sorted(dict(v.params)["block_n"] for v in fused) == sorted(se.BLOCK_N_CHOICES + se.WS_BLOCK_N)
     for variant, entry in fused.items():
         bn = dict(variant.params)["block_n"]
+        cfg = se.SharedConfig("w1", bn, dict(variant.params)["recipe"], dict(variant.params)["pipeline"])
+        assert entry.launch.block == (cfg.threads, 1, 1) and entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         ptx = entry.ptx_path.read_text()
         assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 ", ptx)) == 8
         assert "atom.relaxed.gpu.global.add.s32" in ptx  # the ticket
@@ -346,7 +349,15 @@ def _verify(weights, x, x_sf, tokens, act, scale, y):
 @pytest.mark.parametrize("model", sorted(se.MODELS))
 def test_shared_expert_matches_float32_reference_at_model_shapes(model, tokens):
     hidden, inter, recipe = se.MODELS[model]
-    _check(hidden, inter, recipe, tokens, seed=tokens)  # the default plan: warp-specialized up to 32 tokens
+    _check(hidden, inter, recipe, tokens, seed=tokens)  # the default plan: warp-specialized, 32-token tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 37, 256])
+@pytest.mark.parametrize("model", sorted(se.MODELS))
+def test_cp_async_pipeline_matches_float32_reference(model, tokens):
+    hidden, inter, recipe = se.MODELS[model]
+    _check(hidden, inter, recipe, tokens, seed=tokens + 1, pipeline="cp.async")
 
 
 @pytest.mark.gpu

@@ -57,12 +57,16 @@ ROLE2_NODE_CHOICES = ("auto", 1, 2)
 # the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
 ROLE2_BLOCK_N_ENV = "GC_MOE_ROLE2_BLOCK_N"
 ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
-# where role4 runs against role2 in the compute partition: "beside" (concurrent roots), "before" (role2 waits on
+# where role4 runs against role2 in the compute partition: "auto" (the default: before up to
+# ROLE4_BEFORE_MAX_TOKENS tokens per rank, beside above), "beside" (concurrent roots), "before" (role2 waits on
 # role4: the shared expert runs while dispatch fills the ring) or "after" (role4 waits on role2)
 ROLE4_ORDER_ENV = "GC_MOE_ROLE4_ORDER"
-ROLE4_ORDERS = ("beside", "before", "after")
-# the shared expert's pipeline: "auto" (default: warp-specialized wherever its token tile builds, 1-32 tokens),
-# "cp.async" (everywhere) or "ws" (everywhere: 32-token tiles above 32 tokens)
+ROLE4_ORDERS = ("auto", "beside", "before", "after")
+# Measured on the H200 with role4 on the warp-specialized pipeline (docs/sm90-layer.md): before role2 at 1 token
+# per rank -2.8% (GLM-5.2) / -9.4% (DeepSeek) against beside; at 2 tokens +7-8%, at 4-16 tokens -7..+3%
+ROLE4_BEFORE_MAX_TOKENS = 1
+# the shared expert's pipeline: "auto" (default: shared_expert.AUTO_PIPELINE, the warp-specialized one at every
+# token count), "cp.async" or "ws"
 SHARED_PIPELINE_ENV = "GC_MOE_SHARED_PIPELINE"
 PACKED_CACHE_SIZE = 8  # weight sets whose packed copy the shared expert keeps
 # "auto": the fused role2 kernel at every token count. Measured on the H200 (docs/sm90-layer.md): with two CTAs
@@ -180,7 +184,7 @@ class SharedExpert:
         self.hidden, self.intermediate, self.capacity = hidden, intermediate, capacity
         self.ws = self.se.SharedExpertWorkspace.allocate(hidden, intermediate, capacity, device, num_sms)
         self._packed: OrderedDict = OrderedDict()
-        self.pipeline = shared_pipeline_from_env()  # "auto": warp-specialized wherever the token tile allows
+        self.pipeline = shared_pipeline_from_env()  # "auto": shared_expert.AUTO_PIPELINE
         self.kernels = {}
         for recipe in self.se.RECIPES:  # loaded now: a graph first built inside a capture loads nothing
             name = self.se.recipe_name(recipe)
@@ -190,6 +194,8 @@ class SharedExpert:
                                          for bn in self.se.BLOCK_N_CHOICES})
             self.kernels[recipe].update({(f"{r}_ws", bn): _load(self.se.variant(r, bn, name, "ws"))
                                          for r in ("w1", "w2") for bn in self.se.WS_BLOCK_N})
+            self.kernels[recipe].update({("fused_ws", bn): _load(self.se.fused_variant(bn, name, "ws"))
+                                         for bn in self.se.WS_BLOCK_N})
             for k in self.kernels[recipe].values():
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
 
@@ -207,15 +213,15 @@ class SharedExpert:
 
     def nodes(self, shared, x, x_sf, out, out_row_stride: int, num_tokens: int, fused: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-        """The launches of one call: W1 then W2 (the warp-specialized pipeline where the token tile allows it,
-        on the packed weights), or (fused) one kernel doing both (`shared_expert.FUSED_PARAMS`)."""
+        """The launches of one call: W1 then W2, or (fused) one kernel doing both (`shared_expert.FUSED_PARAMS`);
+        on the warp-specialized pipeline (the default) they read the packed weights."""
         plan = self.se.plan_launch(max(1, num_tokens), self.hidden, self.intermediate, self.ws.num_sms,
                                    pipeline=self.pipeline)
+        packed = self.packed(shared) if plan.pipeline == "ws" else None
         if fused:
             return self.se.fused_launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out,
                                              out_row_stride, num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA,
-                                             clamp=SWIGLU_CLAMP, timeout_s=timeout_s)
-        packed = self.packed(shared) if plan.pipeline == "ws" else None
+                                             clamp=SWIGLU_CLAMP, timeout_s=timeout_s, packed=packed)
         return self.se.launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out, out_row_stride,
                                    num_tokens, self.ws, plan=plan, alpha=SWIGLU_ALPHA, clamp=SWIGLU_CLAMP,
                                    packed=packed)
@@ -342,28 +348,29 @@ def role4_fused_from_env(environ=os.environ) -> bool:
 
 
 def role4_order_from_env(environ=os.environ) -> str:
-    """Where the shared expert (role4) runs against role2: GC_MOE_ROLE4_ORDER "beside" (the default when unset or
-    empty: concurrent roots), "before" (role2 waits on role4) or "after" (role4 waits on role2)."""
+    """Where the shared expert (role4) runs against role2: GC_MOE_ROLE4_ORDER "auto" (the default when unset or
+    empty: `role4_order_at`), "beside" (concurrent roots), "before" (role2 waits on role4) or "after" (role4
+    waits on role2)."""
     raw = environ.get(ROLE4_ORDER_ENV, "")
     if raw == "":
-        return "beside"
+        return "auto"
     if raw not in ROLE4_ORDERS:
-        raise ValueError(f"{ROLE4_ORDER_ENV}={raw!r}; allowed: beside (the default: role4 and role2 concurrent), "
-                         f"before (role2 waits on role4) or after (role4 waits on role2)")
+        raise ValueError(f"{ROLE4_ORDER_ENV}={raw!r}; allowed: auto (the default: before role2 at 1 token per "
+                         f"rank, beside it above), beside (role4 and role2 concurrent), before (role2 waits on "
+                         f"role4) or after (role4 waits on role2)")
     return raw
 
 
 def shared_pipeline_from_env(environ=os.environ) -> str:
-    """The shared expert's pipeline: GC_MOE_SHARED_PIPELINE "auto" (the default when unset or empty: the
-    warp-specialized one at token tiles 8-32, the cp.async one above), "cp.async" or "ws" (at every token count,
-    32-token tiles above 32 tokens)."""
+    """The shared expert's pipeline: GC_MOE_SHARED_PIPELINE "auto" (the default when unset or empty:
+    shared_expert.AUTO_PIPELINE), "cp.async" (every thread copies, a CTA barrier per stage, 64-token tiles above
+    32 tokens) or "ws" (warp-specialized, 32-token tiles above 32 tokens)."""
     raw = environ.get(SHARED_PIPELINE_ENV, "")
     if raw in ("", "auto"):
         return "auto"
     if raw not in ("cp.async", "ws"):
-        raise ValueError(f"{SHARED_PIPELINE_ENV}={raw!r}; allowed: auto (the default: warp-specialized at 1-32 "
-                         f"tokens), cp.async (every thread copies, a CTA barrier per stage) or ws "
-                         f"(warp-specialized at every token count)")
+        raise ValueError(f"{SHARED_PIPELINE_ENV}={raw!r}; allowed: auto (the default: warp-specialized), cp.async "
+                         f"(every thread copies, a CTA barrier per stage) or ws (warp-specialized)")
     return raw
 
 
@@ -410,12 +417,20 @@ def role2_block_n(plan_block_n: int, setting="auto") -> int:
     return min(plan_block_n, max(role2.BLOCK_N_CHOICES))
 
 
-def role2_fused(role2_nodes, num_tokens: int, shared: bool = False, role4_order: str = "beside") -> bool:
+def role4_order_at(setting: str, num_tokens: int) -> str:
+    """Where role4 runs for a call with `num_tokens` tokens per rank: the setting, "auto" resolved."""
+    if setting == "auto":
+        return "before" if num_tokens <= ROLE4_BEFORE_MAX_TOKENS else "beside"
+    return setting
+
+
+def role2_fused(role2_nodes, num_tokens: int, shared: bool = False, role4_order: str = "auto") -> bool:
     """Whether a call with `num_tokens` tokens per rank runs role2 as the one fused kernel; `shared`: the layer
-    runs the shared expert (role4) in the compute partition, `role4_order` where (only "beside" keeps role4's CTAs
-    waiting for the persistent kernel's SMs)."""
+    runs the shared expert (role4) in the compute partition, `role4_order` where (only beside role2 does role4
+    wait for the persistent kernel's SMs)."""
     if role2_nodes == "auto":
-        return not shared or role4_order != "beside" or num_tokens <= ROLE2_FUSED_MAX_TOKENS_WITH_SHARED
+        return (not shared or role4_order_at(role4_order, num_tokens) != "beside"
+                or num_tokens <= ROLE2_FUSED_MAX_TOKENS_WITH_SHARED)
     return role2_nodes == 1
 
 
@@ -427,7 +442,7 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
                   role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2,
-                  role4_order: str = "beside") -> str:
+                  role4_order: str = "auto") -> str:
     """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node or
     not beside role2, the fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one)."""
     role2_text = {"auto": "one fused node (W1 and W2 nodes beside the shared expert from 2 tokens per rank)",
@@ -436,7 +451,7 @@ def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_no
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
             + (" (fused kernel at one CTA per SM)" if role2_ctas == 1 and role2_nodes != 2 else "")
             + ("; role4 one fused node" if role4_fused else "")
-            + (f"; role4 {role4_order} role2" if role4_order != "beside" else ""))
+            + (f"; role4 {role4_order} role2" if role4_order != "auto" else ""))
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -597,8 +612,9 @@ class Sm90Layer:
         if shared is not None and num_tokens and "role4" in keep:
             role4_nodes = self.shared.nodes(shared, ws.x, ws.x_sf, ws.combine[shape.topk], shape.hidden, num_tokens,
                                             fused=self.role4_fused, timeout_s=self.timeout_s)
+        order = role4_order_at(self.role4_order, num_tokens)
         role4_last = None
-        if role4_nodes is not None and self.role4_order == "before":
+        if role4_nodes is not None and order == "before":
             role4_last = self.shared.se.add_to_graph(g, compute, role4_nodes)[-1]
         role2_after = w1_dependencies(d, self.overlap_roots) + ([role4_last] if role4_last is not None else [])
         if "role2" not in keep:
@@ -619,8 +635,8 @@ class Sm90Layer:
                                       ws.combine.view(-1, shape.hidden), plan.expert_rows_bound,
                                       gg.ring_args_w2(ws, shape))
             last = g.add_kernel("w2", k_w2, grid, args, compute, depends_on=[w1])
-        if role4_nodes is not None and self.role4_order != "before":
-            after = [last] if self.role4_order == "after" and last is not None else []
+        if role4_nodes is not None and order != "before":
+            after = [last] if order == "after" and last is not None else []
             role4_last = self.shared.se.add_to_graph(g, compute, role4_nodes, depends_on=after)[-1]
         before_finalize = [n for n in (d, last, role4_last) if n is not None]
         g.add_kernel("finalize", self.k_finalize, self.finalize_ctas,

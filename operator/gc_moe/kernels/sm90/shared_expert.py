@@ -48,7 +48,7 @@ Host API (no DSL needed; the layer backend calls these):
 launches that share a workspace must be serialized (stream order or graph edges), as for the layer workspace.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 THREADS = 512
 WARPGROUPS = 4
@@ -208,21 +208,24 @@ class LaunchPlan:
     pipeline: str = "cp.async"
 
 
-def default_pipeline(block_n: int) -> str:
-    """The warp-specialized pipeline wherever it builds (block_n in WS_BLOCK_N), else the cp.async one."""
-    return "ws" if block_n in WS_BLOCK_N else "cp.async"
+# "auto": the warp-specialized pipeline at every token count (32-token tiles above 32 tokens): on the H200 it was
+# 33-40% faster than the cp.async pipeline at 1-32 tokens and 25-40% faster than its 64-token tiles at 64-256
+# (docs/sm90-layer.md)
+AUTO_PIPELINE = "ws"
 
 
 def plan_launch(num_tokens: int, hidden: int, inter: int, num_sms: int = 132, max_tokens: int | None = None,
                 pipeline: str = "auto"):
-    """block_n = the smallest choice >= the tokens (64 beyond; "ws" asked for: 32 beyond, more token tiles),
-    token tiles for `max_tokens` (default: num_tokens), per GEMM the most K splits that keep every CTA in one
-    wave on `num_sms` SMs, and the pipeline ("auto": `default_pipeline`, or one of PIPELINES)."""
+    """The pipeline ("auto": AUTO_PIPELINE, or one of PIPELINES), block_n = the smallest of its choices >= the
+    tokens (the largest beyond: 32 on "ws", 64 on "cp.async"), token tiles for `max_tokens` (default: num_tokens),
+    and per GEMM the most K splits that keep every CTA in one wave on `num_sms` SMs."""
     if num_tokens < 0 or hidden % 128 or inter % 128 or hidden < 128 or inter < 128:
         raise ValueError(f"tokens {num_tokens} >= 0, hidden {hidden} and inter {inter} multiples of 128 needed")
     tokens = max(1, max_tokens if max_tokens is not None else num_tokens)
     if tokens < num_tokens:
         raise ValueError(f"max_tokens {max_tokens} < num_tokens {num_tokens}")
+    if pipeline == "auto":
+        pipeline = AUTO_PIPELINE
     choices = WS_BLOCK_N if pipeline == "ws" else BLOCK_N_CHOICES
     block_n = next((b for b in choices if b >= tokens), choices[-1])
     token_tiles = -(-tokens // block_n)
@@ -231,8 +234,6 @@ def plan_launch(num_tokens: int, hidden: int, inter: int, num_sms: int = 132, ma
         ctas = rows // TILE_ROWS * token_tiles
         return max(1, min(num_sms // ctas, super_steps(k // 128))) if ctas <= num_sms else 1
 
-    if pipeline == "auto":
-        pipeline = default_pipeline(block_n)
     SharedConfig("w1", block_n, pipeline=pipeline)  # a pipeline block_n does not allow: the error names why
     return LaunchPlan(block_n, token_tiles, splits(2 * inter, hidden), splits(hidden, inter), pipeline)
 
@@ -302,8 +303,7 @@ def fixup_group_size(role: str, plan: LaunchPlan) -> int:
 def workspace_sizes(hidden: int, inter: int, capacity: int, num_sms: int = 132) -> tuple[int, int]:
     """(scratch floats, counter words) enough for every plan of 1..capacity tokens, W1 and W2 together
     (W2's regions follow W1's)."""
-    plans = {plan_launch(t, hidden, inter, num_sms, pipeline=p) for t in range(1, capacity + 1)
-             for p in ("auto", "ws")}
+    plans = {plan_launch(t, hidden, inter, num_sms, pipeline=p) for t in range(1, capacity + 1) for p in PIPELINES}
     scratch = max(scratch_floats("w1", p, hidden, inter) + scratch_floats("w2", p, hidden, inter) for p in plans)
     counters = max(counter_words("w1", p, hidden, inter) + counter_words("w2", p, hidden, inter) for p in plans)
     return scratch, counters
@@ -962,14 +962,16 @@ def fused_ctas(plan, hidden: int, inter: int) -> tuple[int, int]:
     return a * b * c, d * e * f
 
 
-def _make_fused_kernel(block_n: int, recipe: str):
+def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
     import cutlass
     from cutlass import Float32, Int32, Int64, cute
 
     from gc_moe.kernels.sm90 import dispatch as ring_protocol
     from gc_moe.kernels.sm90 import ptx
 
-    cfg1, cfg2 = SharedConfig("w1", block_n, recipe), SharedConfig("w2", block_n, recipe)
+    # the halves' barriers around the bodies are CTA-wide (bar.sync 0): with the warp-specialized pipeline the
+    # producer warp, back from its copies, meets the consumers there
+    cfg1, cfg2 = SharedConfig("w1", block_n, recipe, pipeline), SharedConfig("w2", block_n, recipe, pipeline)
     assert cfg1.smem_bytes == cfg2.smem_bytes and cfg1.flag_offset == cfg2.flag_offset
     w1_body, w2_body = _make_kernel(cfg1, True), _make_kernel(cfg2, True)
     TICKET = cfg1.flag_offset + 4  # past the fixup's flag word
@@ -1016,7 +1018,7 @@ def _make_fused_kernel(block_n: int, recipe: str):
             w2_body(w2, w2_sf, act, act_scale, out, scratch2, counters2, num_tokens, inter_blocks, out_row_stride,
                     k_splits_w2, tt, rest % k_splits_w2, rest // k_splits_w2, token_tiles)
 
-    launch = {"grid": (1, 1, 1), "block": (THREADS, 1, 1), "smem": cfg1.smem_bytes}
+    launch = {"grid": (1, 1, 1), "block": (cfg1.threads, 1, 1), "smem": cfg1.smem_bytes}
 
     @cute.jit
     def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
@@ -1030,7 +1032,7 @@ def _make_fused_kernel(block_n: int, recipe: str):
     return host, cfg1
 
 
-def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k32"):
+def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k32", pipeline: str = "cp.async"):
     """The runtime's builder of the fused role4 kernel (no GPU needed)."""
     from cutlass import Float32, Int32, Int64
 
@@ -1038,20 +1040,22 @@ def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k3
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 shared-expert kernels are built for sm_90a only, not {arch!r}")
-    host, cfg = _make_fused_kernel(block_n, recipe)
+    host, cfg = _make_fused_kernel(block_n, recipe, pipeline)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Float32(1.0) if kind == "f32"
                  else Int32(1) for _, kind in FUSED_PARAMS)
-    return CompileRequest(host, args, LaunchShape(block=(THREADS, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
+    return CompileRequest(host, args, LaunchShape(block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
-def fused_variant(block_n: int, recipe: str = "k32"):
+def fused_variant(block_n: int, recipe: str = "k32", pipeline: str = "cp.async"):
     """The runtime KernelVariant of the fused role4 kernel (W1 and W2 in one launch)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    SharedConfig("w1", block_n, recipe)
+    cfg = SharedConfig("w1", block_n, recipe, pipeline)
     return KernelVariant.make(
-        "sm90.shared_fused", MODULE, "build_shared_fused", {"block_n": block_n, "recipe": recipe},
-        promises=PROMISES_W1 + ("cvt.rn.bf16.f32", "atom.release.gpu.global.add", "ld.acquire.gpu", "trap"),
+        "sm90.shared_fused", MODULE, "build_shared_fused",
+        {"block_n": block_n, "recipe": recipe, "pipeline": pipeline},
+        promises=PROMISES_W1 + ("cvt.rn.bf16.f32", "atom.release.gpu.global.add", "ld.acquire.gpu", "trap")
+        + (PROMISES_WS if cfg.ws else ()),
         # bn 64 (128 registers, the cap of 512 threads): one 4-byte value on the stack, stored before W2's K loop
         # and loaded after it (SASS checked), never inside a K loop
         local_bytes_budget=8 if block_n == 64 else 0,
@@ -1088,13 +1092,14 @@ def all_variants():
              for bn in BLOCK_N_CHOICES]
             + [variant(role, bn, recipe, "ws") for recipe in ("k32", "block128") for role in ("w1", "w2")
                for bn in WS_BLOCK_N]
-            + [fused_variant(bn, recipe) for recipe in ("k32", "block128") for bn in BLOCK_N_CHOICES])
+            + [fused_variant(bn, recipe) for recipe in ("k32", "block128") for bn in BLOCK_N_CHOICES]
+            + [fused_variant(bn, recipe, "ws") for recipe in ("k32", "block128") for bn in WS_BLOCK_N])
 
 
 # ---------------------------------------------------------------------------------------------- launch
 def load(arch: str = "sm_90a", recipe=(1, 1, 32), cache_dir=None) -> dict:
     """{(role, block_n): LoadedKernel} of one shared recipe from the cubin cache (build them first): roles "w1",
-    "w2" (the cp.async pipeline), "w1_ws", "w2_ws" (warp-specialized) and "fused"."""
+    "w2" (the cp.async pipeline), "w1_ws", "w2_ws" (warp-specialized), "fused" and "fused_ws"."""
     from gc_moe.runtime import jit
 
     name = recipe_name(recipe)
@@ -1103,6 +1108,8 @@ def load(arch: str = "sm_90a", recipe=(1, 1, 32), cache_dir=None) -> dict:
     kernels.update({(f"{role}_ws", bn): jit.load_kernel(variant(role, bn, name, "ws"), arch, cache_dir)
                     for role in ("w1", "w2") for bn in WS_BLOCK_N})
     kernels.update({("fused", bn): jit.load_kernel(fused_variant(bn, name), arch, cache_dir) for bn in BLOCK_N_CHOICES})
+    kernels.update({("fused_ws", bn): jit.load_kernel(fused_variant(bn, name, "ws"), arch, cache_dir)
+                    for bn in WS_BLOCK_N})
     return kernels
 
 
@@ -1183,7 +1190,7 @@ def launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_t
 
 def fused_launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_tokens: int, ws,
                       plan: LaunchPlan | None = None, alpha: float = 1.0, clamp: float | None = 10.0,
-                      timeout_s: float = 3600.0) -> list:
+                      timeout_s: float = 3600.0, packed: PackedSharedWeights | None = None) -> list:
     """[(name, kernel, grid, args)] of the fused launch (one node: W1 and W2 in one kernel, see FUSED_PARAMS);
     kernels: `load(...)`'s dict (its ("fused", block_n) entries); the rest as `launch_args`, whose checks apply."""
     from gc_moe.runtime.launch import i64, ptr
@@ -1193,13 +1200,13 @@ def fused_launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int,
     if ws.sync is None:
         raise ValueError("the workspace has no sync words: allocate it with SharedExpertWorkspace.allocate")
     plan = plan or plan_launch(max(1, num_tokens), weights.hidden, weights.intermediate, ws.num_sms)
-    plan = replace(plan, pipeline="cp.async")  # the fused kernel's halves run the cp.async pipeline
     (_, _, _, a1), (_, _, _, a2) = launch_args(kernels, weights, x, x_sf, out, out_row_stride, num_tokens, ws,
-                                               plan=plan, alpha=alpha, clamp=clamp)
-    kernel = kernels[("fused", plan.block_n)]
+                                               plan=plan, alpha=alpha, clamp=clamp, packed=packed)
+    kernel = kernels[("fused_ws" if plan.pipeline == "ws" else "fused", plan.block_n)]
     params = dict(kernel.entry.variant.params)
-    if params["recipe"] != recipe_name(weights.recipe):
-        raise ValueError(f"kernel {kernel.name} is not the fused kernel of recipe {weights.recipe}")
+    if params["recipe"] != recipe_name(weights.recipe) or params.get("pipeline", "cp.async") != plan.pipeline:
+        raise ValueError(f"kernel {kernel.name} is not the fused kernel of recipe {weights.recipe} on the "
+                         f"{plan.pipeline} pipeline")
     # W1's (w, w_sf, x, x_sf, act, act_scale, scratch, counters, tokens, H/128, Is, splits, alpha, clamp) and
     # W2's (w, w_sf, act, act_scale, out, scratch, counters, tokens, Is/128, stride, splits) in FUSED_PARAMS order
     from gc_moe.runtime.launch import i32
