@@ -653,3 +653,24 @@ def test_shared_pipeline_reads_the_environment():
     for bad in ("tma", "WS", "1"):
         with pytest.raises(ValueError, match=r"GC_MOE_SHARED_PIPELINE=.*allowed: auto .* cp.async .* or ws "):
             sm90_layer.shared_pipeline_from_env({sm90_layer.SHARED_PIPELINE_ENV: bad})
+
+
+def test_shared_expert_packs_each_weight_set_once_and_again_when_it_changes():
+    """The packed copy follows the weight set: reused while the same SharedExpertWeights lives unmodified, packed
+    anew after an in-place change or for another weight set (also one allocated where a freed one was)."""
+    from collections import OrderedDict
+
+    from gc_moe.kernels.sm90 import shared_expert
+
+    se = object.__new__(sm90_layer.SharedExpert)
+    se.se, se._packed, se.pipeline = shared_expert, OrderedDict(), "auto"
+    weights, _, _ = shared_expert.random_inputs(256, 128, (1, 1, 32), 2, seed=1, device="cpu")
+    first = se.packed(weights)
+    assert se.packed(weights) is first and se.graph_key(weights) == se.graph_key(weights)
+    weights.w2.view(torch.uint8)[0, 0] ^= 1  # an in-place change of the weights
+    second = se.packed(weights)
+    assert second is not first and not torch.equal(second.w2, first.w2)
+    other, _, _ = shared_expert.random_inputs(256, 128, (1, 1, 32), 2, seed=2, device="cpu")
+    assert se.packed(other) is not second
+    se.pipeline = "cp.async"
+    assert se.graph_key(weights) == ()

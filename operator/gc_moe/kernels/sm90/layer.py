@@ -201,15 +201,28 @@ class SharedExpert:
 
     def packed(self, shared):
         """The weights packed for the warp-specialized pipeline (`shared_expert.pack_weights`), once per weight
-        set: the first call with a weight set should run outside a CUDA graph capture (packing is torch work on
-        the current stream)."""
-        key = tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
-        packed = self._packed.get(key)
-        if packed is None:
-            packed = self._packed[key] = self.se.pack_weights(shared)
-            while len(self._packed) > PACKED_CACHE_SIZE:
-                self._packed.popitem(last=False)
+        set: per `formats.SharedExpertWeights` object while it lives and its tensors are not modified in place (a
+        weight set freed and another allocated at the same addresses is packed anew). The first call with a
+        weight set should run outside a CUDA graph capture (packing is torch work on the current stream)."""
+        import weakref
+
+        versions = tuple(t._version for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
+        entry = self._packed.get(id(shared))
+        if entry is not None and entry[0]() is shared and entry[1] == versions:
+            self._packed.move_to_end(id(shared))
+            return entry[2]
+        packed = self.se.pack_weights(shared)
+        self._packed[id(shared)] = (weakref.ref(shared), versions, packed)
+        while len(self._packed) > PACKED_CACHE_SIZE:
+            self._packed.popitem(last=False)
         return packed
+
+    def graph_key(self, shared) -> tuple:
+        """What a layer graph with this weight set depends on beyond the weights' addresses: the packed copy."""
+        if self.pipeline == "cp.async":
+            return ()
+        packed = self.packed(shared)
+        return tuple(t.data_ptr() for t in (packed.w1, packed.w1_sf, packed.w2, packed.w2_sf))
 
     def nodes(self, shared, x, x_sf, out, out_row_stride: int, num_tokens: int, fused: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
@@ -663,6 +676,7 @@ class Sm90Layer:
                self.role2_ctas, self.role4_order)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
+            key += self.shared.graph_key(shared)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self.build_graph(target, num_tokens, l1, l2, shared)
