@@ -9,8 +9,10 @@ compared with a float32 oracle built from the canonical MXFP4 weights (original 
 element must be written and finite; cosine >= 0.999 and processed difference <= 0.002.
 
 Timing (--time): a CUDA graph of [W1, W2] replayed `replays` times per window (CUDA events), `windows`
-windows, the median reported. `cold` mode puts an L2-sized memset before the two kernels in the graph and
-subtracts the memset-only graph's time, so every replay reads its weights from HBM. The floor is the
+windows, the median reported. `cold` mode puts an L2 flush before the two kernels in the graph and subtracts
+the flush-only graph's time, so every replay reads its weights from HBM. The flush (--flush) READS 256 MB by
+default: a write flush (a 256 MB memset, the earlier method, `--flush write`; `both` times the two) leaves ~50 MB
+of dirty lines in the L2 whose write-back then competes with W1's reads, which inflated the cold times. The floor is the
 bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
 large `amax` measured in the same run.
 
@@ -268,17 +270,25 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
         def gemm(pt=pt):
             pt.launch(stream)
 
-        def flush_then_gemm(pt=pt):
-            flush.zero_()
-            pt.launch(stream)
+        flushes = {"read": lambda: torch.amax(flush.view(torch.float16)), "write": flush.zero_}
+
+        def cold_us(method, pt=pt):
+            def flush_then_gemm():
+                flushes[method]()
+                pt.launch(stream)
+
+            flush_only = time_graph(flushes[method], stream, args.replays, args.windows)
+            return time_graph(flush_then_gemm, stream, args.replays, args.windows) - flush_only
 
         warm = time_graph(gemm, stream, args.replays, args.windows)
-        flush_only = time_graph(flush.zero_, stream, args.replays, args.windows)
-        both = time_graph(flush_then_gemm, stream, args.replays, args.windows)
-        cold = both - flush_only
+        methods = ("read", "write") if args.flush == "both" else (args.flush,)
+        colds = {m: cold_us(m) for m in methods}
+        cold = colds[methods[0]]
         floor = row["bytes"] / bw * 1e6
         row.update(warm_us=warm, cold_us=cold, floor_us=floor, bw_pct=100 * floor / cold,
-                   tflops=pt.flops() / (cold * 1e-6) / 1e12)
+                   tflops=pt.flops() / (cold * 1e-6) / 1e12, flush=methods[0])
+        if "write" in colds and len(colds) > 1:
+            row["cold_write_flush_us"] = colds["write"]
     return ok
 
 
@@ -349,6 +359,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="launch W1 and W2 twice per point, eager, nothing else (for a profiler: skip the first two)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
+    ap.add_argument("--flush", default="read", choices=("read", "write", "both"),
+                    help="the cold timing's L2 flush: read 256 MB (default), write them (the earlier method), or "
+                         "both (cold_us from the read flush, cold_write_flush_us beside it)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -435,12 +448,13 @@ def main() -> int:
         json.dump({"read_bw_bytes_per_s": bw, "rows": rows_out}, f, indent=1)
     print(f"\nread bandwidth (amax, 4 GiB): {bw / 1e12:.2f} TB/s")
     print(f"{'variant':12s} {'model':22s} {'T':>4s} {'rows':>5s} {'act':>4s} {'bn':>3s} {'MB':>7s} {'floor':>7s} {'cold':>7s} "
-          f"{'warm':>7s} {'%bw':>5s} {'TF':>5s} {'cos':>8s} {'diff':>8s} ok")
+          f"{'warm':>7s} {'%bw':>5s} {'TF':>5s} {'cos':>8s} {'diff':>8s} ok {'cold(write flush)':>17s}")
     for r in rows_out:
         print(f"{r['tag']:12s} {r['model']:22s} {r['tokens']:4d} {r['rows']:5d} {r['active']:4d} {r['block_n']:3d} "
               f"{r['bytes'] / 1e6:7.1f} {r.get('floor_us', math.nan):7.1f} {r.get('cold_us', math.nan):7.1f} "
               f"{r.get('warm_us', math.nan):7.1f} {r.get('bw_pct', math.nan):5.1f} {r.get('tflops', math.nan):5.2f} "
-              f"{r.get('cos_out', math.nan):8.5f} {r.get('diff_out', math.nan):8.5f} {r.get('ok', '-')}")
+              f"{r.get('cos_out', math.nan):8.5f} {r.get('diff_out', math.nan):8.5f} {r.get('ok', '-')} "
+              f"{r.get('cold_write_flush_us', math.nan):17.1f}")
     return 0 if all_ok else 1
 
 

@@ -86,6 +86,7 @@ ROLE4_FORMS = {  # step 6: (role2_nodes, role4_fused, role4_order)
     "default": ("auto", False, "auto"),
     "beside_nodes": ("auto", False, "beside"),
     "beside_fused": (1, True, "beside"),
+    "beside_r4fused": ("auto", True, "beside"),  # role4 one node beside role2's W1 -> W2 (from 2 tokens)
     "before_fused": ("auto", True, "before"),
     "before_nodes": ("auto", False, "before"),
     "after_fused": ("auto", True, "after"),

@@ -390,3 +390,31 @@ def test_forced_k_splits_fix_up_across_ctas_and_replay_bit_equal(recipe, block_n
 def test_zero_tokens_write_nothing():
     *_, combine, _ = _run(512, 256, (1, 1, 32), 0, seed=1, capacity=8)
     assert torch.isnan(combine.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["ws", "cp.async"])
+@pytest.mark.parametrize("tokens", [1, 8, 40, 256])
+@pytest.mark.parametrize("model", sorted(se.MODELS))
+def test_fused_kernel_writes_what_the_two_launches_write(model, tokens, pipeline):
+    """Role4 as one kernel (W2's CTAs gated on every W1 CTA; on the warp-specialized pipeline W2's producer
+    streams its first stages' weights before the gate) against W1 then W2: the same bytes, and three launches in
+    a row (the gate's words reset by the last W2 CTA) equal."""
+    hidden, inter, recipe = se.MODELS[model]
+    dev = torch.device("cuda")
+    weights, x, x_sf = se.random_inputs(hidden, inter, recipe, tokens, seed=90 + tokens)
+    kernels = se.load("sm_90a", recipe)
+    ws = se.SharedExpertWorkspace.allocate(hidden, inter, tokens, dev)
+    plan = se.plan_launch(tokens, hidden, inter, pipeline=pipeline)
+    packed = se.pack_weights(weights) if plan.pipeline == "ws" else None
+    two = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    se.launch(torch.cuda.current_stream(), se.launch_args(kernels, weights, x, x_sf, two, hidden, tokens, ws,
+                                                           plan=plan, packed=packed))
+    fused_nodes = se.fused_launch_args(kernels, weights, x, x_sf, (one := torch.empty_like(two)), hidden, tokens, ws,
+                                       plan=plan, packed=packed, timeout_s=20.0)
+    for _ in range(3):
+        one.fill_(float("nan"))
+        se.launch(torch.cuda.current_stream(), fused_nodes)
+        torch.cuda.synchronize()
+        assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+    assert int(ws.sync.abs().sum()) == 0  # ticket and gate words back to zero

@@ -612,11 +612,46 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
         return first, n_steps
 
     @cute.jit
-    def produce(a, tile, first, n_steps, row0, count, k_blocks, smem, lane):
+    def stage_weights(it, first, k_blocks, smem, bar, w_src, s_src, lane):
+        """Lane 0: announce stage it's bulk bytes on its full barrier and copy the tile's K128 blocks and their
+        scale words into it (one bulk copy each)."""
+        if lane == 0:
+            stage = it % STG
+            full = bar + stage * 8
+            sbase = smem + stage * cfg.stage_bytes
+            blocks = k_blocks - (first + it) * WARPGROUPS
+            if blocks > WARPGROUPS:  # noqa: PLR1730
+                blocks = Int32(WARPGROUPS)
+            ptx.arrive_expect_tx(full, blocks * (A_BLOCK_BYTES + TILE_ROWS * 4))
+            ptx.bulk_g2s(sbase, w_src + Int64(it) * (WARPGROUPS * A_BLOCK_BYTES), blocks * A_BLOCK_BYTES, full)
+            ptx.bulk_g2s(sbase + cfg.ws_offset, s_src + Int64(it) * (WARPGROUPS * TILE_ROWS * 4),
+                         blocks * (TILE_ROWS * 4), full)
+
+    @cute.jit
+    def gate_wait(gate, lane):
+        """The fused role4 kernel's W2 gate, in the producer warp: lane 0 acquires SYNC_W1_DONE = every W1 CTA
+        (bounded, then trap), counts this CTA past it and, the last W2 CTA past, resets the words; the warp's
+        token copies (W1's output) follow the warp barrier."""
+        from gc_moe.kernels.sm90 import dispatch as ring_protocol
+        from gc_moe.kernels.sm90 import ptx as sm90_ptx
+
+        sync, w1_ctas, w2_ctas, timeout_ns = gate
+        if lane == 0:
+            ring_protocol.wait_at_least(sync + SYNC_W1_DONE * 4, w1_ctas, cute.arch.globaltimer(), timeout_ns, False)
+            passed = sm90_ptx.atom_add_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(1))
+            if passed == w2_ctas - 1:  # every W2 CTA is past its wait: the words are free for the next launch
+                sm90_ptx.st_relaxed_gpu_s32(sync + SYNC_W1_DONE * 4, Int32(0))
+                sm90_ptx.st_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(0))
+        ptx.warp_sync()
+
+    @cute.jit
+    def produce(a, tile, first, n_steps, row0, count, k_blocks, smem, lane, gate=None):
         """The producer warp: per stage wait for it to be empty; lane 0 announces the stage's bulk bytes and
         copies the tile's K128 blocks and their scale words (one bulk copy each, from the packed weights); every
         lane copies its 16-byte pieces of the token rows and its token-scale words (cp.async, rows past the
-        valid tokens zero-filled), then arrives on the stage's full barrier once they landed."""
+        valid tokens zero-filled), then arrives on the stage's full barrier once they landed. gate: (sync words,
+        W1 CTAs, W2 CTAs, timeout) of the fused kernel's W2 half: the first stages' weights go out, then the
+        gate's wait, then the token rows."""
         wp, wsp, tok, tok_sf = a
         bar = smem + cfg.barrier_offset
         block0 = Int64(tile) * Int64(k_blocks) + Int64(first * WARPGROUPS)
@@ -652,6 +687,12 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
             xs_src.append(tok_sf + (nrow * Int64(k_blocks) + Int64(first * WARPGROUPS + b // BN)) * 4)
             xs_bytes.append(nbytes)
             xs_block.append(b // BN)
+        if cutlass.const_expr(gate is not None):
+            # the weights of the first stages do not depend on the gate: they stream while it waits
+            for it0 in cutlass.range_constexpr(STG):
+                if it0 < n_steps:
+                    stage_weights(it0, first, k_blocks, smem, bar, w_src, s_src, lane)
+            gate_wait(gate, lane)
         for it in cutlass.range(n_steps):
             stage = it % STG
             full = bar + stage * 8
@@ -661,11 +702,11 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
             blocks = k_blocks - (first + it) * WARPGROUPS
             if blocks > WARPGROUPS:  # noqa: PLR1730
                 blocks = Int32(WARPGROUPS)
-            if lane == 0:
-                ptx.arrive_expect_tx(full, blocks * (A_BLOCK_BYTES + TILE_ROWS * 4))
-                ptx.bulk_g2s(sbase, w_src + Int64(it) * (WARPGROUPS * A_BLOCK_BYTES), blocks * A_BLOCK_BYTES, full)
-                ptx.bulk_g2s(sbase + cfg.ws_offset, s_src + Int64(it) * (WARPGROUPS * TILE_ROWS * 4),
-                             blocks * (TILE_ROWS * 4), full)
+            if cutlass.const_expr(gate is None):
+                stage_weights(it, first, k_blocks, smem, bar, w_src, s_src, lane)
+            else:
+                if it >= STG:
+                    stage_weights(it, first, k_blocks, smem, bar, w_src, s_src, lane)
             for r in cutlass.range_constexpr(BN):
                 i = 32 * r // (8 * BN)
                 ns = (r // 2) % NSUB
@@ -696,7 +737,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                 ptx.mbarrier_arrive(bar + (STG + stage) * 8)
 
     @cute.jit
-    def tile_product_ws(a, tile, split, row0, count, k_blocks, inter, k_splits, smem, acc):
+    def tile_product_ws(a, tile, split, row0, count, k_blocks, inter, k_splits, smem, acc, gate=None):
         """This CTA's K range of the 64 x BN tile (the warp-specialized pipeline), summed over the 4 consumer
         warpgroups into warpgroup 0's `acc`. The producer warp returns after its copies (tid >= THREADS: the
         caller's epilogue is the consumers' alone)."""
@@ -718,7 +759,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
             ptx.fence_mbarrier_init()
         ptx.barrier_sync()
         if tid >= THREADS:
-            produce(a, tile, first, n_steps, row0, count, k_blocks, smem, lane)
+            produce(a, tile, first, n_steps, row0, count, k_blocks, smem, lane, gate)
         else:
             consume(first, n_steps, k_blocks, smem, wg, warp, g, q, lane, acc)
             ptx.consumer_sync()  # every stage is consumed: the ring's shared memory is reused below
@@ -871,14 +912,18 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
 
         @cute.jit
         def w2_body(w, w_sf, act, act_scale, out, scratch, counters, num_tokens, k_blocks, out_row_stride, k_splits,
-                    tt, split, tile, token_tiles):
+                    tt, split, tile, token_tiles, gate=None):
             count = num_tokens - tt * BN
             if count > 0:
                 row0 = tt * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 acc = cute.make_rmem_tensor((HALF,), Float32)
-                tid, wg, t, warp, g, q = tile_product((w, w_sf, act, act_scale), tile, split, row0, count,
-                                                      k_blocks, Int32(0), k_splits, smem, acc)
+                if cutlass.const_expr(gate is None):
+                    tid, wg, t, warp, g, q = tile_product((w, w_sf, act, act_scale), tile, split, row0, count,
+                                                          k_blocks, Int32(0), k_splits, smem, acc)
+                else:  # the fused kernel's W2 half: the producer waits for W1 after the first stages' weights
+                    tid, wg, t, warp, g, q = tile_product((w, w_sf, act, act_scale), tile, split, row0, count,
+                                                          k_blocks, Int32(0), k_splits, smem, acc, gate)
                 rest = (out, scratch, counters, out_row_stride, k_splits, tt, split, tile, token_tiles, count, row0,
                         acc, tid, wg, t, warp, g, q)
                 if cutlass.const_expr(cfg.ws):
@@ -976,6 +1021,16 @@ def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
     w1_body, w2_body = _make_kernel(cfg1, True), _make_kernel(cfg2, True)
     TICKET = cfg1.flag_offset + 4  # past the fixup's flag word
 
+    @cute.jit
+    def pass_gate(sync, w1_ctas, w2_ctas, timeout_ns):
+        """A W2 CTA's thread: acquire SYNC_W1_DONE = every W1 CTA (bounded, then trap), count this CTA past it
+        and, the last W2 CTA past, reset the words for the next launch."""
+        ring_protocol.wait_at_least(sync + SYNC_W1_DONE * 4, w1_ctas, cute.arch.globaltimer(), timeout_ns, False)
+        passed = ptx.atom_add_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(1))
+        if passed == w2_ctas - 1:  # every W2 CTA is past its wait: the words are free for the next launch
+            ptx.st_relaxed_gpu_s32(sync + SYNC_W1_DONE * 4, Int32(0))
+            ptx.st_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(0))
+
     @cute.kernel
     def kernel(w1: Int64, w1_sf: Int64, w2: Int64, w2_sf: Int64, x: Int64, x_sf: Int64, act: Int64,
                act_scale: Int64, out: Int64, scratch1: Int64, counters1: Int64, scratch2: Int64, counters2: Int64,
@@ -1007,16 +1062,20 @@ def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
             u = unit - w1_ctas
             tt = u % token_tiles
             rest = u // token_tiles
-            if tid == 0:
-                ring_protocol.wait_at_least(sync + SYNC_W1_DONE * 4, w1_ctas, cute.arch.globaltimer(), timeout_ns,
-                                            False)
-                passed = ptx.atom_add_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(1))
-                if passed == w2_ctas - 1:  # every W2 CTA is past its wait: the words are free for the next launch
-                    ptx.st_relaxed_gpu_s32(sync + SYNC_W1_DONE * 4, Int32(0))
-                    ptx.st_relaxed_gpu_s32(sync + SYNC_W2_PASSED * 4, Int32(0))
-            ptx.barrier_sync()
-            w2_body(w2, w2_sf, act, act_scale, out, scratch2, counters2, num_tokens, inter_blocks, out_row_stride,
-                    k_splits_w2, tt, rest % k_splits_w2, rest // k_splits_w2, token_tiles)
+            w2_args = (w2, w2_sf, act, act_scale, out, scratch2, counters2, num_tokens, inter_blocks, out_row_stride,
+                       k_splits_w2, tt, rest % k_splits_w2, rest // k_splits_w2, token_tiles)
+            if cutlass.const_expr(cfg1.ws):
+                if num_tokens - tt * block_n > 0:
+                    # the producer warp passes the gate after its first stages' weights (they stream meanwhile)
+                    w2_body(*w2_args, gate=(sync, w1_ctas, w2_ctas, timeout_ns))
+                else:  # a token tile without tokens runs no body, but passes the gate (it resets the words)
+                    if tid == 0:
+                        pass_gate(sync, w1_ctas, w2_ctas, timeout_ns)
+            else:
+                if tid == 0:
+                    pass_gate(sync, w1_ctas, w2_ctas, timeout_ns)
+                ptx.barrier_sync()
+                w2_body(*w2_args)
 
     launch = {"grid": (1, 1, 1), "block": (cfg1.threads, 1, 1), "smem": cfg1.smem_bytes}
 
