@@ -550,6 +550,33 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                     acc[4 * i + 3] = acc[4 * i + 3] + p[3] * (s_hi * x1)
 
     @cute.jit
+    def split_steps(split, k_blocks, k_splits):
+        """(first pipeline step, steps) of this CTA's K split."""
+        steps = (k_blocks + WARPGROUPS - 1) // WARPGROUPS
+        per = (steps + k_splits - 1) // k_splits
+        first = split * per
+        last = first + per
+        if last > steps:  # noqa: PLR1730 (a DSL value: Python min() cannot trace it)
+            last = steps
+        n_steps = last - first
+        if n_steps < 0:
+            n_steps = Int32(0)
+        return first, n_steps
+
+    @cute.jit
+    def sum_warpgroups(smem, wg, t, acc, sync):
+        """Warpgroups 1-3 hand their partial tile to warpgroup 0 through shared memory (the ring's, drained:
+        `sync` is the barrier of the threads that computed), which adds them in a fixed order."""
+        if wg > 0:
+            for i in cutlass.range_constexpr(HALF):
+                ptx.sts_f32(smem + (((wg - 1) * HALF + i) * 128 + t) * 4, acc[i])
+        sync()
+        if wg == 0:
+            for w in cutlass.range_constexpr(WARPGROUPS - 1):
+                for i in cutlass.range_constexpr(HALF):
+                    acc[i] = acc[i] + ptx.lds_f32(smem + ((w * HALF + i) * 128 + t) * 4)
+
+    @cute.jit
     def tile_product_cp(a, tile, split, row0, count, k_blocks, inter, k_splits, smem, acc):
         """This CTA's K range of the 64 x BN tile (the cp.async pipeline), summed over the 4 warpgroups into
         warpgroup 0's `acc`."""
@@ -562,15 +589,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
         q = lane % 4
         for i in cutlass.range_constexpr(HALF):
             acc[i] = Float32(0.0)
-        steps = (k_blocks + WARPGROUPS - 1) // WARPGROUPS
-        per = (steps + k_splits - 1) // k_splits
-        first = split * per
-        last = first + per
-        if last > steps:  # noqa: PLR1730 (a DSL value: Python min() cannot trace it)
-            last = steps
-        n_steps = last - first
-        if n_steps < 0:
-            n_steps = Int32(0)
+        first, n_steps = split_steps(split, k_blocks, k_splits)
         for s in cutlass.range_constexpr(STG - 1):
             if s < n_steps:
                 issue_stage(smem, s, first + s, tid, tile, row0, count, k_blocks, inter, a)
@@ -587,29 +606,8 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
                 compute_stage(smem, it % STG, wg, warp, g, q, acc)
         ptx.cp_async_wait(0)
         ptx.barrier_sync()  # the pipeline is drained: its shared memory is reused below
-        if wg > 0:
-            for i in cutlass.range_constexpr(HALF):
-                ptx.sts_f32(smem + (((wg - 1) * HALF + i) * 128 + t) * 4, acc[i])
-        ptx.barrier_sync()
-        if wg == 0:
-            for w in cutlass.range_constexpr(WARPGROUPS - 1):
-                for i in cutlass.range_constexpr(HALF):
-                    acc[i] = acc[i] + ptx.lds_f32(smem + ((w * HALF + i) * 128 + t) * 4)
+        sum_warpgroups(smem, wg, t, acc, ptx.barrier_sync)
         return tid, wg, t, warp, g, q
-
-    @cute.jit
-    def split_steps(split, k_blocks, k_splits):
-        """(first pipeline step, steps) of this CTA's K split."""
-        steps = (k_blocks + WARPGROUPS - 1) // WARPGROUPS
-        per = (steps + k_splits - 1) // k_splits
-        first = split * per
-        last = first + per
-        if last > steps:  # noqa: PLR1730 (a DSL value: Python min() cannot trace it)
-            last = steps
-        n_steps = last - first
-        if n_steps < 0:
-            n_steps = Int32(0)
-        return first, n_steps
 
     @cute.jit
     def stage_weights(it, first, k_blocks, smem, bar, w_src, s_src, lane):
@@ -763,14 +761,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
         else:
             consume(first, n_steps, k_blocks, smem, wg, warp, g, q, lane, acc)
             ptx.consumer_sync()  # every stage is consumed: the ring's shared memory is reused below
-            if wg > 0:
-                for i in cutlass.range_constexpr(HALF):
-                    ptx.sts_f32(smem + (((wg - 1) * HALF + i) * 128 + t) * 4, acc[i])
-            ptx.consumer_sync()
-            if wg == 0:
-                for w in cutlass.range_constexpr(WARPGROUPS - 1):
-                    for i in cutlass.range_constexpr(HALF):
-                        acc[i] = acc[i] + ptx.lds_f32(smem + ((w * HALF + i) * 128 + t) * 4)
+            sum_warpgroups(smem, wg, t, acc, ptx.consumer_sync)
         return tid, wg, t, warp, g, q
 
     tile_product = tile_product_ws if cfg.ws else tile_product_cp
