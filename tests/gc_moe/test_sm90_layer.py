@@ -663,7 +663,7 @@ def test_shared_expert_packs_each_weight_set_once_and_again_when_it_changes():
     from gc_moe.kernels.sm90 import shared_expert
 
     se = object.__new__(sm90_layer.SharedExpert)
-    se.se, se._packed, se.pipeline = shared_expert, OrderedDict(), "auto"
+    se.se, se._packed, se.pipeline, se.ctas_per_sm = shared_expert, OrderedDict(), "auto", "auto"
     weights, _, _ = shared_expert.random_inputs(256, 128, (1, 1, 32), 2, seed=1, device="cpu")
     first = se.packed(weights)
     assert se.packed(weights) is first and se.graph_key(weights) == se.graph_key(weights)
@@ -674,3 +674,11 @@ def test_shared_expert_packs_each_weight_set_once_and_again_when_it_changes():
     assert se.packed(other) is not second
     se.pipeline = "cp.async"
     assert se.graph_key(weights) == ()
+
+
+def test_shared_ctas_per_sm_reads_the_environment():
+    assert sm90_layer.shared_ctas_from_env({}) == "auto"
+    assert [sm90_layer.shared_ctas_from_env({sm90_layer.SHARED_CTAS_ENV: v}) for v in ("auto", "1", "2")] == [
+        "auto", 1, 2]
+    with pytest.raises(ValueError, match=r"GC_MOE_SHARED_CTAS_PER_SM='3'; allowed: auto .* 1 or 2"):
+        sm90_layer.shared_ctas_from_env({sm90_layer.SHARED_CTAS_ENV: "3"})

@@ -104,7 +104,7 @@ def test_host_twin_matches_the_float32_reference(recipe):
 
 def test_registry_builds_every_variant_of_both_recipes():
     names = [v for v in registry.variants_for_profile("sm_90a") if v.name == "sm90.shared_expert"]
-    assert len(names) == 2 * 2 * (len(se.BLOCK_N_CHOICES) + len(se.WS_BLOCK_N))
+    assert len(names) == 2 * 2 * (len(se.BLOCK_N_CHOICES) + len(se.WS_BLOCK_N) + len(se.TWO_CTA_BLOCK_N))
     assert {dict(v.params)["recipe"] for v in names} == {"k32", "block128"}
     assert sorted({dict(v.params)["block_n"] for v in names if dict(v.params)["pipeline"] == "ws"}) == list(
         se.WS_BLOCK_N)
@@ -142,6 +142,11 @@ def test_plans_pick_the_warp_specialized_pipeline_where_it_builds():
     plans = [se.plan_launch(t, 6144, 2048) for t in (1, 8, 9, 32, 33, 256)]
     assert [(p.pipeline, p.block_n, p.token_tiles) for p in plans] == [
         ("ws", 8, 1), ("ws", 8, 1), ("ws", 16, 1), ("ws", 32, 1), ("ws", 32, 2), ("ws", 32, 8)]
+    two = se.plan_launch(1, 6144, 2048, 128, ctas_per_sm=2)  # twice the K splits: 64 W1 tiles x 4 = 256 CTAs
+    assert (two.ctas_per_sm, two.k_splits_w1, two.k_splits_w2) == (2, 4, 2)
+    assert se.plan_launch(1, 6144, 2048, 128).ctas_per_sm == se.AUTO_CTAS_PER_SM
+    with pytest.raises(ValueError, match="ctas_per_sm 2; allowed: 1, or 2 on the warp-specialized pipeline"):
+        se.plan_launch(16, 6144, 2048, ctas_per_sm=2)
     old = [se.plan_launch(t, 6144, 2048, pipeline="cp.async") for t in (8, 33, 256)]
     assert [(p.pipeline, p.block_n, p.token_tiles) for p in old] == [
         ("cp.async", 8, 1), ("cp.async", 64, 1), ("cp.async", 64, 4)]
@@ -167,10 +172,11 @@ def built(request, tmp_path_factory):
 
 def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order(built):
     separate = {v: e for v, e in built.items() if v.name == "sm90.shared_expert"}
-    assert len(separate) == 2 * (len(se.BLOCK_N_CHOICES) + len(se.WS_BLOCK_N))
+    assert len(separate) == 2 * (len(se.BLOCK_N_CHOICES) + len(se.WS_BLOCK_N) + len(se.TWO_CTA_BLOCK_N))
     for variant, entry in separate.items():
         params = dict(variant.params)
-        cfg = se.SharedConfig(params["role"], params["block_n"], params["recipe"], params["pipeline"])
+        cfg = se.SharedConfig(params["role"], params["block_n"], params["recipe"], params["pipeline"],
+                              params.get("ctas_per_sm", 1))
         ptx = entry.ptx_path.read_text()
         # both operands from shared memory (two 64-bit descriptors), E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k32\.f32\.e4m3\.e4m3 "
@@ -181,7 +187,9 @@ def test_every_variant_builds_with_shared_ab_wgmma_no_spills_and_the_fixup_order
         assert res["frame_bytes"] == 0 and res["registers"] <= 128, (variant.describe(), res)
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         assert [size for _, size in res["params"]] == [8 if kind == "u64" else 4 for _, kind in cfg.params]
-        assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes <= se.SMEM_LIMIT
+        assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes <= cfg.smem_limit
+        if cfg.ctas_per_sm == 2:  # two CTAs' registers fit the register file, and ptxas was told so
+            assert res["registers"] * cfg.threads * 2 <= 65536 and ".minnctapersm 2" in ptx
         assert entry.launch.block == (cfg.threads, 1, 1) and res["required_block"] == [cfg.threads, 1, 1]
         if cfg.ws:
             # the producer: both bulk copies announced on the stage's full barrier, the token rows' cp.async
@@ -221,10 +229,12 @@ def test_fused_variants_hold_both_halves_and_the_hand_over(built):
     """Role4 as one kernel: both GEMMs' WGMMAs, the ticket, W1's release per CTA and W2's bounded acquire; no
     local memory except the one slot bn 64 keeps outside its K loops."""
     fused = {v: e for v, e in built.items() if v.name == "sm90.shared_fused"}
-    assert sorted(dict(v.params)["block_n"] for v in fused) == sorted(se.BLOCK_N_CHOICES + se.WS_BLOCK_N)
+    assert sorted(dict(v.params)["block_n"] for v in fused) == sorted(
+        se.BLOCK_N_CHOICES + se.WS_BLOCK_N + se.TWO_CTA_BLOCK_N)
     for variant, entry in fused.items():
         bn = dict(variant.params)["block_n"]
-        cfg = se.SharedConfig("w1", bn, dict(variant.params)["recipe"], dict(variant.params)["pipeline"])
+        cfg = se.SharedConfig("w1", bn, dict(variant.params)["recipe"], dict(variant.params)["pipeline"],
+                              dict(variant.params).get("ctas_per_sm", 1))
         assert entry.launch.block == (cfg.threads, 1, 1) and entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         ptx = entry.ptx_path.read_text()
         assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 ", ptx)) == 8
@@ -371,6 +381,9 @@ def test_both_pipelines_write_the_same_bytes(model, tokens):
     (_, _, _, ws_a, _, out_a), (_, _, _, ws_b, _, out_b) = runs["ws"], runs["cp.async"]
     assert torch.equal(ws_a.act[:tokens].view(torch.uint8), ws_b.act[:tokens].view(torch.uint8))
     assert torch.equal(out_a[0].view(torch.int16), out_b[0].view(torch.int16))
+    if tokens <= 8:  # two CTAs per SM: other K splits, so the same values up to FP32 rounding of the fixup's sum
+        plan = se.plan_launch(tokens, hidden, inter, pipeline="ws", ctas_per_sm=2)
+        _check(hidden, inter, recipe, tokens, seed=70 + tokens, plan=plan)
 
 
 @pytest.mark.gpu
@@ -393,7 +406,7 @@ def test_zero_tokens_write_nothing():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", ["ws", "cp.async"])
+@pytest.mark.parametrize("pipeline", ["ws", "ws2", "cp.async"])
 @pytest.mark.parametrize("tokens", [1, 8, 40, 256])
 @pytest.mark.parametrize("model", sorted(se.MODELS))
 def test_fused_kernel_writes_what_the_two_launches_write(model, tokens, pipeline):
@@ -405,7 +418,10 @@ def test_fused_kernel_writes_what_the_two_launches_write(model, tokens, pipeline
     weights, x, x_sf = se.random_inputs(hidden, inter, recipe, tokens, seed=90 + tokens)
     kernels = se.load("sm_90a", recipe)
     ws = se.SharedExpertWorkspace.allocate(hidden, inter, tokens, dev)
-    plan = se.plan_launch(tokens, hidden, inter, pipeline=pipeline)
+    if pipeline == "ws2" and tokens > 8:
+        pytest.skip("two CTAs per SM at token tile 8 only")
+    plan = se.plan_launch(tokens, hidden, inter, pipeline=pipeline[:2] if pipeline == "ws2" else pipeline,
+                          ctas_per_sm=2 if pipeline == "ws2" else 1)
     packed = se.pack_weights(weights) if plan.pipeline == "ws" else None
     two = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
     se.launch(torch.cuda.current_stream(), se.launch_args(kernels, weights, x, x_sf, two, hidden, tokens, ws,

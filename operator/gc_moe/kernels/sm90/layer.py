@@ -68,6 +68,8 @@ ROLE4_BEFORE_MAX_TOKENS = 1
 # the shared expert's pipeline: "auto" (default: shared_expert.AUTO_PIPELINE, the warp-specialized one at every
 # token count), "cp.async" or "ws"
 SHARED_PIPELINE_ENV = "GC_MOE_SHARED_PIPELINE"
+# the shared expert's CTAs per SM at token tile 8 on the warp-specialized pipeline: "auto" (default), "1" or "2"
+SHARED_CTAS_ENV = "GC_MOE_SHARED_CTAS_PER_SM"
 PACKED_CACHE_SIZE = 8  # weight sets whose packed copy the shared expert keeps
 # "auto": the fused role2 kernel at every token count. Measured on the H200 (docs/sm90-layer.md): with two CTAs
 # per SM at token tile 8 from 2 tokens it is within -17..+5% of W1 and W2 as two nodes at every point of both
@@ -185,6 +187,7 @@ class SharedExpert:
         self.ws = self.se.SharedExpertWorkspace.allocate(hidden, intermediate, capacity, device, num_sms)
         self._packed: OrderedDict = OrderedDict()
         self.pipeline = shared_pipeline_from_env()  # "auto": shared_expert.AUTO_PIPELINE
+        self.ctas_per_sm = shared_ctas_from_env()  # "auto": shared_expert.AUTO_CTAS_PER_SM where it builds
         self.kernels = {}
         for recipe in self.se.RECIPES:  # loaded now: a graph first built inside a capture loads nothing
             name = self.se.recipe_name(recipe)
@@ -196,6 +199,10 @@ class SharedExpert:
                                          for r in ("w1", "w2") for bn in self.se.WS_BLOCK_N})
             self.kernels[recipe].update({("fused_ws", bn): _load(self.se.fused_variant(bn, name, "ws"))
                                          for bn in self.se.WS_BLOCK_N})
+            self.kernels[recipe].update({(f"{r}_ws2", bn): _load(self.se.variant(r, bn, name, "ws", 2))
+                                         for r in ("w1", "w2") for bn in self.se.TWO_CTA_BLOCK_N})
+            self.kernels[recipe].update({("fused_ws2", bn): _load(self.se.fused_variant(bn, name, "ws", 2))
+                                         for bn in self.se.TWO_CTA_BLOCK_N})
             for k in self.kernels[recipe].values():
                 k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
 
@@ -229,7 +236,7 @@ class SharedExpert:
         """The launches of one call: W1 then W2, or (fused) one kernel doing both (`shared_expert.FUSED_PARAMS`);
         on the warp-specialized pipeline (the default) they read the packed weights."""
         plan = self.se.plan_launch(max(1, num_tokens), self.hidden, self.intermediate, self.ws.num_sms,
-                                   pipeline=self.pipeline)
+                                   pipeline=self.pipeline, ctas_per_sm=self.ctas_per_sm)
         packed = self.packed(shared) if plan.pipeline == "ws" else None
         if fused:
             return self.se.fused_launch_args(self.kernels[tuple(shared.recipe)], shared, x, x_sf, out,
@@ -385,6 +392,18 @@ def shared_pipeline_from_env(environ=os.environ) -> str:
         raise ValueError(f"{SHARED_PIPELINE_ENV}={raw!r}; allowed: auto (the default: warp-specialized), cp.async "
                          f"(every thread copies, a CTA barrier per stage) or ws (warp-specialized)")
     return raw
+
+
+def shared_ctas_from_env(environ=os.environ):
+    """The shared expert's CTAs per SM at token tile 8 (warp-specialized): GC_MOE_SHARED_CTAS_PER_SM "auto" (the
+    default when unset or empty: shared_expert.AUTO_CTAS_PER_SM), "1" or "2" (3 stages each)."""
+    raw = environ.get(SHARED_CTAS_ENV, "")
+    if raw in ("", "auto"):
+        return "auto"
+    if raw not in ("1", "2"):
+        raise ValueError(f"{SHARED_CTAS_ENV}={raw!r}; allowed: auto (the default), 1 or 2 (two CTAs per SM at "
+                         f"token tile 8 on the warp-specialized pipeline)")
+    return int(raw)
 
 
 def role2_block_n_from_env(environ=os.environ):

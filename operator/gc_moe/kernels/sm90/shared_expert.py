@@ -72,6 +72,11 @@ SMEM_LIMIT = 227 * 1024
 # release the stage on its "empty" mbarrier: no CTA barrier per stage, nothing for the consumers to issue.
 PIPELINES = ("cp.async", "ws")
 WS_BLOCK_N = (8, 16, 32)  # bn 64 needs 128 registers per thread: 544 threads do not fit the register file
+# two warp-specialized CTAs per SM where 3 stages of the tile fit half an SM's shared memory (bn 8: 3 x 38 KB)
+# and the registers fit 1088 threads (42-52 per thread): twice the K splits, so a CTA's neighbour streams while it
+# waits, and the fused kernel's W2 CTAs can start beside W1 CTAs
+TWO_CTA_BLOCK_N = (8,)
+TWO_CTA_STAGES = 3
 PRODUCER_THREADS = 32
 
 PARAMS_W1 = (
@@ -93,6 +98,7 @@ class SharedConfig:
     block_n: int = 8
     recipe: str = "k32"  # "k32" = (1,1,32), "block128" = (1,128,128)
     pipeline: str = "cp.async"  # or "ws" (PIPELINES)
+    ctas_per_sm: int = 1  # 2: the warp-specialized pipeline at TWO_CTA_BLOCK_N, TWO_CTA_STAGES stages
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -105,10 +111,25 @@ class SharedConfig:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
         if self.pipeline == "ws" and self.block_n not in WS_BLOCK_N:
             raise ValueError(f"the warp-specialized pipeline runs block_n {WS_BLOCK_N}, got {self.block_n}")
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and (
+                self.pipeline != "ws" or self.block_n not in TWO_CTA_BLOCK_N)):
+            raise ValueError(f"ctas_per_sm {self.ctas_per_sm}; allowed: 1, or 2 on the warp-specialized pipeline "
+                             f"at block_n {TWO_CTA_BLOCK_N}")
 
     @property
     def ws(self) -> bool:
         return self.pipeline == "ws"
+
+    @property
+    def smem_limit(self) -> int:
+        """Dynamic shared memory one CTA may take so that ctas_per_sm of them fit an SM (228 KB, less the
+        driver's and the DSL's static 1 KB per CTA)."""
+        return SMEM_LIMIT if self.ctas_per_sm == 1 else 228 * 1024 // 2 - 2 * 1024
+
+    @property
+    def launch_bounds(self) -> dict:
+        """The launch's `.minnctapersm` and shared-memory carveout where two CTAs must share an SM."""
+        return {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100} if self.ctas_per_sm == 2 else {}
 
     @property
     def threads(self) -> int:
@@ -117,7 +138,7 @@ class SharedConfig:
 
     @property
     def stages(self) -> int:
-        return STAGES[self.block_n]
+        return TWO_CTA_STAGES if self.ctas_per_sm == 2 else STAGES[self.block_n]
 
     # one stage: [A 4 x 8 KB][B 4 x block_n x 128][weight scale words 4 x 64][token scale words 4 x block_n]
     @property
@@ -170,7 +191,8 @@ class SharedConfig:
 
     @property
     def name(self) -> str:
-        return f"sm90_shared_expert_{self.role}_n{self.block_n}_{self.recipe}" + ("_ws" if self.ws else "")
+        return (f"sm90_shared_expert_{self.role}_n{self.block_n}_{self.recipe}" + ("_ws" if self.ws else "")
+                + ("2" if self.ctas_per_sm == 2 else ""))
 
 
 def recipe_name(recipe) -> str:
@@ -206,19 +228,22 @@ class LaunchPlan:
     k_splits_w1: int
     k_splits_w2: int
     pipeline: str = "cp.async"
+    ctas_per_sm: int = 1
 
 
 # "auto": the warp-specialized pipeline at every token count (32-token tiles above 32 tokens): on the H200 it was
 # 33-40% faster than the cp.async pipeline at 1-32 tokens and 25-40% faster than its 64-token tiles at 64-256
 # (docs/sm90-layer.md)
 AUTO_PIPELINE = "ws"
+AUTO_CTAS_PER_SM = 1  # "auto" CTAs per SM at TWO_CTA_BLOCK_N on the warp-specialized pipeline
 
 
 def plan_launch(num_tokens: int, hidden: int, inter: int, num_sms: int = 132, max_tokens: int | None = None,
-                pipeline: str = "auto"):
+                pipeline: str = "auto", ctas_per_sm: int | str = "auto"):
     """The pipeline ("auto": AUTO_PIPELINE, or one of PIPELINES), block_n = the smallest of its choices >= the
     tokens (the largest beyond: 32 on "ws", 64 on "cp.async"), token tiles for `max_tokens` (default: num_tokens),
-    and per GEMM the most K splits that keep every CTA in one wave on `num_sms` SMs."""
+    CTAs per SM ("auto": AUTO_CTAS_PER_SM where the tile builds that way, else 1), and per GEMM the most K splits
+    that keep every CTA in one wave of ctas_per_sm CTAs on each of `num_sms` SMs."""
     if num_tokens < 0 or hidden % 128 or inter % 128 or hidden < 128 or inter < 128:
         raise ValueError(f"tokens {num_tokens} >= 0, hidden {hidden} and inter {inter} multiples of 128 needed")
     tokens = max(1, max_tokens if max_tokens is not None else num_tokens)
@@ -230,12 +255,16 @@ def plan_launch(num_tokens: int, hidden: int, inter: int, num_sms: int = 132, ma
     block_n = next((b for b in choices if b >= tokens), choices[-1])
     token_tiles = -(-tokens // block_n)
 
+    if ctas_per_sm == "auto":
+        ctas_per_sm = AUTO_CTAS_PER_SM if pipeline == "ws" and block_n in TWO_CTA_BLOCK_N else 1
+    slots = num_sms * ctas_per_sm
+
     def splits(rows, k):
         ctas = rows // TILE_ROWS * token_tiles
-        return max(1, min(num_sms // ctas, super_steps(k // 128))) if ctas <= num_sms else 1
+        return max(1, min(slots // ctas, super_steps(k // 128))) if ctas <= slots else 1
 
-    SharedConfig("w1", block_n, pipeline=pipeline)  # a pipeline block_n does not allow: the error names why
-    return LaunchPlan(block_n, token_tiles, splits(2 * inter, hidden), splits(hidden, inter), pipeline)
+    SharedConfig("w1", block_n, pipeline=pipeline, ctas_per_sm=ctas_per_sm)  # the error names what is allowed
+    return LaunchPlan(block_n, token_tiles, splits(2 * inter, hidden), splits(hidden, inter), pipeline, ctas_per_sm)
 
 
 # ---------------------------------------------------------------------------------------------- packed weights
@@ -303,7 +332,8 @@ def fixup_group_size(role: str, plan: LaunchPlan) -> int:
 def workspace_sizes(hidden: int, inter: int, capacity: int, num_sms: int = 132) -> tuple[int, int]:
     """(scratch floats, counter words) enough for every plan of 1..capacity tokens, W1 and W2 together
     (W2's regions follow W1's)."""
-    plans = {plan_launch(t, hidden, inter, num_sms, pipeline=p) for t in range(1, capacity + 1) for p in PIPELINES}
+    plans = {plan_launch(t, hidden, inter, num_sms, pipeline=p, ctas_per_sm=c) for t in range(1, capacity + 1)
+             for p in PIPELINES for c in (1, 2) if c == 1 or (p == "ws" and t <= max(TWO_CTA_BLOCK_N))}
     scratch = max(scratch_floats("w1", p, hidden, inter) + scratch_floats("w2", p, hidden, inter) for p in plans)
     counters = max(counter_words("w1", p, hidden, inter) + counter_words("w2", p, hidden, inter) for p in plans)
     return scratch, counters
@@ -941,7 +971,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
 def _host_launcher(cfg: SharedConfig, kernel):
     from cutlass import Float32, Int32, Int64, cute
 
-    launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
+    launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes, **cfg.launch_bounds}
     if cfg.role == "w1":
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -957,7 +987,7 @@ def _host_launcher(cfg: SharedConfig, kernel):
 
 
 def build_shared_expert(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, recipe: str = "k32",
-                        pipeline: str = "cp.async"):
+                        pipeline: str = "cp.async", ctas_per_sm: int = 1):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Float32, Int32, Int64
 
@@ -965,9 +995,9 @@ def build_shared_expert(arch: str = "sm_90a", role: str = "w1", block_n: int = 8
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 shared-expert kernels are built for sm_90a only, not {arch!r}")
-    cfg = SharedConfig(role, block_n, recipe, pipeline)
-    if cfg.smem_bytes > SMEM_LIMIT:
-        raise ValueError(f"{cfg.name}: {cfg.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}")
+    cfg = SharedConfig(role, block_n, recipe, pipeline, ctas_per_sm)
+    if cfg.smem_bytes > cfg.smem_limit:
+        raise ValueError(f"{cfg.name}: {cfg.smem_bytes} bytes of shared memory exceed {cfg.smem_limit}")
     host = _host_launcher(cfg, _make_kernel(cfg))
     args = tuple(Int64(0) if kind == "u64" else Float32(1.0) if kind == "f32" else Int32(1) for _, kind in cfg.params)
     return CompileRequest(host, args, LaunchShape(block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
@@ -998,7 +1028,7 @@ def fused_ctas(plan, hidden: int, inter: int) -> tuple[int, int]:
     return a * b * c, d * e * f
 
 
-def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
+def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async", ctas_per_sm: int = 1):
     import cutlass
     from cutlass import Float32, Int32, Int64, cute
 
@@ -1007,7 +1037,8 @@ def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
 
     # the halves' barriers around the bodies are CTA-wide (bar.sync 0): with the warp-specialized pipeline the
     # producer warp, back from its copies, meets the consumers there
-    cfg1, cfg2 = SharedConfig("w1", block_n, recipe, pipeline), SharedConfig("w2", block_n, recipe, pipeline)
+    cfg1 = SharedConfig("w1", block_n, recipe, pipeline, ctas_per_sm)
+    cfg2 = SharedConfig("w2", block_n, recipe, pipeline, ctas_per_sm)
     assert cfg1.smem_bytes == cfg2.smem_bytes and cfg1.flag_offset == cfg2.flag_offset
     w1_body, w2_body = _make_kernel(cfg1, True), _make_kernel(cfg2, True)
     TICKET = cfg1.flag_offset + 4  # past the fixup's flag word
@@ -1068,7 +1099,7 @@ def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
                 ptx.barrier_sync()
                 w2_body(*w2_args)
 
-    launch = {"grid": (1, 1, 1), "block": (cfg1.threads, 1, 1), "smem": cfg1.smem_bytes}
+    launch = {"grid": (1, 1, 1), "block": (cfg1.threads, 1, 1), "smem": cfg1.smem_bytes, **cfg1.launch_bounds}
 
     @cute.jit
     def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
@@ -1082,7 +1113,8 @@ def _make_fused_kernel(block_n: int, recipe: str, pipeline: str = "cp.async"):
     return host, cfg1
 
 
-def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k32", pipeline: str = "cp.async"):
+def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k32", pipeline: str = "cp.async",
+                       ctas_per_sm: int = 1):
     """The runtime's builder of the fused role4 kernel (no GPU needed)."""
     from cutlass import Float32, Int32, Int64
 
@@ -1090,20 +1122,22 @@ def build_shared_fused(arch: str = "sm_90a", block_n: int = 8, recipe: str = "k3
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 shared-expert kernels are built for sm_90a only, not {arch!r}")
-    host, cfg = _make_fused_kernel(block_n, recipe, pipeline)
+    host, cfg = _make_fused_kernel(block_n, recipe, pipeline, ctas_per_sm)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Float32(1.0) if kind == "f32"
                  else Int32(1) for _, kind in FUSED_PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes))
 
 
-def fused_variant(block_n: int, recipe: str = "k32", pipeline: str = "cp.async"):
+def fused_variant(block_n: int, recipe: str = "k32", pipeline: str = "cp.async", ctas_per_sm: int = 1):
     """The runtime KernelVariant of the fused role4 kernel (W1 and W2 in one launch)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    cfg = SharedConfig("w1", block_n, recipe, pipeline)
+    cfg = SharedConfig("w1", block_n, recipe, pipeline, ctas_per_sm)
+    params = {"block_n": block_n, "recipe": recipe, "pipeline": pipeline}
+    if ctas_per_sm != 1:  # the one-CTA variants keep their parameters (and cache keys)
+        params["ctas_per_sm"] = ctas_per_sm
     return KernelVariant.make(
-        "sm90.shared_fused", MODULE, "build_shared_fused",
-        {"block_n": block_n, "recipe": recipe, "pipeline": pipeline},
+        "sm90.shared_fused", MODULE, "build_shared_fused", params,
         promises=PROMISES_W1 + ("cvt.rn.bf16.f32", "atom.release.gpu.global.add", "ld.acquire.gpu", "trap")
         + (PROMISES_WS if cfg.ws else ()),
         # bn 64 (128 registers, the cap of 512 threads): one 4-byte value on the stack, stored before W2's K loop
@@ -1124,15 +1158,17 @@ PROMISES_WS = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::byte
                "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64")
 
 
-def variant(role: str, block_n: int, recipe: str = "k32", pipeline: str = "cp.async"):
+def variant(role: str, block_n: int, recipe: str = "k32", pipeline: str = "cp.async", ctas_per_sm: int = 1):
     """The runtime KernelVariant of one configuration (what the registry builds and `load` loads)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    cfg = SharedConfig(role, block_n, recipe, pipeline)
+    cfg = SharedConfig(role, block_n, recipe, pipeline, ctas_per_sm)
     promises = PROMISES_W1 if role == "w1" else PROMISES_W2
+    params = {"role": role, "block_n": block_n, "recipe": recipe, "pipeline": pipeline}
+    if ctas_per_sm != 1:  # the one-CTA variants keep their parameters (and cache keys)
+        params["ctas_per_sm"] = ctas_per_sm
     return KernelVariant.make(
-        "sm90.shared_expert", MODULE, "build_shared_expert",
-        {"role": role, "block_n": block_n, "recipe": recipe, "pipeline": pipeline},
+        "sm90.shared_expert", MODULE, "build_shared_expert", params,
         promises=promises + (PROMISES_WS if cfg.ws else ()), local_bytes_budget=0)
 
 
@@ -1143,7 +1179,10 @@ def all_variants():
             + [variant(role, bn, recipe, "ws") for recipe in ("k32", "block128") for role in ("w1", "w2")
                for bn in WS_BLOCK_N]
             + [fused_variant(bn, recipe) for recipe in ("k32", "block128") for bn in BLOCK_N_CHOICES]
-            + [fused_variant(bn, recipe, "ws") for recipe in ("k32", "block128") for bn in WS_BLOCK_N])
+            + [fused_variant(bn, recipe, "ws") for recipe in ("k32", "block128") for bn in WS_BLOCK_N]
+            + [variant(role, bn, recipe, "ws", 2) for recipe in ("k32", "block128") for role in ("w1", "w2")
+               for bn in TWO_CTA_BLOCK_N]
+            + [fused_variant(bn, recipe, "ws", 2) for recipe in ("k32", "block128") for bn in TWO_CTA_BLOCK_N])
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -1160,6 +1199,10 @@ def load(arch: str = "sm_90a", recipe=(1, 1, 32), cache_dir=None) -> dict:
     kernels.update({("fused", bn): jit.load_kernel(fused_variant(bn, name), arch, cache_dir) for bn in BLOCK_N_CHOICES})
     kernels.update({("fused_ws", bn): jit.load_kernel(fused_variant(bn, name, "ws"), arch, cache_dir)
                     for bn in WS_BLOCK_N})
+    kernels.update({(f"{role}_ws2", bn): jit.load_kernel(variant(role, bn, name, "ws", 2), arch, cache_dir)
+                    for role in ("w1", "w2") for bn in TWO_CTA_BLOCK_N})
+    kernels.update({("fused_ws2", bn): jit.load_kernel(fused_variant(bn, name, "ws", 2), arch, cache_dir)
+                    for bn in TWO_CTA_BLOCK_N})
     return kernels
 
 
@@ -1219,11 +1262,12 @@ def launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int, num_t
             raise ValueError("the warp-specialized pipeline reads packed weights: pass packed=pack_weights(weights)")
         if packed.source != tuple(t.data_ptr() for t in (weights.w1, weights.w1_sf, weights.w2, weights.w2_sf)):
             raise ValueError("packed was not packed from these weights (pack_weights(weights) again)")
-        src, suffix = packed, "_ws"
+        src, suffix = packed, "_ws" + ("2" if plan.ctas_per_sm == 2 else "")
     k1, k2 = kernels[("w1" + suffix, plan.block_n)], kernels[("w2" + suffix, plan.block_n)]
     for k, role in ((k1, "w1"), (k2, "w2")):
         params = dict(k.entry.variant.params)
-        if params["role"] != role or params["recipe"] != name or params.get("pipeline", "cp.async") != plan.pipeline:
+        if (params["role"] != role or params["recipe"] != name or params.get("pipeline", "cp.async") != plan.pipeline
+                or params.get("ctas_per_sm", 1) != plan.ctas_per_sm):
             raise ValueError(f"kernel {k.name} is not the {role} kernel of recipe {weights.recipe} on the "
                              f"{plan.pipeline} pipeline")
     scratch2 = ws.scratch.data_ptr() + 4 * scratch_floats("w1", plan, hidden, inter)
@@ -1252,7 +1296,8 @@ def fused_launch_args(kernels: dict, weights, x, x_sf, out, out_row_stride: int,
     plan = plan or plan_launch(max(1, num_tokens), weights.hidden, weights.intermediate, ws.num_sms)
     (_, _, _, a1), (_, _, _, a2) = launch_args(kernels, weights, x, x_sf, out, out_row_stride, num_tokens, ws,
                                                plan=plan, alpha=alpha, clamp=clamp, packed=packed)
-    kernel = kernels[("fused_ws" if plan.pipeline == "ws" else "fused", plan.block_n)]
+    kernel = kernels[("fused_ws" + ("2" if plan.ctas_per_sm == 2 else "") if plan.pipeline == "ws" else "fused",
+                      plan.block_n)]
     params = dict(kernel.entry.variant.params)
     if params["recipe"] != recipe_name(weights.recipe) or params.get("pipeline", "cp.async") != plan.pipeline:
         raise ValueError(f"kernel {kernel.name} is not the fused kernel of recipe {weights.recipe} on the "
@@ -1377,11 +1422,15 @@ def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),
         ws = SharedExpertWorkspace.allocate(hidden, inter, cap, "cuda")
         out = torch.empty(cap, hidden, dtype=torch.bfloat16, device="cuda")
         for t in tokens:
-            for pipeline in pipelines:
+            for pipeline, ctas in ((p, c) for p in pipelines for c in (1, 2) if c == 1 or p == "ws"):
                 base = plan_launch(t, hidden, inter, pipeline=pipeline)  # "ws": 32-token tiles above 32 tokens
+                if ctas == 2:
+                    if base.block_n not in TWO_CTA_BLOCK_N:
+                        continue
+                    base = plan_launch(t, hidden, inter, pipeline=pipeline, ctas_per_sm=2)
                 for s1, s2 in split_overrides:
                     plan = LaunchPlan(base.block_n, base.token_tiles, s1 or base.k_splits_w1, s2 or base.k_splits_w2,
-                                      pipeline)
+                                      pipeline, base.ctas_per_sm)
                     need = sum(scratch_floats(r, plan, hidden, inter) for r in ("w1", "w2"))
                     if need > ws.scratch.numel():  # a forced-split plan: more partial tiles
                         ws.scratch = torch.empty(need, dtype=torch.float32, device="cuda")
@@ -1405,7 +1454,8 @@ def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),
                     med = tot[len(tot) // 2]
                     floor = nbytes / (bandwidth * 1e9) * 1e6
                     rows.append({
-                        "model": model, "tokens": t, "block_n": plan.block_n, "pipeline": pipeline,
+                        "model": model, "tokens": t, "block_n": plan.block_n,
+                        "pipeline": pipeline + ("2" if plan.ctas_per_sm == 2 else ""),
                         "k_splits": (plan.k_splits_w1, plan.k_splits_w2), "default_plan": (s1, s2) == (None, None),
                         "bytes": nbytes, "bandwidth_gbs": round(bandwidth, 1), "floor_us": round(floor, 2),
                         "us": round(med, 2), "w1_us": round(sorted(w1t[2:])[reps // 2], 2),
