@@ -1398,12 +1398,38 @@ def read_bandwidth_gbs(gib: int = 4, reps: int = 5) -> float:
     return gib * (1 << 30) / (times[len(times) // 2] * 1e-3) / 1e9
 
 
+def graph_us(fn, stream, reps: int, windows: int = 5) -> float:
+    """Microseconds per call of `fn` (stream work only): `reps` calls captured in one CUDA graph, the median of
+    `windows` timed replays (no host launch inside the timing)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # warm up outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                fn()
+    times = []
+    for _ in range(windows + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
+
+
 def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),),
           pipelines=PIPELINES) -> list:
     """Latency per token count for both models' shared experts, per pipeline where the token tile allows it, with
-    the bytes/floor figures: bytes = FP8 weights + scales read once, floor = bytes / amax read bandwidth. Before
-    each W1 -> W2 pair the L2 is flushed by READING 512 MB (a write flush would leave ~50 MB of dirty lines whose
-    write-back lands in W1's time)."""
+    the bytes/floor figures: bytes = FP8 weights + scales read once, floor = bytes / amax read bandwidth. Timed as
+    CUDA graphs of `reps` x [L2 flush, W1, W2] minus the same of [flush] (W1 alone likewise), so no host launch is
+    inside the timing; the flush READS 512 MB (a write flush would leave ~50 MB of dirty lines whose write-back
+    lands in W1's time)."""
     import torch
 
     from gc_moe.runtime.launch import launch as launch_kernel
@@ -1411,7 +1437,7 @@ def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),
     torch.zeros(1, device="cuda")
     bandwidth = read_bandwidth_gbs()
     flush = torch.ones(256 << 20, dtype=torch.float16, device="cuda")
-    stream = torch.cuda.current_stream()
+    stream = torch.cuda.Stream()
     rows = []
     for model, (hidden, inter, recipe) in MODELS.items():
         kernels = load("sm_90a", recipe)
@@ -1438,28 +1464,28 @@ def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),
                     if need > ws.counters.numel():
                         ws.counters = torch.zeros(need, dtype=torch.int32, device="cuda")
                     nodes = launch_args(kernels, weights, x, x_sf, out, hidden, t, ws, plan=plan, packed=packed)
-                    w1t, w2t = [], []
-                    for _ in range(reps + 2):
+                    def flush_only():
                         flush.amax()
-                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                        ev[0].record()
+
+                    def flush_w1():
+                        flush.amax()
                         launch_kernel(nodes[0][1], nodes[0][2], nodes[0][3], stream)
-                        ev[1].record()
+
+                    def flush_w1_w2():
+                        flush_w1()
                         launch_kernel(nodes[1][1], nodes[1][2], nodes[1][3], stream)
-                        ev[2].record()
-                        ev[2].synchronize()
-                        w1t.append(ev[0].elapsed_time(ev[1]) * 1e3)
-                        w2t.append(ev[1].elapsed_time(ev[2]) * 1e3)
-                    tot = sorted(a + b for a, b in zip(w1t[2:], w2t[2:]))
-                    med = tot[len(tot) // 2]
+
+                    base_us = graph_us(flush_only, stream, reps)
+                    w1_us = graph_us(flush_w1, stream, reps) - base_us
+                    med = graph_us(flush_w1_w2, stream, reps) - base_us
                     floor = nbytes / (bandwidth * 1e9) * 1e6
                     rows.append({
                         "model": model, "tokens": t, "block_n": plan.block_n,
                         "pipeline": pipeline + ("2" if plan.ctas_per_sm == 2 else ""),
                         "k_splits": (plan.k_splits_w1, plan.k_splits_w2), "default_plan": (s1, s2) == (None, None),
                         "bytes": nbytes, "bandwidth_gbs": round(bandwidth, 1), "floor_us": round(floor, 2),
-                        "us": round(med, 2), "w1_us": round(sorted(w1t[2:])[reps // 2], 2),
-                        "w2_us": round(sorted(w2t[2:])[reps // 2], 2), "pct_of_bw": round(100 * floor / med, 1),
+                        "us": round(med, 2), "w1_us": round(w1_us, 2), "w2_us": round(med - w1_us, 2),
+                        "pct_of_bw": round(100 * floor / med, 1),
                     })
     return rows
 
