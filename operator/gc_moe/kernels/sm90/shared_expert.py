@@ -648,7 +648,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
             full = bar + stage * 8
             sbase = smem + stage * cfg.stage_bytes
             blocks = k_blocks - (first + it) * WARPGROUPS
-            if blocks > WARPGROUPS:  # noqa: PLR1730
+            if blocks > WARPGROUPS:
                 blocks = Int32(WARPGROUPS)
             ptx.arrive_expect_tx(full, blocks * (A_BLOCK_BYTES + TILE_ROWS * 4))
             ptx.bulk_g2s(sbase, w_src + Int64(it) * (WARPGROUPS * A_BLOCK_BYTES), blocks * A_BLOCK_BYTES, full)
@@ -728,7 +728,7 @@ def _make_kernel(cfg: SharedConfig, body_only: bool = False):
             if it >= STG:
                 ptx.mbarrier_wait(bar + (STG + stage) * 8, ((it // STG) + 1) % 2)
             blocks = k_blocks - (first + it) * WARPGROUPS
-            if blocks > WARPGROUPS:  # noqa: PLR1730
+            if blocks > WARPGROUPS:
                 blocks = Int32(WARPGROUPS)
             if cutlass.const_expr(gate is None):
                 stage_weights(it, first, k_blocks, smem, bar, w_src, s_src, lane)
@@ -1467,12 +1467,12 @@ def bench(tokens=(1, 8, 64, 256), reps: int = 30, split_overrides=((None, None),
                     def flush_only():
                         flush.amax()
 
-                    def flush_w1():
+                    def flush_w1(nodes=nodes):
                         flush.amax()
                         launch_kernel(nodes[0][1], nodes[0][2], nodes[0][3], stream)
 
-                    def flush_w1_w2():
-                        flush_w1()
+                    def flush_w1_w2(nodes=nodes):
+                        flush_w1(nodes)
                         launch_kernel(nodes[1][1], nodes[1][2], nodes[1][3], stream)
 
                     base_us = graph_us(flush_only, stream, reps)
