@@ -14,7 +14,8 @@
   same partition) W1 -> W2 as two nodes from 2 tokens, where the persistent kernel would keep role4 waiting;
 - one child graph per (token count, output, weights): dispatch (communication context) and role2 (compute
   context) as concurrent roots, finalize after both: three nodes with the fused role2, four with W1 and W2; the
-  shared expert adds W1 -> W2 (or one node with `role4_fused`). Every replay leaves the state ready for the next
+  shared expert adds W1 -> W2 (or one node with `role4_fused`), before role2 at 1 token per rank (role2 waits on
+  it while dispatch fills the ring) and beside it above (`role4_order`). Every replay leaves the state ready for the next
   (role3 resets the ring signals and the W1-completion words and flips the parity), so a graph replays, eagerly
   or inside an outer torch CUDA graph capture, without host work in between.
 - the overlap switch (`overlap_roots`, default GC_MOE_OVERLAP_ROOTS, "1"): off, role2 (W1) depends on dispatch,
@@ -27,7 +28,9 @@
   experiment knob: bn 32 at every token count measured slower where the call's tile is smaller), and its CTAs per
   SM at tile 8 (GC_MOE_ROLE2_CTAS_PER_SM, "2"; "1": one).
 - the role4 switch (`role4_fused`, default GC_MOE_ROLE4_FUSED, "0"): the shared expert as one fused node ("1")
-  instead of W1 -> W2 (measured 1.4-6% slower on the H200, so off by default).
+  instead of W1 -> W2 (1.5-2 us slower alone on the H200, so off by default), and where it runs
+  (`role4_order`, GC_MOE_ROLE4_ORDER: "auto", "beside", "before", "after"); its kernels' pipeline and CTAs per SM
+  (GC_MOE_SHARED_PIPELINE, GC_MOE_SHARED_CTAS_PER_SM: `SharedExpert`).
 
 Waits are bounded (`timeout_s`, default 3600 s, the operator's): a wait that passes it traps on the device.
 Supported shapes: `unsupported_reasons` lists what a configuration breaks, with what is allowed. Host-only

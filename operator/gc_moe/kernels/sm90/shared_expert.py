@@ -13,8 +13,10 @@ Two kernels, one binary each for every token count (num_tokens, strides and shap
   [T, H] BF16 tensor.
 
 MMA: `wgmma.mma_async m64nNk32 .e4m3.e4m3` with BOTH operands from shared memory: the weight tile (64 rows,
-K-major) is A, the tokens (N = block_n, zero-filled past num_tokens) are B; no FP4 decode. Every operand
-moves global -> shared with 16-byte `cp.async` through a multi-stage pipeline. Scales are FMAs on the FP32
+K-major) is A, the tokens (N = block_n, zero-filled past num_tokens) are B; no FP4 decode. Two pipelines
+(PIPELINES): "ws", the default (AUTO_PIPELINE), a producer warp moving the packed weights (`pack_weights`) with
+bulk copies and the token rows with cp.async into an mbarrier ring that the 4 consumer warpgroups drain; and
+"cp.async", every thread copying 16-byte pieces, a CTA barrier per stage (bn 64, and the first version). Scales are FMAs on the FP32
 partials outside the MMA, per K32 block: weight scale (recipe (1,1,32): UE8M0 per row and K32; recipe
 (1,128,128): the FP32 power of two of the row's 128x128 block) times the token's scale (W1: UE8M0 per K32 of
 x_sf; W2: the FP32 K128 scale W1 wrote).
