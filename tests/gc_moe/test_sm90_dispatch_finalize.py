@@ -420,9 +420,15 @@ def test_kernel_mode_element_checks_accept_the_kernels_numerics_and_catch_one_wr
     assert float(tol.mean()) < 0.05 * float(y_want.abs().mean())  # the tolerance is two BF16 roundings, not more
     ref = moe_reference(x, sf, idx, wt, l1, l2, activation_alpha=1.0, activation_clamp=10.0)
     assert metrics.cosine(y, ref.float()) >= 0.999
-    lanes[1, 3] = 0  # one partial not written
+    dropped = lanes[1, 3].float().clone()
+    lanes[1, 3] = 0  # one partial (token 3, slot 1) not written
     y_missing = finalize.combine_reference(lanes, idx, 7, shared=False).float()
-    assert int(((y_missing - y_want).abs() > tol).sum()) > 200
+    off = (y_missing - y_want).abs() > tol
+    # every element the lost partial moved by more than the tolerance's margin is caught (how many that is
+    # depends on the random draw: 168-256 of the row's 256 seen), and nothing in the other tokens' rows
+    big = dropped.abs() > 3 * tol[3]
+    assert int(big.sum()) > 32 and bool(off[3][big].all())
+    assert not off[[t for t in range(7) if t != 3]].any()
 
 
 def test_kernel_mode_graph_topology(monkeypatch):
