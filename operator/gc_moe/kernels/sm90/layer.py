@@ -343,6 +343,17 @@ def _switch_from_env(environ, name: str, default: bool, allowed: str) -> bool:
     return raw == "1"
 
 
+def _choice_from_env(environ, name: str, choices, allowed: str) -> str:
+    """A setting from the environment: "auto" when unset, empty or "auto", else one of `choices` (strings); any
+    other value is an error naming what is `allowed`."""
+    raw = environ.get(name, "")
+    if raw in ("", "auto"):
+        return "auto"
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}; allowed: {allowed}")
+    return raw
+
+
 def overlap_from_env(environ=os.environ) -> bool:
     """Whether dispatch and W1 run as concurrent roots: GC_MOE_OVERLAP_ROOTS "1" (the default when unset or
     empty) or "0" (W1 after dispatch)."""
@@ -354,13 +365,9 @@ def role2_nodes_from_env(environ=os.environ):
     """How role2 runs: GC_MOE_ROLE2_NODES "auto" (the default when unset or empty: one fused kernel, its tile
     chosen per call; W1 and W2 nodes beside the shared expert from 2 tokens), "1" (one fused kernel) or "2" (W1
     and W2 nodes)."""
-    raw = environ.get(ROLE2_ENV, "")
-    if raw in ("", "auto"):
-        return "auto"
-    if raw not in ("1", "2"):
-        raise ValueError(f"{ROLE2_ENV}={raw!r}; allowed: auto (the default: one fused kernel, its tile chosen per "
-                         f"call), 1 (role2 as one fused kernel) or 2 (W1 and W2 as two graph nodes)")
-    return int(raw)
+    raw = _choice_from_env(environ, ROLE2_ENV, ("1", "2"), "auto (the default: one fused kernel, its tile chosen "
+                           "per call), 1 (role2 as one fused kernel) or 2 (W1 and W2 as two graph nodes)")
+    return raw if raw == "auto" else int(raw)
 
 
 def role4_fused_from_env(environ=os.environ) -> bool:
@@ -374,51 +381,35 @@ def role4_order_from_env(environ=os.environ) -> str:
     """Where the shared expert (role4) runs against role2: GC_MOE_ROLE4_ORDER "auto" (the default when unset or
     empty: `role4_order_at`), "beside" (concurrent roots), "before" (role2 waits on role4) or "after" (role4
     waits on role2)."""
-    raw = environ.get(ROLE4_ORDER_ENV, "")
-    if raw == "":
-        return "auto"
-    if raw not in ROLE4_ORDERS:
-        raise ValueError(f"{ROLE4_ORDER_ENV}={raw!r}; allowed: auto (the default: before role2 at 1 token per "
-                         f"rank, beside it above), beside (role4 and role2 concurrent), before (role2 waits on "
-                         f"role4) or after (role4 waits on role2)")
-    return raw
+    return _choice_from_env(environ, ROLE4_ORDER_ENV, ROLE4_ORDERS,
+                            "auto (the default: before role2 at 1 token per rank, beside it above), beside (role4 "
+                            "and role2 concurrent), before (role2 waits on role4) or after (role4 waits on role2)")
 
 
 def shared_pipeline_from_env(environ=os.environ) -> str:
     """The shared expert's pipeline: GC_MOE_SHARED_PIPELINE "auto" (the default when unset or empty:
     shared_expert.AUTO_PIPELINE), "cp.async" (every thread copies, a CTA barrier per stage, 64-token tiles above
     32 tokens) or "ws" (warp-specialized, 32-token tiles above 32 tokens)."""
-    raw = environ.get(SHARED_PIPELINE_ENV, "")
-    if raw in ("", "auto"):
-        return "auto"
-    if raw not in ("cp.async", "ws"):
-        raise ValueError(f"{SHARED_PIPELINE_ENV}={raw!r}; allowed: auto (the default: warp-specialized), cp.async "
-                         f"(every thread copies, a CTA barrier per stage) or ws (warp-specialized)")
-    return raw
+    return _choice_from_env(environ, SHARED_PIPELINE_ENV, ("cp.async", "ws"),
+                            "auto (the default: warp-specialized), cp.async (every thread copies, a CTA barrier per "
+                            "stage) or ws (warp-specialized)")
 
 
 def shared_ctas_from_env(environ=os.environ):
     """The shared expert's CTAs per SM at token tile 8 (warp-specialized): GC_MOE_SHARED_CTAS_PER_SM "auto" (the
     default when unset or empty: shared_expert.AUTO_CTAS_PER_SM), "1" or "2" (3 stages each)."""
-    raw = environ.get(SHARED_CTAS_ENV, "")
-    if raw in ("", "auto"):
-        return "auto"
-    if raw not in ("1", "2"):
-        raise ValueError(f"{SHARED_CTAS_ENV}={raw!r}; allowed: auto (the default), 1 or 2 (two CTAs per SM at "
-                         f"token tile 8 on the warp-specialized pipeline)")
-    return int(raw)
+    raw = _choice_from_env(environ, SHARED_CTAS_ENV, ("1", "2"), "auto (the default), 1 or 2 (two CTAs per SM at "
+                           "token tile 8 on the warp-specialized pipeline)")
+    return raw if raw == "auto" else int(raw)
 
 
 def role2_block_n_from_env(environ=os.environ):
     """The fused role2 kernel's token tile: GC_MOE_ROLE2_BLOCK_N "auto" (the default when unset or empty: the
     call's) or a fixed tile, one of role2.BLOCK_N_CHOICES."""
-    raw = environ.get(ROLE2_BLOCK_N_ENV, "")
-    if raw in ("", "auto"):
-        return "auto"
-    if raw not in tuple(str(b) for b in role2.BLOCK_N_CHOICES):
-        raise ValueError(f"{ROLE2_BLOCK_N_ENV}={raw!r}; allowed: auto (the default: the call's token tile, at most "
-                         f"{max(role2.BLOCK_N_CHOICES)}) or one of {role2.BLOCK_N_CHOICES}")
-    return int(raw)
+    raw = _choice_from_env(environ, ROLE2_BLOCK_N_ENV, tuple(str(b) for b in role2.BLOCK_N_CHOICES),
+                           f"auto (the default: the call's token tile, at most {max(role2.BLOCK_N_CHOICES)}) or one of "
+                           f"{role2.BLOCK_N_CHOICES}")
+    return raw if raw == "auto" else int(raw)
 
 
 def role2_ctas_from_env(environ=os.environ) -> int:
