@@ -172,7 +172,8 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     names = [v.name for v in vs]
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
     fused = [dict(v.params) for v in vs if v.name == "sm90.role2"]
-    assert sorted((p["block_n"], p.get("ctas_per_sm", 1)) for p in fused) == [(8, 1), (8, 2), (16, 1), (32, 1)]
+    assert sorted((p["block_n"], p.get("ctas_per_sm", 1), p.get("ring_reuse", False)) for p in fused) == sorted(
+        (bn, ctas, reuse) for bn, ctas in [(8, 1), (8, 2), (16, 1), (32, 1)] for reuse in (False, True))
     assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in fused)
     gemms = [dict(v.params) for v in vs[2:] if v.name == "sm90.grouped_gemm"]
     assert len(gemms) + len(fused) == len(vs) - 2
@@ -418,11 +419,14 @@ def test_settings_note():
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
     layer.role2_ctas, layer.role4_order = 1, "auto"
+    layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256, ring_blocks="auto")
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
     layer.role4_fused = True
     assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node")
     layer.role4_order = "before"
     assert layer.settings_note().endswith("role2 W1 and W2 nodes; role4 one fused node; role4 before role2")
+    layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256, ring_blocks=6)
+    assert layer.settings_note().endswith("role4 before role2; ring 6 of 256 blocks, reused")
 
 
 # ------------------------------------------------------------------------------------------------ weights
@@ -537,6 +541,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
     layer.role2_ctas, layer.role4_order = 2, "auto"
+    layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256, ring_blocks="auto")
 
     def allocate(buffer):
         return {**api._reference_allocate(buffer), "extras": {"sm90_layer": layer}}

@@ -206,3 +206,81 @@ def test_separate_shared_expert_launch(api_layer, num_tokens):
 
     r = lc.check_separate_shared(api_layer, num_tokens, seed=4242 + num_tokens)
     assert r["nonfinite"] == 0 and r["cosine"] >= 0.99 and r["processed_diff"] <= 0.002, r
+
+
+# ------------------------------------------------------------------------------------------------ ring reuse
+SMALL_RING_BLOCKS = 6  # layer_layout.min_reuse_ring_blocks(8): every generation of a 256-token call goes round
+
+
+def _small_ring_twin(layer, shared: bool = False, seed: int = 23):
+    """A second layer on the same weights whose token ring has SMALL_RING_BLOCKS blocks (GC_MOE_RING_BLOCKS)."""
+    from gc_moe.kernels.sm90 import layer as sm90_layer
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    saved = os.environ.get(sm90_layer.RING_BLOCKS_ENV)
+    os.environ[sm90_layer.RING_BLOCKS_ENV] = str(SMALL_RING_BLOCKS)
+    try:
+        twin = lc.ApiLayer(layer.slice, layer.device, seed=seed, backend="sm90", shared=shared,
+                           weights=(layer.l1, layer.l2))
+    finally:
+        if saved is None:
+            del os.environ[sm90_layer.RING_BLOCKS_ENV]
+        else:
+            os.environ[sm90_layer.RING_BLOCKS_ENV] = saved
+    inner = twin.buffer.extras["sm90_layer"]
+    assert inner.shape.ring_blocks == SMALL_RING_BLOCKS and inner.shape.ring_reuse, inner.shape
+    assert f"ring {SMALL_RING_BLOCKS} of " in inner.settings_note()
+    return twin
+
+
+@pytest.fixture(scope="module")
+def small_ring_layer(api_layer):
+    twin = _small_ring_twin(api_layer)
+    yield twin
+    twin.buffer.destroy()
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+def test_a_reused_ring_writes_what_the_pool_sized_ring_writes(api_layer, small_ring_layer, num_tokens):
+    """The same inputs through a 6-block ring (role1 waits for W1's row releases, W1 reads ring rows by modulo,
+    its tickets tile by tile; up to 43 generations per block at 256 tokens) and through the pool-sized ring: y
+    bit-equal (the same tiles and arithmetic), against the reference, the protocol counters clean."""
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    seed = num_tokens * 67 + int(time.time()) % 1000
+    pool = lc.check_point(api_layer, num_tokens, seed=seed).pop("y")
+    r = lc.check_point(small_ring_layer, num_tokens, seed=seed)
+    small = r.pop("y")
+    assert r["nonfinite"] == 0 and r["cosine"] >= 0.97 and r["processed_diff"] <= 0.002, r
+    assert torch.equal(small.view(torch.int16), pool.view(torch.int16))
+    control = small_ring_layer.control()
+    assert control["arrival_errors"] == 0 and control["ring_overflows"] == 0, control
+
+
+@needs_sm90
+def test_reused_ring_graph_replays_equal_the_eager_call(small_ring_layer):
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    r = lc.check_point(small_ring_layer, 256, seed=1256)
+    rep = lc.replay_check(small_ring_layer, r.pop("y"), 256, replays=300)
+    assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0 and rep["replays_added"] == 301, rep
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_tokens", [8, 256])
+def test_a_reused_ring_with_the_shared_expert(shared_layer, num_tokens):
+    """With the shared expert: role2 runs as the fused kernel on the reused ring (beside role4), the default
+    layer as its W1 / W2 nodes: y bit-equal."""
+    from gc_moe.kernels.sm90 import layer_checks as lc
+
+    twin = _small_ring_twin(shared_layer, shared=True, seed=29)
+    try:
+        seed = num_tokens * 71 + int(time.time()) % 1000
+        pool = lc.check_point(shared_layer, num_tokens, seed=seed).pop("y")
+        r = lc.check_point(twin, num_tokens, seed=seed)
+        small = r.pop("y")
+        assert r["nonfinite"] == 0 and r["cosine"] >= 0.99, r
+        assert torch.equal(small.view(torch.int16), pool.view(torch.int16))
+    finally:
+        twin.buffer.destroy()

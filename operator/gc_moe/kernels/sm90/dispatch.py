@@ -14,12 +14,14 @@ One CTA per communication SM (default 4 on SM90), 512 threads (16 pulling warps)
    acquire wait for P arrivals bounded by `timeout_ns` (then `trap`), reset of its own arrival word and
    a flip of the persistent phase; a second grid sync;
 6. every CTA scans the received counts (experts in order, source ranks in order) into grouped-row offsets;
-   block 0 writes expert_offsets [e + 1], pads the last partial ring block's l1_full_count and releases
-   RING_READY; then each warp pulls grouped rows (16 bytes per lane per step, all loads of up to 16 steps
-   issued before the first conversion): the routing entry, the source token's FP8 row and scales
-   from the source rank, converted to the ring's E4M3 + FP32 K128 format, its routing weight, destination row
-   and source word; after the row lands (warp sync) lane 0 adds 1 to the ring block's l1_full_count with
-   `atom.add.release.gpu`. A block is full when it reads BM (generation + 1).
+   block 0 writes expert_offsets [e + 1] and releases RING_READY; then each warp pulls grouped rows (16 bytes
+   per lane per step, all loads of up to 16 steps issued before the first conversion): the routing entry, the
+   source token's FP8 row and scales from the source rank, converted to the ring's E4M3 + FP32 K128 format
+   into ring row r mod R, its routing weight, destination row and source word (pool-sized, at r); after the row
+   lands (warp sync) lane 0 adds 1 to the ring block's l1_full_count with `atom.add.release.gpu` (the last
+   row also the padding of its partial block). A block is full when it reads BM (generation + 1). In a reused
+   ring (`l1_readers` > 0) lane 0 first waits, bounded, until the block's l1_empty_count shows that W1 read
+   its previous generation (`layer_layout.l1_empty_target`).
 
 Activation format. The public buffer keeps Listing 1's bytes on every arch: x E4M3 [C, H] with packed UE8M0
 per-32 scales x_sf int32 [C, H/128]. The ring holds what the SM90 grouped GEMM reads: E4M3 with one FP32 scale
@@ -49,10 +51,11 @@ PARAMS = (
     ("x", "u64"), ("x_sf", "u64"), ("topk_idx", "u64"), ("topk_weights", "u64"),
     ("send_count", "u64"), ("recv_count", "u64"), ("src_index", "u64"),
     ("ring_act", "u64"), ("ring_scale", "u64"), ("routing_weight", "u64"), ("dest_row", "u64"),
-    ("ring_source", "u64"), ("expert_offsets", "u64"), ("l1_full_count", "u64"),
+    ("ring_source", "u64"), ("expert_offsets", "u64"), ("l1_full_count", "u64"), ("l1_empty_count", "u64"),
     ("tag1_arrive", "u64"), ("control", "u64"), ("peers", "u64"),
     ("num_tokens", "s32"), ("rank", "s32"), ("num_ranks", "s32"), ("num_experts", "s32"), ("topk", "s32"),
-    ("hidden", "s32"), ("capacity", "s32"), ("block_m", "s32"), ("ring_blocks", "s32"), ("timeout_ns", "s64"),
+    ("hidden", "s32"), ("capacity", "s32"), ("block_m", "s32"), ("ring_blocks", "s32"), ("pool_blocks", "s32"),
+    ("l1_readers", "s32"), ("timeout_ns", "s64"),
 )
 _POINTER_REGIONS = [name for name, kind in PARAMS if kind == "u64"]
 
@@ -103,7 +106,8 @@ def expected_probe_rows(expert_offsets: list[int], tile_rows: int, ring_rows: in
 
 def dispatch_args(ws, shape, num_tokens: int, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
     """Kernel arguments in `PARAMS` order from a workspace (an object with one tensor per region) and its
-    `layer_layout.LayerShape`."""
+    `layer_layout.LayerShape` (a reused ring makes role1 wait for W1's releases: `l1_readers`)."""
+    from gc_moe.kernels.sm90 import layer_layout as ll
     from gc_moe.runtime.launch import i32, i64, ptr
 
     if not 0 <= num_tokens <= shape.capacity:
@@ -117,7 +121,7 @@ def dispatch_args(ws, shape, num_tokens: int, rank: int, timeout_s: float = DEFA
     args = [ptr(getattr(ws, name)) for name in _POINTER_REGIONS]
     args += [i32(num_tokens), i32(rank), i32(shape.num_ranks), i32(shape.num_experts), i32(shape.topk),
              i32(shape.hidden), i32(shape.capacity), i32(shape.block_m), i32(shape.ring_blocks),
-             i64(int(timeout_s * 1e9))]
+             i32(shape.pool_blocks), i32(ll.l1_readers(shape) if shape.ring_reuse else 0), i64(int(timeout_s * 1e9))]
     return args
 
 
@@ -157,8 +161,8 @@ def reference_dispatch(shape, owner: int, xs, x_sfs, topk_idxs, topk_weights):
                 token.append(entry // k)
                 slot.append(entry % k)
     n, h = len(token), shape.hidden
-    if n > shape.ring_rows:
-        raise ValueError(f"{n} grouped rows exceed the ring's {shape.ring_rows}")
+    if n > shape.pool_rows:
+        raise ValueError(f"{n} grouped rows exceed the pool's {shape.pool_rows}")
     act = torch.empty(n, h, dtype=torch.float8_e4m3fn)
     scale = torch.empty(n, h // 128, dtype=torch.float32)
     weight = torch.empty(n, dtype=torch.float32)
@@ -343,9 +347,10 @@ if cute is not None:
     def dispatch_kernel(x: Int64, x_sf: Int64, topk_idx: Int64, topk_weights: Int64, send_count: Int64,
                         recv_count: Int64, src_index: Int64, ring_act: Int64, ring_scale: Int64,
                         routing_weight: Int64, dest_row: Int64, ring_source: Int64, expert_offsets: Int64,
-                        l1_full_count: Int64, tag1_arrive: Int64, control: Int64, peers: Int64,
-                        num_tokens: Int32, rank: Int32, num_ranks: Int32, num_experts: Int32, topk: Int32,
-                        hidden: Int32, capacity: Int32, block_m: Int32, ring_blocks: Int32, timeout_ns: Int64):
+                        l1_full_count: Int64, l1_empty_count: Int64, tag1_arrive: Int64, control: Int64,
+                        peers: Int64, num_tokens: Int32, rank: Int32, num_ranks: Int32, num_experts: Int32,
+                        topk: Int32, hidden: Int32, capacity: Int32, block_m: Int32, ring_blocks: Int32,
+                        pool_blocks: Int32, l1_readers: Int32, timeout_ns: Int64):
         tid = cute.arch.thread_idx()[0]
         bid = cute.arch.block_idx()[0]
         nblocks = cute.arch.grid_dim()[0]
@@ -456,8 +461,10 @@ if cute is not None:
         bar_sync()
         received = lds(prefix + 4 * segments)
         ring_rows = ring_blocks * block_m
+        pool_rows = pool_blocks * block_m
         rows = received
-        rows = min(rows, ring_rows)  # never write past the ring; role3's output shows the loss, RING_OVERFLOWS counts it
+        rows = min(rows, pool_rows)  # never write past the pool; role3's output shows the loss, RING_OVERFLOWS counts it
+        tail = rows % block_m
         if bid == 0:
             le = tid
             while le <= local_experts:
@@ -467,11 +474,8 @@ if cute is not None:
                 le = le + THREADS
             bar_sync()
             if tid == 0:
-                if received > ring_rows:
+                if received > pool_rows:
                     atom_add_s32(control + Int64(4 * RING_OVERFLOWS), Int32(1))
-                tail = rows % block_m
-                if tail != 0:
-                    atom_add_release_gpu(l1_full_count + Int64((rows // block_m) % ring_blocks) * 4, block_m - tail)
                 st_release_gpu(control + Int64(4 * RING_READY), Int32(1))  # after the block's offsets (bar.sync)
 
         # 6b. pull: one grouped row per warp at a time
@@ -496,7 +500,15 @@ if cute is not None:
             peer = ld_s64(peers + Int64(src) * 8)
             x_row = x + peer + Int64(token) * Int64(hidden)
             sf_row = x_sf + peer + Int64(token) * Int64(k_blocks * 4)
-            dst = ring_act + Int64(r) * Int64(hidden)
+            ring_r = r % ring_rows
+            dst = ring_act + Int64(ring_r) * Int64(hidden)
+            if l1_readers > 0:
+                # a reused ring: the block's previous generation must have been read by every W1 CTA of its tiles
+                generation = (r // block_m) // ring_blocks
+                if lane == 0 and generation > 0:
+                    wait_at_least(l1_empty_count + Int64((r // block_m) % ring_blocks) * 4, generation * l1_readers,
+                                  started, timeout_ns, False)
+                warp_sync()
             # 16 bytes per lane: a warp step covers 4 K128 blocks (8 lanes each, 2 lanes per K32 group). A pass
             # issues the loads of PULL_PASS_STEPS steps (the scale words and the bytes) before it converts and
             # stores any of them, so a row costs one load latency per pass, not two per step
@@ -526,7 +538,7 @@ if cute is not None:
                         multiplier = bits_to_f32((127 - shift) << 23)  # 2^-(emax - this group's exponent)
                         convert_store_16_bytes(data[j], dst + Int64(kb * 128 + 16 * sub), multiplier)
                         if sub == 0:
-                            stg_f32(ring_scale + (Int64(r) * Int64(k_blocks) + Int64(kb)) * 4,
+                            stg_f32(ring_scale + (Int64(ring_r) * Int64(k_blocks) + Int64(kb)) * 4,
                                     bits_to_f32(emax << 23))
                 first = first + PULL_PASS_STEPS
             if lane == 0:
@@ -535,7 +547,12 @@ if cute is not None:
                 st_s32(ring_source + Int64(r) * 4, (src * capacity + token) * topk + slot)
             warp_sync()  # the whole row precedes lane 0's release
             if lane == 0:
-                atom_add_release_gpu(l1_full_count + Int64((r // block_m) % ring_blocks) * 4, Int32(1))
+                landed = Int32(1)
+                if r == rows - 1 and tail != 0:
+                    # the padding of the last partial block goes with its last row: released earlier, it would
+                    # count toward the block's previous generation in a reused ring
+                    landed = landed + block_m - tail
+                atom_add_release_gpu(l1_full_count + Int64((r // block_m) % ring_blocks) * 4, landed)
             r = r + nblocks * WARPS
 
     @cute.jit
@@ -587,11 +604,12 @@ if cute is not None:
     @cute.jit
     def _launch_dispatch(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                          a8: Int64, a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64,
-                         a15: Int64, a16: Int64, num_tokens: Int32, rank: Int32, num_ranks: Int32,
+                         a15: Int64, a16: Int64, a17: Int64, num_tokens: Int32, rank: Int32, num_ranks: Int32,
                          num_experts: Int32, topk: Int32, hidden: Int32, capacity: Int32, block_m: Int32,
-                         ring_blocks: Int32, timeout_ns: Int64):
-        dispatch_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, num_tokens, rank,
-                        num_ranks, num_experts, topk, hidden, capacity, block_m, ring_blocks, timeout_ns).launch(
+                         ring_blocks: Int32, pool_blocks: Int32, l1_readers: Int32, timeout_ns: Int64):
+        dispatch_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, num_tokens,
+                        rank, num_ranks, num_experts, topk, hidden, capacity, block_m, ring_blocks, pool_blocks,
+                        l1_readers, timeout_ns).launch(
             grid=(1, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
 
     def build_dispatch(arch: str = "sm_90a"):

@@ -164,6 +164,10 @@ class GemmConfig:
     # fused_role2: threads of the CTA beside the GEMM's (the Mega MoE port's dispatch warps, after the GEMM's):
     # the GEMM's CTA-wide barriers become a named barrier over its own `threads`
     side_threads: int = 0
+    # fused_role2 in a reused token ring (layer_layout.LayerShape.ring_blocks_limit): W1 reads grouped row r at
+    # ring row r mod R and releases l1_empty_count by the rows of its tile in each block (role1's wait target);
+    # off, the variants' code is what it was (the rows' flat index, one release per CTA and block)
+    ring_reuse: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -201,6 +205,9 @@ class GemmConfig:
             raise ValueError(f"consumer_registers {self.consumer_registers}: allowed None, or one of "
                              f"{CONSUMER_REGISTER_CHOICES} on the warp-specialized pipeline with a producer warpgroup "
                              f"(producer_warps=4) and one CTA per SM (the registers move within one CTA's pool)")
+        if self.ring_reuse and not self.fused_role2:
+            raise ValueError("ring_reuse is a knob of the fused role2 halves (its tickets keep the reused ring's "
+                             "waits acyclic): pass fused_role2=True")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -449,6 +456,7 @@ def _make_kernel(cfg: GemmConfig):
     B_PIECES_PER_THREAD = -(-BN * 8 // PT)  # 16-byte pieces of the token tile per producer thread
     SUSPEND = cfg.wait_suspend_ns
     FUSED = cfg.fused_role2
+    REUSE = cfg.ring_reuse
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -557,11 +565,15 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
     @cute.jit
-    def stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx):
+    def stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows=None):
         """What a producer thread's copies read, computed once per unit (none of it changes along K): the
         CTA's weight and scale streams and strides, its 16-byte pieces of the token tile (source, bytes,
-        destination offset; rows past the expert's count zero-filled) and its activation-scale words."""
+        destination offset; rows past the expert's count zero-filled) and its activation-scale words.
+        ring_rows: a reused ring's rows (grouped row r lives in ring row r mod ring_rows), else None."""
         w_codes, w_scales, act, act_scale = a
+        first_row = Int64(row0)
+        if cutlass.const_expr(ring_rows is not None):
+            first_row = Int64(row0 % ring_rows)  # a tile's rows are < ring_rows: one wrap at most
         first_tile = Int64((e * m_tiles + bx * TILES_PER_CTA) * k_blocks)
         w_src = w_codes + first_tile * TILE_BYTES
         s_src = w_scales + first_tile * TILE_SCALE_BYTES
@@ -575,22 +587,28 @@ def _make_kernel(cfg: GemmConfig):
             c = (idx // 8) % 8
             ng = idx // 64
             n = ng * 8 + n_lo
-            nrow = Int64(row0) + Int64(n)
+            nrow = first_row + Int64(n)
             nbytes = Int32(16)
             if n >= count:
-                nrow = Int64(row0)
+                nrow = first_row
                 nbytes = Int32(0)
+            if cutlass.const_expr(ring_rows is not None):
+                if nrow >= Int64(ring_rows):
+                    nrow = nrow - Int64(ring_rows)
             b_src.append(act + nrow * row_bytes + Int64(c * 16))
             b_bytes.append(nbytes)
             b_dst.append(cfg.b_offset + (ng * 8 + c) * 128 + n_lo * 16)
         x_src, x_bytes = [], []
         for r in cutlass.range_constexpr(-(-BN // PT)):
             n = pidx + PT * r
-            nrow = Int64(row0) + Int64(n)
+            nrow = first_row + Int64(n)
             nbytes = Int32(4)
             if n >= count:
-                nrow = Int64(row0)
+                nrow = first_row
                 nbytes = Int32(0)
+            if cutlass.const_expr(ring_rows is not None):
+                if nrow >= Int64(ring_rows):
+                    nrow = nrow - Int64(ring_rows)
             x_src.append(act_scale + nrow * Int64(k_blocks) * 4)
             x_bytes.append(nbytes)
         return (w_src, s_src, tile_stride, scale_stride), (b_src, b_bytes, b_dst), (x_src, x_bytes)
@@ -640,7 +658,10 @@ def _make_kernel(cfg: GemmConfig):
         before that wait, except in the CTA's first W1 unit. W2 reads the tile's activation
         scales once into a table (coherent loads: W1 wrote them during this kernel) and stores each stage's.
         Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it)."""
-        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
+        ring_rows = None
+        if cutlass.const_expr(W1 and REUSE):
+            ring_rows = ready[0][3] * ready[0][4]  # ring_block_m x ring_blocks
+        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows)
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
@@ -1106,8 +1127,18 @@ def _make_kernel(cfg: GemmConfig):
                 block = row0 // ring_block_m
                 while block <= (row0 + rows - 1) // ring_block_m:
                     generation = block // ring_blocks
+                    released = Int32(1)
+                    if cutlass.const_expr(REUSE):
+                        # the rows of the tile in this block: role1's wait counts rows (layer_layout.l1_readers)
+                        first = block * ring_block_m
+                        if first < row0:
+                            first = row0
+                        end = (block + 1) * ring_block_m
+                        if end > row0 + rows:
+                            end = row0 + rows
+                        released = end - first
                     ring_protocol.atom_add_release_gpu(
-                        l1_empty_count + Int64(block - generation * ring_blocks) * 4, Int32(1))
+                        l1_empty_count + Int64(block - generation * ring_blocks) * 4, released)
                     block = block + 1
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
@@ -1447,6 +1478,10 @@ def ring_args_w1(ws, shape, timeout_s: float = 3600.0) -> list:
 
     if not timeout_s > 0:
         raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    if shape.ring_reuse:
+        raise ValueError(f"a ring of {shape.ring_blocks} blocks reused within a replay (pool {shape.pool_blocks}) is "
+                         f"read by the fused role2 kernel only (role2.Role2Config(ring_reuse=True)); the two-node "
+                         f"W1 reads grouped rows by their flat index")
     return [ptr(ws.control.data_ptr() + 4 * ll.RING_READY), ptr(ws.l1_full_count), ptr(ws.l1_empty_count),
             i32(shape.block_m), i32(shape.ring_blocks), i64(int(timeout_s * 1e9))]
 

@@ -59,6 +59,9 @@ ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused ke
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
 # the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
 ROLE2_BLOCK_N_ENV = "GC_MOE_ROLE2_BLOCK_N"
+# "auto" (default): the token ring covers the pool of one replay; a number: at most that many ring blocks of
+# RING_BLOCK_M rows, reused within a replay (role1 waits for W1's releases; role2 runs as the fused kernel)
+RING_BLOCKS_ENV = "GC_MOE_RING_BLOCKS"
 ROLE4_ENV = "GC_MOE_ROLE4_FUSED"  # "0" (default): the shared expert as W1 -> W2 nodes; "1": as one fused kernel
 # where role4 runs against role2 in the compute partition: "auto" (the default: before up to
 # ROLE4_BEFORE_MAX_TOKENS tokens per rank, beside above), "beside" (concurrent roots), "before" (role2 waits on
@@ -256,10 +259,28 @@ class SharedExpert:
 
 
 def layer_shape(num_ranks: int, num_experts: int, topk: int, hidden: int, intermediate: int, capacity: int,
-                num_shared_experts: int = 0) -> ll.LayerShape:
-    """The workspace shape of one rank: the ring in blocks of RING_BLOCK_M rows covering the whole pool."""
+                num_shared_experts: int = 0, ring_blocks=None) -> ll.LayerShape:
+    """The workspace shape of one rank: the ring in blocks of RING_BLOCK_M rows, covering the whole pool
+    (`ring_blocks` "auto"), or at most `ring_blocks` of them reused within a replay; None: GC_MOE_RING_BLOCKS."""
+    if ring_blocks is None:
+        ring_blocks = ring_blocks_from_env()
+    limit = 0 if ring_blocks == "auto" else ring_blocks
     return ll.LayerShape(num_ranks, num_experts, topk, hidden, intermediate, capacity, RING_BLOCK_M,
-                         num_shared_experts)
+                         num_shared_experts, ring_blocks_limit=limit)
+
+
+def ring_blocks_from_env(environ=os.environ):
+    """The token ring's size: GC_MOE_RING_BLOCKS "auto" (the default when unset or empty: the whole pool of one
+    replay) or a number of RING_BLOCK_M-row blocks, at least layer_layout.min_reuse_ring_blocks (reused within a
+    replay where the pool is larger)."""
+    raw = environ.get(RING_BLOCKS_ENV, "")
+    least = ll.min_reuse_ring_blocks(RING_BLOCK_M)
+    if raw in ("", "auto"):
+        return "auto"
+    if not raw.isdigit() or int(raw) < least:
+        raise ValueError(f"{RING_BLOCKS_ENV}={raw!r}; allowed: auto (the default: the ring covers the pool) or a "
+                         f"whole number of {RING_BLOCK_M}-row blocks >= {least} (a reused ring)")
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -293,16 +314,19 @@ def kernel_variants() -> list:
     """Every cubin the layer may load: dispatch, finalize, the fused role2 kernel and the ring-consumer W1 / W2
     at every token tile."""
     out = [dispatch.variant(), finalize.variant()]
-    out += [role2_variant(bn) for bn in role2.BLOCK_N_CHOICES]
-    out += [role2_variant(bn, ctas_per_sm=2) for bn in role2.TWO_CTA_BLOCK_N]
+    for reuse in (False, True):  # the pool-sized ring's kernels, a reused ring's (GC_MOE_RING_BLOCKS)
+        out += [role2_variant(bn, ring_reuse=reuse) for bn in role2.BLOCK_N_CHOICES]
+        out += [role2_variant(bn, ctas_per_sm=2, ring_reuse=reuse) for bn in role2.TWO_CTA_BLOCK_N]
     for bn in LAYER_BLOCK_N_CHOICES:
         out += list(gemm_variants(bn))
     return out
 
 
-def role2_variant(block_n: int, ctas_per_sm: int = 1):
-    """The fused role2 kernel (W1 and W2 units in one launch) at one token tile."""
-    return role2.variant(block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ctas_per_sm=ctas_per_sm)
+def role2_variant(block_n: int, ctas_per_sm: int = 1, ring_reuse: bool = False):
+    """The fused role2 kernel (W1 and W2 units in one launch) at one token tile, for a pool-sized or a reused
+    ring."""
+    return role2.variant(block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ctas_per_sm=ctas_per_sm,
+                         ring_reuse=ring_reuse)
 
 
 def gemm_variants(block_n: int):
@@ -468,16 +492,19 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
                   role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2,
-                  role4_order: str = "auto") -> str:
+                  role4_order: str = "auto", ring_blocks: int | None = None, pool_blocks: int | None = None) -> str:
     """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node or
-    not beside role2, the fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one)."""
+    not beside role2, the fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one,
+    the ring only when it is reused: `ring_blocks` < `pool_blocks`)."""
     role2_text = {"auto": "one fused node (W1 and W2 nodes beside the shared expert from 2 tokens per rank)",
                   1: "one fused node", 2: "W1 and W2 nodes"}[role2_nodes]
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
             + (" (fused kernel at one CTA per SM)" if role2_ctas == 1 and role2_nodes != 2 else "")
             + ("; role4 one fused node" if role4_fused else "")
-            + (f"; role4 {role4_order} role2" if role4_order != "auto" else ""))
+            + (f"; role4 {role4_order} role2" if role4_order != "auto" else "")
+            + (f"; ring {ring_blocks} of {pool_blocks} blocks, reused" if ring_blocks and pool_blocks
+               and ring_blocks < pool_blocks else ""))
 
 
 def check_weights(shape: ll.LayerShape, l1, l2, device) -> None:
@@ -529,6 +556,14 @@ class Sm90Layer:
             raise ValueError(f"role2_nodes {role2_nodes!r}; allowed: 'auto' (one fused kernel; W1 and W2 nodes beside "
                              f"the shared expert from 2 tokens), 1 (one fused kernel), 2 (W1 and W2 nodes) or None "
                              f"({ROLE2_ENV})")
+        if shape.ring_reuse and not overlap_roots:
+            raise ValueError(f"overlap_roots False with a ring of {shape.ring_blocks} blocks reused within a replay "
+                             f"(pool {shape.pool_blocks}): role1 waits for role2's releases, so role2 must run beside "
+                             f"it; allowed: overlap_roots True ({OVERLAP_ENV}=1), or {RING_BLOCKS_ENV}=auto")
+        if shape.ring_reuse and role2_nodes == 2:
+            raise ValueError(f"role2_nodes 2 with a ring of {shape.ring_blocks} blocks reused within a replay (pool "
+                             f"{shape.pool_blocks}); allowed: 'auto' or 1 (a reused ring is read by the fused role2 "
+                             f"kernel, whose tickets keep role1's waits acyclic), or {RING_BLOCKS_ENV}=auto")
         self.role2_nodes = role2_nodes
         self.role2_tile = role2_block_n_from_env()  # "auto", or the fused kernel's fixed token tile
         self.role2_ctas = role2_ctas_from_env()  # 2: two fused-kernel CTAs per SM at bn 8 from 2 tokens; or 1
@@ -606,14 +641,14 @@ class Sm90Layer:
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
                              self.role2_nodes, self.role4_fused, self.role2_tile, self.role2_ctas,
-                             self.role4_order)
+                             self.role4_order, self.shape.ring_blocks, self.shape.pool_blocks)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
         return _load(w1), _load(w2)
 
     def role2_kernel(self, block_n: int, ctas_per_sm: int = 1):
-        return _load(role2_variant(block_n, ctas_per_sm))
+        return _load(role2_variant(block_n, ctas_per_sm, self.shape.ring_reuse))
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
         """The child graph of one call: [dispatch || role2] -> finalize; with shared experts also role4 (the shared
@@ -627,6 +662,9 @@ class Sm90Layer:
         if not set(keep) <= set(TIMING_NODES) or "finalize" not in keep or ("role2" in keep) > ("dispatch" in keep):
             raise ValueError(f"timing_nodes {self.timing_nodes!r}; allowed: None or a subset of {TIMING_NODES} "
                              f"with 'finalize', and 'dispatch' wherever 'role2' (it waits for dispatch's ring)")
+        if shape.ring_reuse and ("dispatch" in keep) > ("role2" in keep):
+            raise ValueError(f"timing_nodes {self.timing_nodes!r} with a reused ring: keep 'role2' wherever "
+                             f"'dispatch' (role1 waits for role2's releases of the ring blocks)")
         g = ChildGraph()
         compute = self.parts.compute_context
         d = None
@@ -645,7 +683,7 @@ class Sm90Layer:
         role2_after = w1_dependencies(d, self.overlap_roots) + ([role4_last] if role4_last is not None else [])
         if "role2" not in keep:
             last = None
-        elif role2_fused(self.role2_nodes, num_tokens, shared is not None, self.role4_order):
+        elif shape.ring_reuse or role2_fused(self.role2_nodes, num_tokens, shared is not None, self.role4_order):
             bn = role2_block_n(plan.block_n, self.role2_tile)
             k_role2 = self.role2_kernel(bn, role2_ctas_per_sm(self.role2_ctas, bn, num_tokens))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,

@@ -9,9 +9,9 @@ One allocation per layer (`gc_moe.runtime.workspace`), the same offsets on every
 | routing | recv_count | int64 [2, P, e] | role1 of every source (peer store) | role1 pull, role3 |
 | routing | src_index | int32 [P, e, C k] | role1 of every source (peer store) | role1 pull |
 | token ring | ring_act, ring_scale | fp8 [R, H], f32 [R, H/128] | role1 pull | role2 W1 |
-| token ring | routing_weight, dest_row, ring_source | f32 [R], int32 [R], int32 [R] | role1 pull | role2 |
+| token ring | routing_weight, dest_row, ring_source | f32 [N], int32 [N], int32 [N] | role1 pull | role2 |
 | token ring | expert_offsets | int32 [e + 1] | role1 block 0 | role2 |
-| L2 input | l2_act, l2_scale | fp8 [R, I], f32 [R, I/128] | role2 W1 | role2 W2 |
+| L2 input | l2_act, l2_scale | fp8 [N, I], f32 [N, I/128] | role2 W1 | role2 W2 |
 | combine | combine | bf16 [k + 1, C, H] | role2 W2 of every owner (lane k: shared) | role3 |
 | signals | l1_full_count, l1_empty_count, l2_empty_count | int32 [B] | role1 / role2 | role2 / role1 |
 | signals | w1_done_mask | int64 [e, C P / 8] | role2 W1 (bit per finished unit) | role2 W2 |
@@ -19,12 +19,15 @@ One allocation per layer (`gc_moe.runtime.workspace`), the same offsets on every
 | signals | control | int32 [CONTROL_WORDS] | roles 1 and 3 | roles 1 and 3 |
 | signals | peers | int64 [MAX_PEERS] | host once | roles 1 and 3 |
 
-C = capacity (tokens per rank), E experts, e = E/P local experts, B ring blocks of BM rows, R = B BM ring rows.
+C = capacity (tokens per rank), E experts, e = E/P local experts, B ring blocks of BM rows, R = B BM ring rows,
+N = the pool's rows (the most grouped rows one replay can bring, C P min(k, e), in whole blocks).
 Grouped row r of this replay (experts in order, within an expert the source ranks in order) lives in ring row
 r mod R; its logical pool block L = r // BM sits in ring block L mod B with generation L // B, and is full
-when l1_full_count of that ring block reaches BM (generation + 1). Today B covers the whole pool (the grouped
-GEMM reads rows by their flat index, so the generation is always 0 within a replay); role3 resets every ring
-signal for the next replay.
+when l1_full_count of that ring block reaches BM (generation + 1). By default B covers the pool (every
+generation is 0 within a replay); `ring_blocks_limit` bounds it (ring reuse): role1 then waits before a row of
+generation g >= 1 until the ring block's l1_empty_count reaches g BM w1_ctas (every W1 CTA adds the rows of its
+tile it read), and the routing words and W1's output stay pool-sized. Role3 resets every ring signal for the
+next replay.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class LayerShape:
     capacity: int  # tokens per rank
     block_m: int  # ring block rows (the grouped GEMM's block_n)
     num_shared_experts: int = 0
+    # 0: the ring covers the pool (no reuse within a replay); else at most this many blocks, reused by generation
+    # (at least min_reuse_ring_blocks(block_m): see there)
+    ring_blocks_limit: int = 0
 
     def __post_init__(self):
         problems = []
@@ -71,6 +77,13 @@ class LayerShape:
                 problems.append(f"{name}: got {v!r}; allowed: an int >= 1")
         if problems:
             raise ValueError("; ".join(problems))
+        least = min_reuse_ring_blocks(self.block_m)
+        if not isinstance(self.ring_blocks_limit, int) or (self.ring_blocks_limit != 0
+                                                           and self.ring_blocks_limit < least):
+            problems.append(f"ring_blocks_limit: got {self.ring_blocks_limit!r}; allowed: 0 (the ring covers the "
+                            f"pool) or at least {least} blocks of {self.block_m} rows (a {REUSE_MAX_TILE_ROWS}-row "
+                            f"token tile spans {least - 1} blocks; role1's wait on a block needs every tile over the "
+                            f"block a ring's length before it readable)")
         if self.num_ranks > MAX_PEERS:
             problems.append(f"num_ranks: got {self.num_ranks}; allowed: at most {MAX_PEERS} (peer table)")
         if self.num_experts % self.num_ranks:
@@ -96,9 +109,25 @@ class LayerShape:
         return self.capacity * self.num_ranks * min(self.topk, self.num_experts // self.num_ranks)
 
     @property
-    def ring_blocks(self) -> int:
-        """Ring blocks covering the whole pool of one replay (no reuse within a replay yet)."""
+    def pool_blocks(self) -> int:
+        """Blocks covering the whole pool of one replay (its logical blocks)."""
         return max(1, math.ceil(self.max_rows / self.block_m))
+
+    @property
+    def pool_rows(self) -> int:
+        return self.pool_blocks * self.block_m
+
+    @property
+    def ring_blocks(self) -> int:
+        """Ring blocks: the pool's, or ring_blocks_limit where that is smaller (then reused within a replay)."""
+        if self.ring_blocks_limit:
+            return min(self.ring_blocks_limit, self.pool_blocks)
+        return self.pool_blocks
+
+    @property
+    def ring_reuse(self) -> bool:
+        """Whether a replay may fill a ring block more than once (generations >= 1)."""
+        return self.ring_blocks < self.pool_blocks
 
     @property
     def w1_done_words_per_expert(self) -> int:
@@ -123,6 +152,7 @@ def layer_regions(shape: LayerShape) -> list[Region]:
     """The region table, in allocation order (see the module docstring)."""
     s = shape
     c, h, k, e, p, r, b = s.capacity, s.hidden, s.topk, s.local_experts, s.num_ranks, s.ring_rows, s.ring_blocks
+    n = s.pool_rows
     return [
         Region("x", "float8_e4m3fn", (c, h)),
         Region("x_sf", "int32", (c, h // K128)),
@@ -133,12 +163,12 @@ def layer_regions(shape: LayerShape) -> list[Region]:
         Region("src_index", "int32", (p, e, s.entries_per_source)),
         Region("ring_act", "float8_e4m3fn", (r, h)),
         Region("ring_scale", "float32", (r, h // K128)),
-        Region("routing_weight", "float32", (r,)),
-        Region("dest_row", "int32", (r,)),
-        Region("ring_source", "int32", (r,)),
+        Region("routing_weight", "float32", (n,)),
+        Region("dest_row", "int32", (n,)),
+        Region("ring_source", "int32", (n,)),
         Region("expert_offsets", "int32", (e + 1,)),
-        Region("l2_act", "float8_e4m3fn", (r, s.intermediate)),
-        Region("l2_scale", "float32", (r, s.intermediate // K128)),
+        Region("l2_act", "float8_e4m3fn", (n, s.intermediate)),
+        Region("l2_scale", "float32", (n, s.intermediate // K128)),
         Region("combine", "bfloat16", (s.combine_lanes, c, h)),
         Region("l1_full_count", "int32", (b,)),
         Region("l1_empty_count", "int32", (b,)),
@@ -163,6 +193,37 @@ def peer_offsets(peer_bases: list[int], local_base: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ ring arithmetic
+REUSE_MAX_TILE_ROWS = 32  # the largest token tile a ring consumer reads (role2's bn 32)
+
+
+def min_reuse_ring_blocks(block_m: int) -> int:
+    """The smallest reused ring: one block more than a REUSE_MAX_TILE_ROWS tile can span. Role1 waits on a row of
+    logical block L for the readers of block L - B; each of their tiles ends below L (and its rows can all land)
+    only if B exceeds a tile's span, so the waits cannot close a cycle (docs/sm90-layer.md, ring reuse)."""
+    return -(-(block_m - 1 + REUSE_MAX_TILE_ROWS) // block_m) + 1
+
+
+def l1_readers(shape: LayerShape) -> int:
+    """What one generation of a full ring block adds to its l1_empty_count under ring reuse: each of its BM rows
+    is read by every W1 weight-row CTA (2I / 256) of its token tile, and each adds the rows it read."""
+    return shape.block_m * (2 * shape.intermediate // 256)
+
+
+def l1_empty_target(grouped_row: int, shape: LayerShape) -> int:
+    """The l1_empty_count role1 waits for before writing `grouped_row` into a reused ring (0: no wait, the
+    block's first generation)."""
+    return (grouped_row // shape.block_m // shape.ring_blocks) * l1_readers(shape)
+
+
+def expected_l1_empty_counts_by_rows(rows: int, shape: LayerShape) -> list[int]:
+    """Every ring block's l1_empty_count once the reuse-mode W1 read `rows` grouped rows (each row once per W1
+    weight-row CTA)."""
+    counts = [0] * shape.ring_blocks
+    for r in range(rows):
+        counts[(r // shape.block_m) % shape.ring_blocks] += l1_readers(shape) // shape.block_m
+    return counts
+
+
 def ring_slot(logical_block: int, ring_blocks: int) -> tuple[int, int]:
     """(ring block, generation) of logical pool block `logical_block`."""
     if logical_block < 0 or ring_blocks < 1:
@@ -185,8 +246,8 @@ def expected_l1_full_count(generation: int, block_m: int) -> int:
 def l1_full_counts_after_dispatch(rows: int, shape: LayerShape) -> list[int]:
     """Every ring block's l1_full_count after role1 pulled `rows` grouped rows: one per landed row, plus the
     padding of the last partial block (so a full block always reads BM (generation + 1))."""
-    if not 0 <= rows <= shape.ring_rows:
-        raise ValueError(f"rows {rows} outside 0..{shape.ring_rows}")
+    if not 0 <= rows <= shape.pool_rows:
+        raise ValueError(f"rows {rows} outside 0..{shape.pool_rows}")
     counts = [0] * shape.ring_blocks
     for r in range(rows):
         counts[(r // shape.block_m) % shape.ring_blocks] += 1

@@ -9,7 +9,9 @@ this module only decides which unit each CTA runs and how the halves hand over:
   `ctas_per_sm=2`, opt-in). After RING_READY, warp 0 of
   each CTA builds the experts' token-tile prefix in shared memory; tickets (`atom.add` on the control word
   ROLE2_TICKET) number only the units with rows, W1's (expert, weight-row CTA, token tile fastest) before W2's
-  in the same order (`unit_of_ticket` is the host twin). The producer draws the CTA's next unit after its
+  in the same order (`unit_of_ticket` is the host twin); in a reused ring (`ring_reuse`) W1's go tile by tile
+  (expert, token tile, weight-row CTA fastest), so the units that free a ring block come before those that wait
+  for its next generation. The producer draws the CTA's next unit after its
   last copy. A W2 unit waits only for W1 units with smaller tickets, each held by a resident CTA that runs it
   (or runs an earlier W1 unit first, which waits for nothing but role1), so the waits cannot deadlock. The draw
   that completes the launch's count (units + one final draw per CTA) resets the word for the next launch.
@@ -91,6 +93,9 @@ class Role2Config:
     consumer_registers: int | None = None  # None: SPLIT_BLOCK_N's where it names the token tile
     side_threads: int = 0  # threads of the CTA beside the loop's (the Mega MoE port's dispatch warps)
     ctas_per_sm: int = 1  # 2: two persistent CTAs per SM (TWO_CTA_BLOCK_N only)
+    # a reused token ring (layer_layout.LayerShape.ring_reuse): W1 tickets tile by tile, ring rows by modulo,
+    # l1_empty_count released by rows (role1 waits on it)
+    ring_reuse: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
@@ -100,7 +105,7 @@ class Role2Config:
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
                              ctas_per_sm=self.ctas_per_sm, fused_role2=True, consumer_registers=self.consumer_registers,
-                             side_threads=self.side_threads)
+                             side_threads=self.side_threads, ring_reuse=self.ring_reuse)
 
     def __post_init__(self):
         split = SPLIT_BLOCK_N.get(self.block_n, (1, None))
@@ -133,10 +138,11 @@ def launch_ctas(block_n: int, compute_sms: int, max_units: int, ctas_per_sm: int
     return max(1, min(max_units, compute_sms * Role2Config(block_n, ctas_per_sm=ctas_per_sm).half("w1").ctas_per_sm))
 
 
-def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int):
+def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int, ring_reuse: bool = False):
     """Host twin of the scheduler: ticket -> ("w1" | "w2", expert, weight-row CTA, token tile), or None past the
     last unit. prefix[e] = token tiles with rows of the experts before e (prefix[-1]: all of them); units of a
-    role run expert by expert, within an expert weight-row CTA by weight-row CTA, token tiles fastest."""
+    role run expert by expert, within an expert weight-row CTA by weight-row CTA, token tiles fastest; with
+    `ring_reuse` W1's run token tile by token tile, weight-row CTAs fastest (grouped-row order)."""
     tiles = prefix[-1]
     if ticket >= tiles * (w1_ctas + w2_ctas):
         return None
@@ -145,16 +151,18 @@ def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int):
     e = max(k for k in range(len(prefix) - 1) if prefix[k] <= j)
     te = prefix[e + 1] - prefix[e]
     local = u - prefix[e] * ctas
+    if ring_reuse and role == "w1":
+        return role, e, local % ctas, local // ctas
     return role, e, local // te, local % te
 
 
 def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int | None = None,
-            consumer_registers: int | None = None, ctas_per_sm: int = 1):
+            consumer_registers: int | None = None, ctas_per_sm: int = 1, ring_reuse: bool = False):
     """The runtime KernelVariant of the fused role2 kernel at one token tile."""
     from gc_moe.runtime.jit import KernelVariant
 
     cfg = Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers,
-                      ctas_per_sm=ctas_per_sm)  # validates
+                      ctas_per_sm=ctas_per_sm, ring_reuse=ring_reuse)  # validates
     params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     if ctas_per_sm != 1:  # the one-CTA variants keep their measured parameters (and cache keys)
         params["ctas_per_sm"] = ctas_per_sm
@@ -162,6 +170,8 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
         params["producer_warps"] = cfg.producer_warps
     if cfg.consumer_registers is not None:
         params["consumer_registers"] = cfg.consumer_registers
+    if ring_reuse:  # named only when on: the pool-sized ring's variants keep their parameters
+        params["ring_reuse"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
@@ -188,6 +198,10 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
                          f"token-tile prefix lives in shared memory; role2_nodes=2 serves more)")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    if shape.ring_reuse and not cfg.ring_reuse:
+        raise ValueError(f"the ring has {shape.ring_blocks} blocks for a pool of {shape.pool_blocks} (reused within a "
+                         f"replay); this role2 kernel reads grouped rows by their flat index: load its ring_reuse "
+                         f"variant (role2.variant(..., ring_reuse=True))")
     n = units(cfg.block_n, h, i, e, expert_rows_bound)
     mask_stride = ws.w1_done_mask.shape[1]
     if n["token_tiles"] > mask_stride:
@@ -263,6 +277,7 @@ def make_unit_loop(cfg: Role2Config):
         half2.stages, half2.stage_bytes, half2.barrier_offset, half2.full_arrivals)
     BN = cfg.block_n
     SPLIT = half1.consumer_registers is not None
+    REUSE = cfg.ring_reuse
 
     @cute.jit
     def build_prefix(expert_offsets, local_experts, prefix, lane):
@@ -305,6 +320,7 @@ def make_unit_loop(cfg: Role2Config):
         if drawn < units:
             ctas = w1_ctas
             u = drawn
+            w1_unit = drawn < w1_units
             if drawn >= w1_units:
                 ctas = w2_ctas
                 u = drawn - w1_units
@@ -323,6 +339,10 @@ def make_unit_loop(cfg: Role2Config):
             local = u - first * ctas
             bx = local // te
             bz = local - bx * te
+            if cutlass.const_expr(REUSE):
+                if w1_unit:  # tile by tile: the readers of a ring block before its next generation's
+                    bz = local // ctas
+                    bx = local - bz * ctas
         ring_protocol.sts(slot, drawn)
         ring_protocol.sts(slot + 4, e)
         ring_protocol.sts(slot + 8, bx)
@@ -450,7 +470,8 @@ def make_unit_loop(cfg: Role2Config):
 
 
 def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-                producer_warps: int | None = None, consumer_registers: int | None = None, ctas_per_sm: int = 1):
+                producer_warps: int | None = None, consumer_registers: int | None = None, ctas_per_sm: int = 1,
+                ring_reuse: bool = False):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -459,6 +480,6 @@ def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.
     if arch != "sm_90a":
         raise ValueError(f"the SM90 role2 kernel is built for sm_90a only, not {arch!r}")
     host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers,
-                                          ctas_per_sm=ctas_per_sm))
+                                          ctas_per_sm=ctas_per_sm, ring_reuse=ring_reuse))
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
