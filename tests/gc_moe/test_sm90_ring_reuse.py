@@ -29,9 +29,11 @@ def test_a_bounded_ring_keeps_the_pool_sized_routing_words_and_shrinks_the_ring_
     regions = {r.name: r.shape for r in ll.layer_regions(small)}
     assert regions["ring_act"] == (48, 6144) and regions["ring_scale"] == (48, 48)
     assert regions["routing_weight"] == regions["dest_row"] == regions["ring_source"] == (2048,)
-    assert regions["l2_act"] == (2048, 2048) and regions["l1_full_count"] == regions["l1_empty_count"] == (6,)
+    assert regions["l2_act"] == (48, 2048) and regions["l2_scale"] == (48, 16)
+    assert regions["l1_full_count"] == regions["l1_empty_count"] == regions["l2_empty_count"] == (6,)
     saved = ll.layer_layout(pool).total_bytes - ll.layer_layout(small).total_bytes
-    ring_bytes = (2048 - 48) * (6144 + 4 * 48)  # the ring rows; the three signal arrays' bytes round to the alignment
+    # the ring rows and W1's output rows; the three signal arrays' bytes round to the alignment
+    ring_bytes = (2048 - 48) * (6144 + 4 * 48 + 2048 + 4 * 16)
     assert ring_bytes <= saved <= ring_bytes + 3 * 4 * 256
 
 
@@ -78,20 +80,32 @@ def test_dispatch_arguments_carry_the_pool_and_the_wait_unit():
         assert values == {"ring_blocks": s.ring_blocks, "pool_blocks": 256, "l1_readers": readers}
 
 
-def test_tile_by_tile_tickets_visit_the_w1_units_in_grouped_row_order():
-    rows = [5, 0, 17, 9]
+def test_tile_by_tile_tickets_with_the_w2_lag():
+    rows = [5, 0, 17, 9, 30]
     tiles = [-(-r // 8) for r in rows]
     prefix = [0]
     for t in tiles:
         prefix.append(prefix[-1] + t)
     w1_ctas, w2_ctas = 3, 2
     n = prefix[-1] * (w1_ctas + w2_ctas)
-    reuse = [role2.unit_of_ticket(t, prefix, w1_ctas, w2_ctas, ring_reuse=True) for t in range(n + 1)]
     pool = [role2.unit_of_ticket(t, prefix, w1_ctas, w2_ctas) for t in range(n + 1)]
-    assert reuse[-1] is None and sorted(reuse[:-1]) == sorted(pool[:-1])  # the same units, once each
-    w1 = [u for u in reuse if u and u[0] == "w1"]
-    assert w1 == [("w1", e, bx, bz) for e in range(4) for bz in range(tiles[e]) for bx in range(w1_ctas)]
-    assert [u for u in reuse if u and u[0] == "w2"] == [u for u in pool if u and u[0] == "w2"]
+    order = [(e, bz) for e in range(5) for bz in range(tiles[e])]  # the token tiles in grouped-row order
+    for lag in (None, 0, 1, 2, 100):
+        reuse = [role2.unit_of_ticket(t, prefix, w1_ctas, w2_ctas, ring_reuse=True, lag=lag) for t in range(n + 1)]
+        assert reuse[-1] is None and sorted(reuse[:-1]) == sorted(pool[:-1])  # the same units, once each
+        w1 = [u for u in reuse if u and u[0] == "w1"]
+        w2 = [u for u in reuse if u and u[0] == "w2"]
+        assert w1 == [("w1", e, bx, bz) for e, bz in order for bx in range(w1_ctas)]  # tile by tile
+        assert w2 == [("w2", e, bx, bz) for e, bz in order for bx in range(w2_ctas)]
+        d = len(order) if lag is None else min(lag, len(order))
+        for j, (e, bz) in enumerate(order):  # W2 of tile j right after W1 of tile j + lag (or after all W1)
+            first_w2 = reuse.index(("w2", e, 0, bz))
+            after = order[min(j + d, len(order) - 1)]
+            assert first_w2 > reuse.index(("w1", after[0], w1_ctas - 1, after[1]))
+            if j + d + 1 < len(order):
+                nxt = order[j + d + 1]
+                assert first_w2 < reuse.index(("w1", nxt[0], 0, nxt[1]))
+    assert [role2.w2_lag_tiles(b, 8) for b in (6, 8, 16, 64, 256)] == [0, 0, 2, 14, 62]
 
 
 def test_the_reuse_knobs_and_their_guards():
@@ -115,93 +129,108 @@ def test_the_reuse_knobs_and_their_guards():
 
 
 # ------------------------------------------------------------------------------------------------ protocol model
-def run_protocol(offsets, block_n, block_m, ring_blocks, w1_ctas, ctas, role1_warps, ticket_rows_first, seed):
-    """A step model of one replay: role1's warps write grouped rows in their order (row w, w + W, ...), each first
-    waiting for l1_empty_target; role2's persistent CTAs each hold the unit they consume and one drawn next unit
-    that acquires its tile's blocks (l1_full_count >= BM (generation + 1)); a consumed W1 unit releases the rows
-    it read. Steps pick a random runnable actor. Returns "done" or "deadlock"."""
+def run_protocol(offsets, block_n, block_m, ring_blocks, w1_ctas, w2_ctas, ctas, role1_warps, seed,
+                 ring_reuse=True, lag=None):
+    """A step model of one replay. Role1's warps write grouped rows in their order (row w, w + W, ...), each first
+    waiting for l1_empty_target. Role2's persistent CTAs take tickets (`role2.unit_of_ticket`) and each holds the
+    unit it consumes and one drawn unit that acquires its input: W1 the ring blocks of its tile (l1_full_count >=
+    BM (generation + 1)), W2 every W1 unit of its tile. A W1 unit, before it stores, waits until W2 released the
+    previous generation of its output rows (l2_empty_count), then releases its ring rows; a W2 unit releases
+    its W1 rows. Steps pick a random runnable move. Returns "done" or "deadlock"."""
     rng = random.Random(seed)
     rows = offsets[-1]
-    full, empty = [0] * ring_blocks, [0] * ring_blocks
-    tiles = []  # (first row, rows) of each (expert, token tile)
-    order = []
+    full, l1_empty, l2_empty = [0] * ring_blocks, [0] * ring_blocks, [0] * ring_blocks
+    prefix, tiles = [0], []
     for e in range(len(offsets) - 1):
-        for bz in range(-(-(offsets[e + 1] - offsets[e]) // block_n)):
+        count = offsets[e + 1] - offsets[e]
+        for bz in range(-(-count // block_n)):
             first = offsets[e] + bz * block_n
             tiles.append((first, min(block_n, offsets[e + 1] - first)))
-        per_expert = tiles[len(tiles) - -(-(offsets[e + 1] - offsets[e]) // block_n):]
-        if ticket_rows_first:  # tile by tile, weight-row CTAs fastest (the reuse tickets)
-            order += [t for t in per_expert for _ in range(w1_ctas)]
-        else:  # weight-row CTA by weight-row CTA, token tiles fastest (the pool ring's tickets)
-            order += [t for _ in range(w1_ctas) for t in per_expert]
-    cursor = [w for w in range(role1_warps)]
-    next_ticket = 0
-    held = [[] for _ in range(ctas)]  # per CTA: [consuming unit?, acquiring unit]
-    readers = block_m * w1_ctas
+        prefix.append(len(tiles))
+    n_units = len(tiles) * (w1_ctas + w2_ctas)
+    order = []
+    for t in range(n_units):
+        role, e, _bx, bz = role2.unit_of_ticket(t, prefix, w1_ctas, w2_ctas, ring_reuse=ring_reuse, lag=lag)
+        order.append((role, prefix[e] + bz))
+    w1_done = [0] * len(tiles)
+    cursor = list(range(role1_warps))
+    next_ticket, finished = 0, 0
+    held = [[] for _ in range(ctas)]  # per CTA, oldest first: [unit, acquired?]
 
-    def blocks(tile):
-        return ll.blocks_of_tile(tile[0], tile[1], block_m)
+    def blocks(j):
+        return ll.blocks_of_tile(tiles[j][0], tiles[j][1], block_m)
 
-    def acquired(tile):
-        return all(full[b % ring_blocks] >= block_m * (b // ring_blocks + 1) for b in blocks(tile))
+    def rows_in(j, b):
+        first, n = tiles[j]
+        return min(first + n, (b + 1) * block_m) - max(first, b * block_m)
 
-    done_units = 0
-    while done_units < len(order) or any(c < rows for c in cursor):
+    def can_acquire(unit):
+        role, j = unit
+        if role == "w1":
+            return all(full[b % ring_blocks] >= block_m * (b // ring_blocks + 1) for b in blocks(j))
+        return w1_done[j] == w1_ctas
+
+    def can_finish(unit):
+        role, j = unit
+        return role == "w2" or all(l2_empty[b % ring_blocks] >= (b // ring_blocks) * block_m * w2_ctas
+                                   for b in blocks(j))
+
+    while finished < n_units or any(c < rows for c in cursor):
         moves = []
         for w, r in enumerate(cursor):
-            if r < rows and empty[(r // block_m) % ring_blocks] >= (r // block_m // ring_blocks) * readers:
+            if r < rows and l1_empty[(r // block_m) % ring_blocks] >= (r // block_m // ring_blocks) * block_m * w1_ctas:
                 moves.append(("role1", w))
         for c in range(ctas):
-            if held[c] and held[c][0][1] == "consuming":
-                moves.append(("consume", c))
-            elif held[c] and acquired(held[c][-1][0]):
+            if held[c] and held[c][0][1] and can_finish(held[c][0][0]):
+                moves.append(("finish", c))
+            if held[c] and not held[c][-1][1] and can_acquire(held[c][-1][0]):
                 moves.append(("acquire", c))
-            if len(held[c]) < 2 and next_ticket < len(order) and (not held[c] or held[c][-1][1] == "consuming"):
+            if next_ticket < n_units and (not held[c] or (len(held[c]) == 1 and held[c][0][1])):
                 moves.append(("draw", c))
         if not moves:
             return "deadlock"
         kind, i = rng.choice(moves)
         if kind == "role1":
             r = cursor[i]
-            landed = 1 + ((block_m - rows % block_m) if r == rows - 1 and rows % block_m else 0)
-            full[(r // block_m) % ring_blocks] += landed
+            full[(r // block_m) % ring_blocks] += 1 + ((block_m - rows % block_m) if r == rows - 1 and rows % block_m
+                                                      else 0)
             cursor[i] += role1_warps
         elif kind == "draw":
-            held[i].append([order[next_ticket], "acquiring"])
+            held[i].append([order[next_ticket], False])
             next_ticket += 1
         elif kind == "acquire":
-            held[i][-1][1] = "consuming"
-            if len(held[i]) == 2:  # the older one is still consumed first: keep the order
-                held[i][-1][1] = "acquired"
+            held[i][-1][1] = True
         else:
-            tile = held[i].pop(0)[0]
-            for b in blocks(tile):
-                lo, hi = max(tile[0], b * block_m), min(tile[0] + tile[1], (b + 1) * block_m)
-                empty[b % ring_blocks] += hi - lo
-            done_units += 1
-            if held[i] and held[i][0][1] == "acquired":
-                held[i][0][1] = "consuming"
+            role, j = held[i].pop(0)[0]
+            for b in blocks(j):
+                (l1_empty if role == "w1" else l2_empty)[b % ring_blocks] += rows_in(j, b)
+            if role == "w1":
+                w1_done[j] += 1
+            finished += 1
     return "done"
 
 
 @pytest.mark.parametrize("block_n", [8, 16, 32])
-def test_the_protocol_model_completes_at_the_smallest_ring_with_tile_by_tile_tickets(block_n):
-    s = shape(ring_blocks=ll.min_reuse_ring_blocks(8))
-    for seed in range(6):
-        rng = random.Random(seed)
-        counts = [rng.choice([0, 1, 3, 8, 13, 40]) for _ in range(6)]
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
-        assert run_protocol(offsets, block_n, 8, s.ring_blocks, w1_ctas=4, ctas=3, role1_warps=5,
-                            ticket_rows_first=True, seed=seed) == "done", (block_n, counts)
+def test_the_protocol_model_completes_on_small_rings_with_the_kernels_tickets(block_n):
+    for ring_blocks in (ll.min_reuse_ring_blocks(8), 16, 40):
+        for seed in range(4):
+            rng = random.Random(seed)
+            counts = [rng.choice([0, 1, 3, 8, 13, 40]) for _ in range(6)]
+            offsets = [0]
+            for c in counts:
+                offsets.append(offsets[-1] + c)
+            result = run_protocol(offsets, block_n, 8, ring_blocks, w1_ctas=4, w2_ctas=3, ctas=3, role1_warps=5,
+                                  seed=seed, lag=role2.w2_lag_tiles(ring_blocks, 8))
+            assert result == "done", (block_n, ring_blocks, counts)
 
 
-def test_the_protocol_model_deadlocks_with_the_pool_rings_ticket_order():
-    """One busy expert, 8-row tiles, a 6-block ring: the pool order draws every tile's first weight-row CTA
-    before any tile's last, so the CTAs end up holding units that wait for rows role1 cannot write yet."""
+def test_the_protocol_model_deadlocks_with_other_ticket_orders():
+    """One busy expert, 8-row tiles, a 6-block ring. The pool ring's order (weight-row CTA before token tile, every
+    W2 unit after every W1 unit) draws every tile's first W1 CTA before any tile's last, and a lag longer than the
+    ring allows puts the W2 units a W1 store waits for behind it: either way the CTAs end up holding units that
+    wait for units behind them."""
     offsets = [0, 96]
-    assert run_protocol(offsets, 8, 8, 6, w1_ctas=4, ctas=2, role1_warps=4, ticket_rows_first=False,
-                        seed=1) == "deadlock"
-    assert run_protocol(offsets, 8, 8, 6, w1_ctas=4, ctas=2, role1_warps=4, ticket_rows_first=True,
-                        seed=1) == "done"
+    kw = dict(w1_ctas=4, w2_ctas=3, ctas=2, role1_warps=4, seed=1)
+    assert run_protocol(offsets, 8, 8, 6, ring_reuse=False, **kw) == "deadlock"
+    assert run_protocol(offsets, 8, 8, 6, lag=12, **kw) == "deadlock"
+    assert run_protocol(offsets, 8, 8, 6, lag=role2.w2_lag_tiles(6, 8), **kw) == "done"

@@ -166,7 +166,10 @@ class GemmConfig:
     side_threads: int = 0
     # fused_role2 in a reused token ring (layer_layout.LayerShape.ring_blocks_limit): W1 reads grouped row r at
     # ring row r mod R and releases l1_empty_count by the rows of its tile in each block (role1's wait target);
-    # off, the variants' code is what it was (the rows' flat index, one release per CTA and block)
+    # W1's output rows (l2_act, l2_scale) are a ring of the same R rows too: W1 waits, before storing a later
+    # generation, until l2_empty_count shows every W2 CTA read the previous one, and W2 reads them at r mod R
+    # (role2.run_unit releases l2_empty_count). Off, the variants' code is what it was (the rows' flat index,
+    # one release per CTA and block)
     ring_reuse: bool = False
 
     def __post_init__(self):
@@ -659,8 +662,11 @@ def _make_kernel(cfg: GemmConfig):
         scales once into a table (coherent loads: W1 wrote them during this kernel) and stores each stage's.
         Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it)."""
         ring_rows = None
-        if cutlass.const_expr(W1 and REUSE):
-            ring_rows = ready[0][3] * ready[0][4]  # ring_block_m x ring_blocks
+        if cutlass.const_expr(REUSE):
+            if cutlass.const_expr(W1):
+                ring_rows = ready[0][3] * ready[0][4]  # ring_block_m x ring_blocks
+            else:
+                ring_rows = ready[4]  # W1's output rows form a ring of the same rows
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows)
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
@@ -686,13 +692,13 @@ def _make_kernel(cfg: GemmConfig):
         if pidx % 32 == 0:
             if cutlass.const_expr(W1):
                 ring, rows, started = ready
-                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 ring_protocol.acquire_ring_rows(ring_ready, l1_full_count, row0, rows, ring_block_m, ring_blocks,
                                                 started, timeout_ns)
             else:
                 # relaxed polls with a back-off (an acquire per poll would keep invalidating the SM's L1), then
                 # one fence makes it an acquire
-                done_mask, all_bits, started, timeout_ns = ready
+                done_mask, all_bits, started, timeout_ns = ready[:4]
                 ptx.wait_all_bits_relaxed_gpu(done_mask, all_bits, started, timeout_ns)
         ptx.warp_sync()  # the warp's copies of the unit's rows follow its lane 0's acquire
         for kb in cutlass.range(prefetched):
@@ -707,13 +713,19 @@ def _make_kernel(cfg: GemmConfig):
                     tile_rows = Int32(BN)
                 total = tile_rows * k_blocks
                 first = a[3] + Int64(row0) * Int64(k_blocks) * 4  # a = (w_codes, w_scales, act, act_scale)
+                if cutlass.const_expr(REUSE):
+                    first = a[3] + Int64(row0 % ring_rows) * Int64(k_blocks) * 4
                 base_word = Int32(0)
                 while base_word < total:
                     vals = []
                     for j in cutlass.range_constexpr(8):
                         v = Float32(0.0)
                         if base_word + pidx + 32 * j < total:
-                            v = ptx.ld_relaxed_gpu_f32(first + Int64(base_word + pidx + 32 * j) * 4)
+                            word = Int64(base_word + pidx + 32 * j)
+                            if cutlass.const_expr(REUSE):  # the run may wrap at the ring's end
+                                if (row0 % ring_rows) + (base_word + pidx + 32 * j) // k_blocks >= ring_rows:
+                                    word = word - Int64(ring_rows) * Int64(k_blocks)
+                            v = ptx.ld_relaxed_gpu_f32(first + word * 4)
                         vals.append(v)
                     for j in cutlass.range_constexpr(8):
                         if base_word + pidx + 32 * j < total:
@@ -1094,7 +1106,7 @@ def _make_kernel(cfg: GemmConfig):
         """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
         rows with FP32 K128 scales; the ring consumer releases its ring blocks, the fused half its bit."""
         if cutlass.const_expr(RING):
-            ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+            ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
         inter = m_tiles * 32
         channel = bx * 128 + wg * 32 + warp * 8 + g
         hv = cute.make_rmem_tensor((BN // 4,), Float32)
@@ -1119,6 +1131,22 @@ def _make_kernel(cfg: GemmConfig):
                 m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
                 if g == 0:
                     ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
+        out_first = Int64(row0)
+        if cutlass.const_expr(REUSE):
+            # W1's output rows are a ring too: before this unit stores a later generation of them, every W2 CTA
+            # that read the previous one has released it (thread 0 acquires; the barrier below orders the stores)
+            l2_empty_count, l2_readers = ring[6], ring[7]
+            out_rows = ring_block_m * ring_blocks
+            out_first = Int64(row0 % out_rows)
+            if tid == 0:
+                block = row0 // ring_block_m
+                while block <= (row0 + rows - 1) // ring_block_m:
+                    generation = block // ring_blocks
+                    if generation > 0:
+                        ring_protocol.wait_at_least(l2_empty_count + Int64(block - generation * ring_blocks) * 4,
+                                                    generation * l2_readers, cute.arch.globaltimer(), timeout_ns,
+                                                    False)
+                    block = block + 1
         consumer_sync()
         if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
             # every read of the tile's ring rows (copies, scales, routing weights) precedes the
@@ -1149,7 +1177,10 @@ def _make_kernel(cfg: GemmConfig):
                 amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
                 inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
                 if n < count:
-                    nrow = Int64(row0) + Int64(n)
+                    nrow = out_first + Int64(n)
+                    if cutlass.const_expr(REUSE):
+                        if nrow >= Int64(out_rows):
+                            nrow = nrow - Int64(out_rows)
                     ptx.stg_e4m3(out + nrow * Int64(inter) + Int64(channel), hv[2 * i + c] * inv)
                     if tid < 4:
                         ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
@@ -1198,7 +1229,7 @@ def _make_kernel(cfg: GemmConfig):
             base) of the fused role2 kernel's unit (it waited for RING_READY already): `fused_unit`'s side and
             first K128 step."""
             if cutlass.const_expr(FUSED):
-                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 e, bx, bz, started, done_mask, side, base = fused
             else:
                 bx, e, bz = cute.arch.block_idx()
@@ -1208,7 +1239,7 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(RING and not FUSED):
                 # role1 writes expert_offsets while this kernel may already run: wait for its release, then
                 # read them (and every ring word below) with coherent loads, not the read-only path
-                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring
+                ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 started = cute.arch.globaltimer()
                 if cute.arch.thread_idx()[0] == 0:
                     ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
@@ -1268,7 +1299,10 @@ def _make_kernel(cfg: GemmConfig):
             bound on waits, side, base) of the fused role2 kernel's unit: role1 and W1 write what this reads while
             it runs, so every such read is coherent, and the producer waits for all I/128 bits of the word."""
             ready = None
-            if cutlass.const_expr(FUSED):
+            if cutlass.const_expr(FUSED and REUSE):  # and the ring rows of W1's output
+                e, bx, bz, started, done_mask, timeout_ns, side, base, l2_rows = fused
+                ready = (done_mask, (Int64(1) << Int64(k_blocks)) - Int64(1), started, timeout_ns, l2_rows)
+            elif cutlass.const_expr(FUSED):
                 e, bx, bz, started, done_mask, timeout_ns, side, base = fused
                 ready = (done_mask, (Int64(1) << Int64(k_blocks)) - Int64(1), started, timeout_ns)
             else:

@@ -11,7 +11,7 @@ One allocation per layer (`gc_moe.runtime.workspace`), the same offsets on every
 | token ring | ring_act, ring_scale | fp8 [R, H], f32 [R, H/128] | role1 pull | role2 W1 |
 | token ring | routing_weight, dest_row, ring_source | f32 [N], int32 [N], int32 [N] | role1 pull | role2 |
 | token ring | expert_offsets | int32 [e + 1] | role1 block 0 | role2 |
-| L2 input | l2_act, l2_scale | fp8 [N, I], f32 [N, I/128] | role2 W1 | role2 W2 |
+| L2 input | l2_act, l2_scale | fp8 [R, I], f32 [R, I/128] | role2 W1 | role2 W2 |
 | combine | combine | bf16 [k + 1, C, H] | role2 W2 of every owner (lane k: shared) | role3 |
 | signals | l1_full_count, l1_empty_count, l2_empty_count | int32 [B] | role1 / role2 | role2 / role1 |
 | signals | w1_done_mask | int64 [e, C P / 8] | role2 W1 (bit per finished unit) | role2 W2 |
@@ -26,8 +26,9 @@ r mod R; its logical pool block L = r // BM sits in ring block L mod B with gene
 when l1_full_count of that ring block reaches BM (generation + 1). By default B covers the pool (every
 generation is 0 within a replay); `ring_blocks_limit` bounds it (ring reuse): role1 then waits before a row of
 generation g >= 1 until the ring block's l1_empty_count reaches g BM w1_ctas (every W1 CTA adds the rows of its
-tile it read), and the routing words and W1's output stay pool-sized. Role3 resets every ring signal for the
-next replay.
+tile it read); W1's output rows (L2 input) form a ring of the same R rows, which W1 refills once l2_empty_count
+reaches g BM w2_ctas (W2 CTAs release the rows they read); the routing words stay pool-sized. Role3 resets every
+ring signal for the next replay.
 """
 
 from __future__ import annotations
@@ -167,8 +168,8 @@ def layer_regions(shape: LayerShape) -> list[Region]:
         Region("dest_row", "int32", (n,)),
         Region("ring_source", "int32", (n,)),
         Region("expert_offsets", "int32", (e + 1,)),
-        Region("l2_act", "float8_e4m3fn", (n, s.intermediate)),
-        Region("l2_scale", "float32", (n, s.intermediate // K128)),
+        Region("l2_act", "float8_e4m3fn", (r, s.intermediate)),
+        Region("l2_scale", "float32", (r, s.intermediate // K128)),
         Region("combine", "bfloat16", (s.combine_lanes, c, h)),
         Region("l1_full_count", "int32", (b,)),
         Region("l1_empty_count", "int32", (b,)),
@@ -207,6 +208,12 @@ def l1_readers(shape: LayerShape) -> int:
     """What one generation of a full ring block adds to its l1_empty_count under ring reuse: each of its BM rows
     is read by every W1 weight-row CTA (2I / 256) of its token tile, and each adds the rows it read."""
     return shape.block_m * (2 * shape.intermediate // 256)
+
+
+def l2_readers(shape: LayerShape) -> int:
+    """What one generation of a full block of W1's output rows adds to its l2_empty_count under ring reuse: each
+    of its BM rows is read by every W2 weight-row CTA (H / 256) of its token tile, and each adds the rows it read."""
+    return shape.block_m * (shape.hidden // 256)
 
 
 def l1_empty_target(grouped_row: int, shape: LayerShape) -> int:

@@ -51,6 +51,7 @@ PARAMS = (
     ("hidden_blocks", "s32"), ("w1_row_tiles", "s32"), ("inter_blocks", "s32"), ("w2_row_tiles", "s32"),
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("local_experts", "s32"),
     ("mask_stride", "s32"), ("timeout_ns", "s64"),
+    ("l2_empty_count", "u64"),  # last: the pool ring's variants never read it (their code is unchanged)
 )
 # stack bytes per thread a variant may use, never inside a K loop (SASS checked): bn 8 and 16 use none; bn 32
 # spills 88 bytes: the W1 epilogue's 64-bit rows of its routing-weight loop (live across its barrier) in the
@@ -64,7 +65,8 @@ SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers
 # token tiles whose kernel also builds at two CTAs per SM (bn 8: 56 registers, no stack, 6 stages); the layer's
 # default from 2 tokens per rank (GC_MOE_ROLE2_CTAS_PER_SM, docs/sm90-layer.md)
 TWO_CTA_BLOCK_N = (8,)
-MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
+MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS
+MAX_TILE_ROWS = max(BLOCK_N_CHOICES)  # the largest token tile: bounds the rows a tile spans in w2_lag_tiles  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
 # The unit slots' handshake (host and device: plain ints or DSL values). Unit u (the CTA's u-th draw, from 0)
@@ -138,7 +140,19 @@ def launch_ctas(block_n: int, compute_sms: int, max_units: int, ctas_per_sm: int
     return max(1, min(max_units, compute_sms * Role2Config(block_n, ctas_per_sm=ctas_per_sm).half("w1").ctas_per_sm))
 
 
-def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int, ring_reuse: bool = False):
+def w2_lag_tiles(ring_blocks, ring_block_m):
+    """How many token tiles the W2 units trail the W1 units by in a reused ring (host and device: plain ints or
+    DSL values). A W1 unit that stores a later generation of its rows waits for the W2 units of the tiles over
+    the same ring block a ring length before; at least ((B - 1) BM - 2 x 32 + 2) / 32 tiles lie between those
+    and it (32: the largest token tile), so with this lag they hold smaller tickets and the waits stay acyclic.
+    A pool-sized ring gives a lag past the last tile: every W2 unit after every W1 unit. At most 0 means 0 (the
+    callers clamp it to 0 .. tiles)."""
+    gap = (ring_blocks - 1) * ring_block_m - 2 * MAX_TILE_ROWS + 2
+    return (gap + MAX_TILE_ROWS - 1) // MAX_TILE_ROWS
+
+
+def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int, ring_reuse: bool = False,
+                   lag: int | None = None):
     """Host twin of the scheduler: ticket -> ("w1" | "w2", expert, weight-row CTA, token tile), or None past the
     last unit. prefix[e] = token tiles with rows of the experts before e (prefix[-1]: all of them); units of a
     role run expert by expert, within an expert weight-row CTA by weight-row CTA, token tiles fastest; with
@@ -146,13 +160,23 @@ def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int, r
     tiles = prefix[-1]
     if ticket >= tiles * (w1_ctas + w2_ctas):
         return None
+    if ring_reuse:  # tile by tile (weight-row CTAs fastest), W2's tiles `lag` tiles behind W1's
+        d = max(0, min(tiles if lag is None else lag, tiles))
+        head, both, mid = d * w1_ctas, w1_ctas + w2_ctas, (tiles - d) * (w1_ctas + w2_ctas)
+        if ticket < head:
+            role, j, x = "w1", ticket // w1_ctas, ticket % w1_ctas
+        elif ticket < head + mid:
+            k, r = divmod(ticket - head, both)
+            role, j, x = ("w1", d + k, r) if r < w1_ctas else ("w2", k, r - w1_ctas)
+        else:
+            role, j, x = "w2", tiles - d + (ticket - head - mid) // w2_ctas, (ticket - head - mid) % w2_ctas
+        e = max(k for k in range(len(prefix) - 1) if prefix[k] <= j)
+        return role, e, x, j - prefix[e]
     role, ctas, u = ("w1", w1_ctas, ticket) if ticket < tiles * w1_ctas else ("w2", w2_ctas, ticket - tiles * w1_ctas)
     j = u // ctas
     e = max(k for k in range(len(prefix) - 1) if prefix[k] <= j)
     te = prefix[e + 1] - prefix[e]
     local = u - prefix[e] * ctas
-    if ring_reuse and role == "w1":
-        return role, e, local % ctas, local // ctas
     return role, e, local // te, local % te
 
 
@@ -215,7 +239,7 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
             ptr(ws.ring_source), ptr(ws.peers), ptr(ws.w1_done_mask), ptr(control + 4 * ll.ROLE2_TICKET),
             i32(h // 128), i32(2 * i // 64), i32(i // 128), i32(h // 64),
             i32(shape.block_m), i32(shape.ring_blocks), i32(shape.capacity * shape.topk),
-            i32(e), i32(mask_stride), i64(int(timeout_s * 1e9))]
+            i32(e), i32(mask_stride), i64(int(timeout_s * 1e9)), ptr(ws.l2_empty_count)]
     return (launch_ctas(cfg.block_n, compute_sms, n["w1"] + n["w2"], cfg.ctas_per_sm), 1, 1), args
 
 
@@ -234,12 +258,12 @@ def _make_kernel(cfg: Role2Config):
                l1_full_count: Int64, l1_empty_count: Int64, ring_source: Int64, peers: Int64, w1_done_mask: Int64,
                ticket: Int64, hidden_blocks: Int32, w1_row_tiles: Int32, inter_blocks: Int32, w2_row_tiles: Int32,
                ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, local_experts: Int32,
-               mask_stride: Int32, timeout_ns: Int64):
+               mask_stride: Int32, timeout_ns: Int64, l2_empty_count: Int64):
         run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
                   inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows, local_experts, mask_stride,
-                  timeout_ns)
+                  timeout_ns, l2_empty_count)
 
     launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
     launch.update(gg.launch_register_bounds(half1))
@@ -249,10 +273,10 @@ def _make_kernel(cfg: Role2Config):
              a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
              a17: Int64, a18: Int64, a19: Int64, a20: Int64, hidden_blocks: Int32, w1_row_tiles: Int32,
              inter_blocks: Int32, w2_row_tiles: Int32, ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32,
-             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64):
+             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64, a21: Int64):
         kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
                hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows,
-               local_experts, mask_stride, timeout_ns).launch(**launch)
+               local_experts, mask_stride, timeout_ns, a21).launch(**launch)
 
     return host, half1
 
@@ -304,10 +328,11 @@ def make_unit_loop(cfg: Role2Config):
         ptx.warp_sync()
 
     @cute.jit
-    def draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, launch_ctas, slot):
-        """Thread 0: the next ticket -> (ticket, expert, weight-row CTA, token tile) into `slot`; expert -1 once
-        every unit is drawn. The draw that completes the launch's count (units + one final draw per CTA)
-        resets the word for the next launch."""
+    def draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, launch_ctas, slot, lag=None):
+        """Thread 0: the next ticket -> (role word, expert, weight-row CTA, token tile) into `slot`; expert -1
+        once every unit is drawn. The role word is below the W1 units' count for a W1 unit. The draw that
+        completes the launch's count (units + one final draw per CTA) resets the word for the next launch.
+        lag (ring reuse): the W2 units of token tile j follow the W1 units of tile j + lag (`unit_of_ticket`)."""
         tiles = ring_protocol.lds(prefix + local_experts * 4)
         w1_units = tiles * w1_ctas
         units = tiles * (w1_ctas + w2_ctas)
@@ -317,14 +342,43 @@ def make_unit_loop(cfg: Role2Config):
         e = Int32(-1)
         bx = Int32(0)
         bz = Int32(0)
+        role = drawn
         if drawn < units:
             ctas = w1_ctas
             u = drawn
-            w1_unit = drawn < w1_units
             if drawn >= w1_units:
                 ctas = w2_ctas
                 u = drawn - w1_units
             j = u // ctas
+            x = Int32(0)
+            if cutlass.const_expr(REUSE):
+                # tile by tile, W2's tiles `lag` tiles behind W1's: (tile, weight-row CTA) of this ticket
+                d = lag
+                if d > tiles:
+                    d = tiles
+                if d < 0:
+                    d = Int32(0)
+                head = d * w1_ctas
+                both = w1_ctas + w2_ctas
+                middle = (tiles - d) * both
+                role = Int32(0)
+                if drawn < head:
+                    j = drawn // w1_ctas
+                    x = drawn - j * w1_ctas
+                elif drawn < head + middle:
+                    k = (drawn - head) // both
+                    r = drawn - head - k * both
+                    if r < w1_ctas:
+                        j = d + k
+                        x = r
+                    else:
+                        role = units
+                        j = k
+                        x = r - w1_ctas
+                else:
+                    role = units
+                    j = tiles - d + (drawn - head - middle) // w2_ctas
+                    x = drawn - head - middle - (j - tiles + d) * w2_ctas
             lo = Int32(0)
             hi = local_experts
             while hi - lo > 1:  # the last expert whose prefix is <= j (it has tiles: its next prefix is > j)
@@ -340,10 +394,9 @@ def make_unit_loop(cfg: Role2Config):
             bx = local // te
             bz = local - bx * te
             if cutlass.const_expr(REUSE):
-                if w1_unit:  # tile by tile: the readers of a ring block before its next generation's
-                    bz = local // ctas
-                    bx = local - bz * ctas
-        ring_protocol.sts(slot, drawn)
+                bz = j - first
+                bx = x
+        ring_protocol.sts(slot, role)
         ring_protocol.sts(slot + 4, e)
         ring_protocol.sts(slot + 8, bx)
         ring_protocol.sts(slot + 12, bz)
@@ -371,6 +424,32 @@ def make_unit_loop(cfg: Role2Config):
             w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
                     l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, started, done_mask, side, base))
             base = base + hidden_blocks
+        elif cutlass.const_expr(REUSE):
+            ring_block_m, ring_blocks, l2_empty_count = ring[3], ring[4], ring[6]
+            w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
+                    inter_blocks, w2_row_tiles, w2_ring, (e, bx, bz, started, done_mask, timeout_ns, side, base,
+                                                          ring_block_m * ring_blocks))
+            base = base + inter_blocks
+            if cutlass.const_expr(side == "consumer"):
+                if cute.arch.thread_idx()[0] == 0:
+                    # thread 0 passed every stage's full barrier of the unit, so its copies of W1's rows have
+                    # landed: release them to the W1 units of their next generation, by rows
+                    off0 = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4)
+                    row0 = off0 + bz * BN
+                    end = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4 + 4)
+                    if end > row0 + BN:
+                        end = row0 + BN
+                    block = row0 // ring_block_m
+                    while block * ring_block_m < end:
+                        first = block * ring_block_m
+                        if first < row0:
+                            first = row0
+                        last = (block + 1) * ring_block_m
+                        if last > end:
+                            last = end
+                        ring_protocol.atom_add_release_gpu(l2_empty_count + Int64(block % ring_blocks) * 4,
+                                                           last - first)
+                        block = block + 1
         else:
             w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
                     inter_blocks, w2_row_tiles, w2_ring, (e, bx, bz, started, done_mask, timeout_ns, side, base))
@@ -382,7 +461,7 @@ def make_unit_loop(cfg: Role2Config):
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
                   inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows, local_experts, mask_stride,
-                  timeout_ns):
+                  timeout_ns, l2_empty_count=None):
         tid = cute.arch.thread_idx()[0]
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         slots = smem + half1.ticket_offset
@@ -393,6 +472,9 @@ def make_unit_loop(cfg: Role2Config):
         ctas = Int32(cute.arch.grid_dim()[0])
         w1_ctas = w1_row_tiles // gg.TILES_PER_CTA
         w2_ctas = w2_row_tiles // gg.TILES_PER_CTA
+        lag = None
+        if cutlass.const_expr(REUSE):
+            lag = w2_lag_tiles(ring_blocks, ring_block_m)
         if tid < 32:
             if tid == 0:
                 ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
@@ -407,10 +489,12 @@ def make_unit_loop(cfg: Role2Config):
                     ptx.mbarrier_init(slot_full + sl * 8, 1)
                     ptx.mbarrier_init(slot_empty + sl * 8, gg.THREADS // 32)
                 ptx.fence_mbarrier_init()
-                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots)
+                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots, lag)
                 ptx.mbarrier_arrive(slot_full)
         ptx.gemm_barrier(half1)
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
+        if cutlass.const_expr(REUSE):  # W1 waits on W2's releases of its output rows: BM rows x W2 CTAs each
+            ring = ring + (l2_empty_count, ring_block_m * w2_ctas)
         weights = (w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor)
         tensors = (ring_act, ring_scale, expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine)
         w2_ring = (ring_source, peers, source_rows)
@@ -432,7 +516,8 @@ def make_unit_loop(cfg: Role2Config):
                 if tid == gg.THREADS:
                     if it >= gg.FUSED_UNIT_SLOTS:
                         ptx.mbarrier_wait(slot_empty + unit_slot(it) * 8, slot_empty_parity(it))
-                    draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16)
+                    draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16,
+                              lag)
                     ptx.mbarrier_arrive(slot_full + unit_slot(it) * 8)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
