@@ -105,7 +105,11 @@ def test_tile_by_tile_tickets_with_the_w2_lag():
             if j + d + 1 < len(order):
                 nxt = order[j + d + 1]
                 assert first_w2 < reuse.index(("w1", nxt[0], 0, nxt[1]))
-    assert [role2.w2_lag_tiles(b, 8) for b in (6, 8, 16, 64, 256)] == [0, 0, 2, 14, 62]
+    assert [role2.w2_lag_tiles(b, 8, 32) for b in (6, 8, 16, 64, 256)] == [0, 0, 2, 14, 62]
+    assert [role2.w2_lag_tiles(b, 8, 8) for b in (6, 16, 64)] == [4, 14, 62]
+    assert role2.effective_lag(4, 10, rows=48, ring_rows=48) == 10  # no row goes round: W2 after all of W1
+    assert role2.effective_lag(4, 10, rows=49, ring_rows=48) == 4
+    assert role2.effective_lag(-1, 10, rows=49, ring_rows=48) == 0 and role2.effective_lag(40, 10, 49, 48) == 10
 
 
 def test_the_reuse_knobs_and_their_guards():
@@ -219,8 +223,10 @@ def test_the_protocol_model_completes_on_small_rings_with_the_kernels_tickets(bl
             offsets = [0]
             for c in counts:
                 offsets.append(offsets[-1] + c)
+            tiles = sum(-(-c // block_n) for c in counts)
+            lag = role2.effective_lag(role2.w2_lag_tiles(ring_blocks, 8, block_n), tiles, offsets[-1], ring_blocks * 8)
             result = run_protocol(offsets, block_n, 8, ring_blocks, w1_ctas=4, w2_ctas=3, ctas=3, role1_warps=5,
-                                  seed=seed, lag=role2.w2_lag_tiles(ring_blocks, 8))
+                                  seed=seed, lag=lag)
             assert result == "done", (block_n, ring_blocks, counts)
 
 
@@ -233,4 +239,4 @@ def test_the_protocol_model_deadlocks_with_other_ticket_orders():
     kw = dict(w1_ctas=4, w2_ctas=3, ctas=2, role1_warps=4, seed=1)
     assert run_protocol(offsets, 8, 8, 6, ring_reuse=False, **kw) == "deadlock"
     assert run_protocol(offsets, 8, 8, 6, lag=12, **kw) == "deadlock"
-    assert run_protocol(offsets, 8, 8, 6, lag=role2.w2_lag_tiles(6, 8), **kw) == "done"
+    assert run_protocol(offsets, 8, 8, 6, lag=role2.w2_lag_tiles(6, 8, 8), **kw) == "done"

@@ -65,8 +65,7 @@ SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers
 # token tiles whose kernel also builds at two CTAs per SM (bn 8: 56 registers, no stack, 6 stages); the layer's
 # default from 2 tokens per rank (GC_MOE_ROLE2_CTAS_PER_SM, docs/sm90-layer.md)
 TWO_CTA_BLOCK_N = (8,)
-MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS
-MAX_TILE_ROWS = max(BLOCK_N_CHOICES)  # the largest token tile: bounds the rows a tile spans in w2_lag_tiles  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
+MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
 # The unit slots' handshake (host and device: plain ints or DSL values). Unit u (the CTA's u-th draw, from 0)
@@ -140,15 +139,22 @@ def launch_ctas(block_n: int, compute_sms: int, max_units: int, ctas_per_sm: int
     return max(1, min(max_units, compute_sms * Role2Config(block_n, ctas_per_sm=ctas_per_sm).half("w1").ctas_per_sm))
 
 
-def w2_lag_tiles(ring_blocks, ring_block_m):
+def w2_lag_tiles(ring_blocks, ring_block_m, block_n):
     """How many token tiles the W2 units trail the W1 units by in a reused ring (host and device: plain ints or
     DSL values). A W1 unit that stores a later generation of its rows waits for the W2 units of the tiles over
-    the same ring block a ring length before; at least ((B - 1) BM - 2 x 32 + 2) / 32 tiles lie between those
-    and it (32: the largest token tile), so with this lag they hold smaller tickets and the waits stay acyclic.
-    A pool-sized ring gives a lag past the last tile: every W2 unit after every W1 unit. At most 0 means 0 (the
-    callers clamp it to 0 .. tiles)."""
-    gap = (ring_blocks - 1) * ring_block_m - 2 * MAX_TILE_ROWS + 2
-    return (gap + MAX_TILE_ROWS - 1) // MAX_TILE_ROWS
+    the same ring block a ring length before; at least (B - 1) BM - 2 BN + 2 rows, so ceil of that / BN tiles,
+    lie between those and it, so with this lag they hold smaller tickets and the waits stay acyclic. A
+    pool-sized ring gives a lag past the last tile: every W2 unit after every W1 unit. At most 0 means 0, and a
+    call whose rows fit the ring (no later generation) takes every W2 unit after every W1 unit too
+    (`effective_lag`)."""
+    gap = (ring_blocks - 1) * ring_block_m - 2 * block_n + 2
+    return (gap + block_n - 1) // block_n
+
+
+def effective_lag(lag: int, tiles: int, rows: int, ring_rows: int) -> int:
+    """Host twin of the draw's lag for one call: `lag` clamped to 0 .. tiles, all tiles when no row of the call
+    goes round the ring (nothing then waits on W2)."""
+    return tiles if rows <= ring_rows else max(0, min(lag, tiles))
 
 
 def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int, ring_reuse: bool = False,
@@ -332,7 +338,8 @@ def make_unit_loop(cfg: Role2Config):
         """Thread 0: the next ticket -> (role word, expert, weight-row CTA, token tile) into `slot`; expert -1
         once every unit is drawn. The role word is below the W1 units' count for a W1 unit. The draw that
         completes the launch's count (units + one final draw per CTA) resets the word for the next launch.
-        lag (ring reuse): the W2 units of token tile j follow the W1 units of tile j + lag (`unit_of_ticket`)."""
+        lag (ring reuse): (w2_lag_tiles, this call's grouped rows, the ring's rows); the W2 units of token tile j
+        follow the W1 units of tile j + lag (`unit_of_ticket`, `effective_lag`)."""
         tiles = ring_protocol.lds(prefix + local_experts * 4)
         w1_units = tiles * w1_ctas
         units = tiles * (w1_ctas + w2_ctas)
@@ -353,8 +360,8 @@ def make_unit_loop(cfg: Role2Config):
             x = Int32(0)
             if cutlass.const_expr(REUSE):
                 # tile by tile, W2's tiles `lag` tiles behind W1's: (tile, weight-row CTA) of this ticket
-                d = lag
-                if d > tiles:
+                d, call_rows, ring_rows = lag
+                if d > tiles or call_rows <= ring_rows:  # no row goes round: every W2 unit after every W1 unit
                     d = tiles
                 if d < 0:
                     d = Int32(0)
@@ -474,7 +481,7 @@ def make_unit_loop(cfg: Role2Config):
         w2_ctas = w2_row_tiles // gg.TILES_PER_CTA
         lag = None
         if cutlass.const_expr(REUSE):
-            lag = w2_lag_tiles(ring_blocks, ring_block_m)
+            lag = w2_lag_tiles(ring_blocks, ring_block_m, Int32(BN))
         if tid < 32:
             if tid == 0:
                 ring_protocol.wait_at_least(ring_ready, Int32(1), started, timeout_ns, False)
@@ -489,7 +496,11 @@ def make_unit_loop(cfg: Role2Config):
                     ptx.mbarrier_init(slot_full + sl * 8, 1)
                     ptx.mbarrier_init(slot_empty + sl * 8, gg.THREADS // 32)
                 ptx.fence_mbarrier_init()
-                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots, lag)
+                first_lag = None
+                if cutlass.const_expr(REUSE):  # thread 0 acquired RING_READY: the call's rows are visible
+                    first_lag = (lag, ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(local_experts) * 4),
+                                 ring_blocks * ring_block_m)
+                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots, first_lag)
                 ptx.mbarrier_arrive(slot_full)
         ptx.gemm_barrier(half1)
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
@@ -507,6 +518,10 @@ def make_unit_loop(cfg: Role2Config):
                 cute.arch.setmaxregister_decrease(half1.producer_registers)
             it = Int32(0)
             base = Int32(0)  # the CTA's K128 steps so far: every unit's stage and phase follow from it
+            draw_lag = None
+            if cutlass.const_expr(REUSE):  # after the barrier that followed thread 0's acquire of RING_READY
+                draw_lag = (lag, ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(local_experts) * 4),
+                            ring_blocks * ring_block_m)
             ptx.mbarrier_wait(slot_full, slot_full_parity(it))
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
@@ -517,7 +532,7 @@ def make_unit_loop(cfg: Role2Config):
                     if it >= gg.FUSED_UNIT_SLOTS:
                         ptx.mbarrier_wait(slot_empty + unit_slot(it) * 8, slot_empty_parity(it))
                     draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16,
-                              lag)
+                              draw_lag)
                     ptx.mbarrier_arrive(slot_full + unit_slot(it) * 8)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
