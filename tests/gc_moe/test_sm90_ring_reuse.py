@@ -113,6 +113,7 @@ def test_tile_by_tile_tickets_with_the_w2_lag():
 
 
 def test_the_reuse_knobs_and_their_guards():
+    assert role2.REUSE_BLOCK_M == sm90_layer.RING_BLOCK_M  # the reuse variants unroll over the layer's blocks
     assert dict(role2.variant(8, ring_reuse=True).params)["ring_reuse"] is True
     assert "ring_reuse" not in dict(role2.variant(8).params)  # the pool ring's variants keep their cache keys
     assert role2.Role2Config(16, ring_reuse=True).half("w1").ring_reuse

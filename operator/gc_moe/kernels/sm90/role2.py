@@ -65,6 +65,10 @@ SPLIT_BLOCK_N = {32: (4, 112)}  # block_n -> (producer_warps, consumer_registers
 # token tiles whose kernel also builds at two CTAs per SM (bn 8: 56 registers, no stack, 6 stages); the layer's
 # default from 2 tokens per rank (GC_MOE_ROLE2_CTAS_PER_SM, docs/sm90-layer.md)
 TWO_CTA_BLOCK_N = (8,)
+# ring_reuse: the ring's block rows (the layer's RING_BLOCK_M), fixed at build time so that W2's l2_empty release
+# over the blocks of its tile unrolls: a loop there costs the consumers' K loop its uniform registers (SASS: 156 ->
+# 167 instructions per K128 step at bn 8)
+REUSE_BLOCK_M = 8
 MAX_INTER_BLOCKS = gg.FUSED_MAX_K_BLOCKS  # W2's K128 blocks = W1 units per token tile: a bit each, a table row
 
 
@@ -228,6 +232,9 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
                          f"token-tile prefix lives in shared memory; role2_nodes=2 serves more)")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s {timeout_s}; allowed: > 0")
+    if cfg.ring_reuse and shape.block_m != REUSE_BLOCK_M:
+        raise ValueError(f"ring block of {shape.block_m} rows; the ring_reuse variants are built for "
+                         f"{REUSE_BLOCK_M}-row blocks (REUSE_BLOCK_M)")
     if shape.ring_reuse and not cfg.ring_reuse:
         raise ValueError(f"the ring has {shape.ring_blocks} blocks for a pool of {shape.pool_blocks} (reused within a "
                          f"replay); this role2 kernel reads grouped rows by their flat index: load its ring_reuse "
@@ -308,6 +315,7 @@ def make_unit_loop(cfg: Role2Config):
     BN = cfg.block_n
     SPLIT = half1.consumer_registers is not None
     REUSE = cfg.ring_reuse
+    SPAN = -(-(BN - 1) // REUSE_BLOCK_M) + 1  # ring blocks a token tile can touch (the W2 release is unrolled)
 
     @cute.jit
     def build_prefix(expert_offsets, local_experts, prefix, lane):
@@ -440,23 +448,27 @@ def make_unit_loop(cfg: Role2Config):
             if cutlass.const_expr(side == "consumer"):
                 if cute.arch.thread_idx()[0] == 0:
                     # thread 0 passed every stage's full barrier of the unit, so its copies of W1's rows have
-                    # landed: release them to the W1 units of their next generation, by rows
+                    # landed: release them to the W1 units of their next generation, by rows (a tile touches at
+                    # most SPAN blocks: unrolled, one modulo)
                     off0 = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4)
                     row0 = off0 + bz * BN
                     end = ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(e) * 4 + 4)
                     if end > row0 + BN:
                         end = row0 + BN
-                    block = row0 // ring_block_m
-                    while block * ring_block_m < end:
-                        first = block * ring_block_m
+                    block0 = row0 // ring_block_m
+                    slot0 = block0 % ring_blocks
+                    for i in cutlass.range_constexpr(SPAN):
+                        first = (block0 + i) * ring_block_m
                         if first < row0:
                             first = row0
-                        last = (block + 1) * ring_block_m
+                        last = (block0 + i + 1) * ring_block_m
                         if last > end:
                             last = end
-                        ring_protocol.atom_add_release_gpu(l2_empty_count + Int64(block % ring_blocks) * 4,
-                                                           last - first)
-                        block = block + 1
+                        slot_i = slot0 + i
+                        if slot_i >= ring_blocks:
+                            slot_i = slot_i - ring_blocks
+                        if last > first:
+                            ring_protocol.atom_add_release_gpu(l2_empty_count + Int64(slot_i) * 4, last - first)
         else:
             w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
                     inter_blocks, w2_row_tiles, w2_ring, (e, bx, bz, started, done_mask, timeout_ns, side, base))
