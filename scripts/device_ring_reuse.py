@@ -24,7 +24,6 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-tokens", type=int, default=64)
     args = ap.parse_args(argv)
     import torch
-
     from gc_moe.kernels.sm90 import layer as sm90_layer
     from gc_moe.kernels.sm90 import layer_checks as lc
 

@@ -97,15 +97,21 @@ def test_zero_tokens_then_tokens(api_layer):
     assert r["nonfinite"] == 0 and r["cosine"] >= 0.97 and r["processed_diff"] <= 0.002, r
 
 
-@needs_sm90
-def test_graph_replays_equal_the_eager_call(api_layer):
+def assert_replays_equal_the_eager_call(layer, num_tokens: int, seed: int, replays: int) -> None:
+    """An eager call on fresh inputs, then `replays` replays of its captured graph: every replay's y bit-equal to
+    the eager y, one more eager call too, every call finalized once, no arrival error or ring overflow."""
     from gc_moe.kernels.sm90 import layer_checks as lc
 
-    r = lc.check_point(api_layer, 64, seed=909)
-    y = r.pop("y")
-    rep = lc.replay_check(api_layer, y, 64, replays=1000)
+    r = lc.check_point(layer, num_tokens, seed=seed)
+    rep = lc.replay_check(layer, r.pop("y"), num_tokens, replays=replays)
     assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0, rep
-    assert rep["replays_added"] == 1001 and rep["arrival_errors_added"] == 0 and rep["ring_overflows_added"] == 0
+    assert rep["replays_added"] == replays + 1 and rep["arrival_errors_added"] == 0, rep
+    assert rep["ring_overflows_added"] == 0, rep
+
+
+@needs_sm90
+def test_graph_replays_equal_the_eager_call(api_layer):
+    assert_replays_equal_the_eager_call(api_layer, 64, seed=909, replays=1000)
 
 
 @needs_sm90
@@ -192,11 +198,7 @@ def test_role4_before_and_after_role2_write_what_role4_beside_writes(shared_laye
 
 @needs_sm90
 def test_fused_shared_graph_replays_equal_the_eager_call(shared_layer):
-    from gc_moe.kernels.sm90 import layer_checks as lc
-
-    r = lc.check_point(shared_layer, 8, seed=808)
-    rep = lc.replay_check(shared_layer, r.pop("y"), 8, replays=1000)
-    assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0 and rep["replays_added"] == 1001, rep
+    assert_replays_equal_the_eager_call(shared_layer, 8, seed=808, replays=1000)
 
 
 @needs_sm90
@@ -260,11 +262,7 @@ def test_a_reused_ring_writes_what_the_pool_sized_ring_writes(api_layer, small_r
 
 @needs_sm90
 def test_reused_ring_graph_replays_equal_the_eager_call(small_ring_layer):
-    from gc_moe.kernels.sm90 import layer_checks as lc
-
-    r = lc.check_point(small_ring_layer, 256, seed=1256)
-    rep = lc.replay_check(small_ring_layer, r.pop("y"), 256, replays=300)
-    assert rep["mismatched_replays"] == 0 and rep["eager_after_mismatch"] == 0 and rep["replays_added"] == 301, rep
+    assert_replays_equal_the_eager_call(small_ring_layer, 256, seed=1256, replays=300)
 
 
 @needs_sm90

@@ -6,13 +6,12 @@ the smallest ring the layer allows, and the pool-order tickets deadlock on the s
 import random
 
 import pytest
-
 from gc_moe.kernels.sm90 import dispatch, role2
 from gc_moe.kernels.sm90 import grouped_gemm as gg
 from gc_moe.kernels.sm90 import layer as sm90_layer
 from gc_moe.kernels.sm90 import layer_layout as ll
 
-GLM = dict(num_ranks=1, num_experts=32, topk=8, hidden=6144, intermediate=2048, capacity=256)
+GLM = {"num_ranks": 1, "num_experts": 32, "topk": 8, "hidden": 6144, "intermediate": 2048, "capacity": 256}
 
 
 def shape(ring_blocks="auto", **kw):
@@ -237,7 +236,7 @@ def test_the_protocol_model_deadlocks_with_other_ticket_orders():
     ring allows puts the W2 units a W1 store waits for behind it: either way the CTAs end up holding units that
     wait for units behind them."""
     offsets = [0, 96]
-    kw = dict(w1_ctas=4, w2_ctas=3, ctas=2, role1_warps=4, seed=1)
+    kw = {"w1_ctas": 4, "w2_ctas": 3, "ctas": 2, "role1_warps": 4, "seed": 1}
     assert run_protocol(offsets, 8, 8, 6, ring_reuse=False, **kw) == "deadlock"
     assert run_protocol(offsets, 8, 8, 6, lag=12, **kw) == "deadlock"
     assert run_protocol(offsets, 8, 8, 6, lag=role2.w2_lag_tiles(6, 8, 8), **kw) == "done"
