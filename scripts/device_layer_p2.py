@@ -135,7 +135,8 @@ class Recorder:
 
 def environment_record() -> dict:
     keys = ("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "GC_MOE_WAIT_TIMEOUT_S",
-            "GC_MOE_CACHE_DIR", "GC_MOE_OVERLAP_ROOTS", "GC_MOE_SM90_DISPATCH_SMS", "CUDA_MPS_PIPE_DIRECTORY",
+            "GC_MOE_CACHE_DIR", "GC_MOE_OVERLAP_ROOTS", "GC_MOE_SM90_DISPATCH_SMS", "GC_MOE_RING_BLOCKS",
+            "CUDA_MPS_PIPE_DIRECTORY",
             "RANK", "WORLD_SIZE", "LOCAL_RANK")
     return {k: os.environ.get(k) for k in keys}
 
