@@ -52,6 +52,16 @@ def block_n_for(max_rows: int, max_block_n: int = 32) -> int:
     return 64
 
 
+def ctas_per_sm_for(counts, block_n: int, intermediate: int, sms: int) -> int:
+    """CTAs per SM for a point's token tile 8: one when every W1 CTA with rows (token tiles x 2I/256 per expert)
+    fits the SMs at once (two per SM would pair working CTAs on some SMs while others idle: GLM-5.2 at 1 token,
+    80 working CTAs, 70 us at two per SM, 48 at one), else two (more weight streams per SM). Other tiles: one."""
+    if block_n != 8:
+        return 1
+    units = sum(-(-int(c) // block_n) for c in counts) * (2 * intermediate // 256)
+    return 1 if units <= sms else 2
+
+
 def random_mxfp4(e: int, rows: int, cols: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random MXFP4 weights: uniform codes, UE8M0 exponents spread over 2^-9..2^-4 (weights ~ 1e-2)."""
     packed = torch.randint(-128, 128, (e, rows, cols // 2), dtype=torch.int8, generator=gen, device=device)
@@ -233,6 +243,8 @@ def occupancy_report(kernel_sets) -> None:
     from gc_moe.runtime.driver import cu
 
     for tag, kernels in kernel_sets.items():
+        if kernels is None:  # chosen per point from the other sets
+            continue
         cells = []
         for (role, bn), k in sorted(kernels.items()):
             shape = k.entry.launch
@@ -348,6 +360,9 @@ def main() -> int:
                     help="producer warps of the warp-specialized variants (default 1)")
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
+    ap.add_argument("--auto-ctas", action="store_true",
+                    help="also a set `ws_auto`: per point the default variants or their one-CTA-per-SM twins at token "
+                         "tile 8, by ctas_per_sm_for (one CTA per SM when the working W1 CTAs fit the SMs)")
     ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
                          "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
@@ -405,13 +420,17 @@ def main() -> int:
                                                                            if k != "stages"}).warp_specialized
                             else f"s{args.stages or 6}")
     kernel_sets = {base_tag: knobs, **({f"{base_tag}_fold": {**knobs, "fold_scales": True}} if args.fold_scales else {})}
-    if args.one_cta:
+    if args.one_cta or args.auto_ctas:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
+    if args.auto_ctas:
+        kernel_sets["ws_auto"] = None  # per point: the default set's kernels or ws1's (ctas_per_sm_for)
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():
+        if set_knobs is None:
+            continue
         loaded = {}
         for v in gg.variant_set(**set_knobs):
             p = dict(v.params)
@@ -435,6 +454,10 @@ def main() -> int:
         for tokens in [int(t) for t in args.tokens.split(",")]:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device, args.max_block_n)
             for tag, set_kernels in kernel_sets.items():
+                if set_kernels is None:  # ws_auto
+                    sms = torch.cuda.get_device_properties(device).multi_processor_count
+                    one = ctas_per_sm_for(pt.counts.tolist(), pt.block_n, model["inter"], sms) == 1
+                    set_kernels = kernel_sets["ws1" if one else base_tag]
                 pt.use(set_kernels)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes()}
