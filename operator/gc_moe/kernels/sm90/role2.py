@@ -9,9 +9,10 @@ this module only decides which unit each CTA runs and how the halves hand over:
   `ctas_per_sm=2`, opt-in). After RING_READY, warp 0 of
   each CTA builds the experts' token-tile prefix in shared memory; tickets (`atom.add` on the control word
   ROLE2_TICKET) number only the units with rows, W1's (expert, weight-row CTA, token tile fastest) before W2's
-  in the same order (`unit_of_ticket` is the host twin); in a reused ring (`ring_reuse`) W1's go tile by tile
-  (expert, token tile, weight-row CTA fastest), so the units that free a ring block come before those that wait
-  for its next generation. The producer draws the CTA's next unit after its
+  in the same order (`unit_of_ticket` is the host twin); in a reused ring (`ring_reuse`) both go tile by tile
+  (expert, token tile, weight-row CTA fastest) and W2's tiles trail W1's by `w2_lag_tiles`, so the units that
+  free a ring block (W1 for the token ring, W2 for W1's output rows) come before those that wait for its next
+  generation. The producer draws the CTA's next unit after its
   last copy. A W2 unit waits only for W1 units with smaller tickets, each held by a resident CTA that runs it
   (or runs an earlier W1 unit first, which waits for nothing but role1), so the waits cannot deadlock. The draw
   that completes the launch's count (units + one final draw per CTA) resets the word for the next launch.
@@ -98,8 +99,9 @@ class Role2Config:
     consumer_registers: int | None = None  # None: SPLIT_BLOCK_N's where it names the token tile
     side_threads: int = 0  # threads of the CTA beside the loop's (the Mega MoE port's dispatch warps)
     ctas_per_sm: int = 1  # 2: two persistent CTAs per SM (TWO_CTA_BLOCK_N only)
-    # a reused token ring (layer_layout.LayerShape.ring_reuse): W1 tickets tile by tile, ring rows by modulo,
-    # l1_empty_count released by rows (role1 waits on it)
+    # a reused token ring (layer_layout.LayerShape.ring_reuse): tickets tile by tile with W2 a lag behind W1, ring
+    # rows by modulo (the token ring and W1's output rows), l1_empty_count / l2_empty_count released by rows (role1
+    # / W1 wait on them)
     ring_reuse: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
