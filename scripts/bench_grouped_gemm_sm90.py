@@ -119,11 +119,18 @@ class Point:
         self.out = torch.empty(max(self.rows, 1), h, dtype=torch.bfloat16, device=device)
         self.dest = torch.arange(max(self.rows, 1), dtype=torch.int32, device=device)
         self.rw = self.rw.float().contiguous() if self.rows else torch.ones(1, device=device)
+        self.device = device
+        self.splits = {}  # W1 kernels that split K: their partials and counts, one pair per kernel
         self.use(kernels)
 
     def use(self, kernels):
         """Run with this variant set's kernels: {(role, block_n): loaded kernel}."""
+        from gc_moe.kernels.sm90.grouped_gemm import split_buffers
+
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
+        if self.k1.name not in self.splits:  # allocated before any capture
+            self.splits[self.k1.name] = split_buffers(self.k1, self.weights.l1, self.capacity, self.device)
+        self.split = self.splits[self.k1.name]
 
     def poison(self):
         self.mid.view(torch.uint8).fill_(0x7F)  # E4M3FN NaN
@@ -134,7 +141,7 @@ class Point:
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
         launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
-                  self.mid_scale, self.capacity, stream)
+                  self.mid_scale, self.capacity, stream, split=self.split)
         if sync_each:
             torch.cuda.synchronize()
             print("# w1 ran", flush=True)

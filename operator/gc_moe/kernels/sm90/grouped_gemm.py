@@ -105,6 +105,12 @@ RING_PARAMS_W1 = (
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("timeout_ns", "s64"),
 )
 RING_PARAMS_W2 = (("ring_source", "u64"), ("peers", "u64"), ("source_rows", "s32"))
+# k_splits > 1 appends these to W1: each CTA's FP32 partials [unit, split, consumer thread, BN / 2] and one
+# arrival counter per unit (token tile x weight-row CTA x expert; zero before the first launch, the last split
+# of a unit sets it back to zero)
+SPLIT_PARAMS_W1 = (("split_partials", "u64"), ("split_counts", "u64"))
+K_SPLIT_CHOICES = (1, 2, 3, 4)
+K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,11 @@ class GemmConfig:
     # (role2.run_unit releases l2_empty_count). Off, the variants' code is what it was (the rows' flat index,
     # one release per CTA and block)
     ring_reuse: bool = False
+    # W1 on the warp-specialized pipeline: K (the H / 128 steps) split over this many CTAs per (token tile,
+    # weight-row CTA, expert). Each writes its FP32 partials; the last to arrive sums them in split order (the
+    # same bits whichever arrives last) and runs the epilogue. For calls whose working CTAs leave SMs idle: one
+    # CTA's K loop (32-48 steps at ~0.6 us) is the floor there (docs/sm90-grouped-gemm.md, step 10)
+    k_splits: int = 1
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -211,6 +222,13 @@ class GemmConfig:
         if self.ring_reuse and not self.fused_role2:
             raise ValueError("ring_reuse is a knob of the fused role2 halves (its tickets keep the reused ring's "
                              "waits acyclic): pass fused_role2=True")
+        if self.k_splits not in K_SPLIT_CHOICES or (self.k_splits > 1 and not (
+                self.role == "w1" and self.warp_specialized and not self.ring_consumer and not self.fused_role2
+                and not self.compact_grid and not self.fold_scales and self.token_tiles_fastest
+                and self.block_n <= K_SPLIT_MAX_BLOCK_N)):
+            raise ValueError(f"k_splits {self.k_splits}: allowed 1, or one of {K_SPLIT_CHOICES[1:]} for the "
+                             f"stand-alone W1 on the warp-specialized pipeline at token tiles up to "
+                             f"{K_SPLIT_MAX_BLOCK_N} (unfolded scales, token tiles fastest, no ring, no compact grid)")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -339,7 +357,8 @@ class GemmConfig:
     @property
     def params(self):
         if self.role == "w1":
-            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ())
+            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + (
+                SPLIT_PARAMS_W1 if self.k_splits > 1 else ())
         return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ())
 
     @property
@@ -351,6 +370,8 @@ class GemmConfig:
             s += "_fold"
         if self.compact_grid:
             s += "_compact"
+        if self.k_splits > 1:
+            s += f"_k{self.k_splits}"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -399,8 +420,8 @@ def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple
     if rows % ROWS_PER_CTA:
         raise ValueError(f"weight rows {rows} must be a multiple of {ROWS_PER_CTA}")
     token_tiles = max(1, -(-capacity // cfg.block_n))
-    if cfg.token_tiles_fastest:
-        return token_tiles, rows // ROWS_PER_CTA, local_experts
+    if cfg.token_tiles_fastest:  # k_splits: the splits of a token tile are its neighbours in x
+        return token_tiles * cfg.k_splits, rows // ROWS_PER_CTA, local_experts
     return rows // ROWS_PER_CTA, local_experts, token_tiles
 
 
@@ -460,6 +481,7 @@ def _make_kernel(cfg: GemmConfig):
     SUSPEND = cfg.wait_suspend_ns
     FUSED = cfg.fused_role2
     REUSE = cfg.ring_reuse
+    KS = cfg.k_splits
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -568,11 +590,12 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
     @cute.jit
-    def stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows=None):
+    def stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows=None, k_first=None):
         """What a producer thread's copies read, computed once per unit (none of it changes along K): the
         CTA's weight and scale streams and strides, its 16-byte pieces of the token tile (source, bytes,
         destination offset; rows past the expert's count zero-filled) and its activation-scale words.
-        ring_rows: a reused ring's rows (grouped row r lives in ring row r mod ring_rows), else None."""
+        ring_rows: a reused ring's rows (grouped row r lives in ring row r mod ring_rows), else None. k_first:
+        the unit's first K128 step when K is split (k_splits), else None (step 0)."""
         w_codes, w_scales, act, act_scale = a
         first_row = Int64(row0)
         if cutlass.const_expr(ring_rows is not None):
@@ -614,6 +637,11 @@ def _make_kernel(cfg: GemmConfig):
                     nrow = nrow - Int64(ring_rows)
             x_src.append(act_scale + nrow * Int64(k_blocks) * 4)
             x_bytes.append(nbytes)
+        if cutlass.const_expr(k_first is not None):  # this split's K128 steps start at k_first
+            w_src = w_src + Int64(k_first) * TILE_BYTES
+            s_src = s_src + Int64(k_first) * TILE_SCALE_BYTES
+            b_src = [src + Int64(k_first) * 128 for src in b_src]
+            x_src = [src + Int64(k_first) * 4 for src in x_src]
         return (w_src, s_src, tile_stride, scale_stride), (b_src, b_bytes, b_dst), (x_src, x_bytes)
 
     @cute.jit
@@ -625,17 +653,20 @@ def _make_kernel(cfg: GemmConfig):
                                      x_bytes[r])
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx):
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
         (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
-        pidx: the thread's index among the producer threads (one or more warps)."""
-        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
+        pidx: the thread's index among the producer threads (one or more warps). ksplit: (first K128 step, steps)
+        of a split unit (k_splits), else None (all k_blocks)."""
+        k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
+        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
+                                                     k_first=k_first)
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        for kb in cutlass.range(k_blocks):
+        for kb in cutlass.range(k_steps):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
@@ -937,7 +968,7 @@ def _make_kernel(cfg: GemmConfig):
         return tid // 128, tid % 128, (tid % 128) // 32, lane // 4, lane % 4
 
     @cute.jit
-    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor, epilogue):
+    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor, epilogue, ksplit=None):
         tid = cute.arch.thread_idx()[0]
         wg, t, warp, g, q = thread_coords(tid)
         if tid == 0:
@@ -952,12 +983,12 @@ def _make_kernel(cfg: GemmConfig):
             # next unit: `role2` after its draw); a kernel of one unit lets it exit with fewer
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_decrease(cfg.producer_registers)
-            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS)
+            produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ksplit)
         else:
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_increase(cfg.consumer_registers)
             if cutlass.const_expr(cfg.pipelined):
-                consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
+                consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc)
             else:
                 consume_folded(k_blocks, smem, wg, t, warp, g, q, acc)
             if cutlass.const_expr(epilogue is not None):
@@ -1016,7 +1047,7 @@ def _make_kernel(cfg: GemmConfig):
         return tid, wg, warp, g, q
 
     @cute.jit
-    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, epilogue=None):
+    def tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, acc, epilogue=None, ksplit=None):
         """The tile's FP32 products into `acc` (both GEMMs), and the expert's weight factor to apply.
         epilogue: (function, its arguments after (tid, wg, warp, g, q, factor, acc)) that the consumers run
         inside their branch of the warp-specialized split (consumer_registers: in the registers they took),
@@ -1025,13 +1056,14 @@ def _make_kernel(cfg: GemmConfig):
             acc[i] = Float32(0.0)
         if cutlass.const_expr(WS):
             tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor,
-                                               epilogue)
+                                               epilogue, ksplit)
         else:
             tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
         return tid, wg, warp, g, q, weight_factor(w_factor, e)
 
     @cute.jit
-    def tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args=None):
+    def tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args=None,
+                           ksplit=None):
         """The tile's product and its epilogue ((function, arguments after (tid, wg, warp, g, q, factor, acc))):
         one side of a fused half's unit (fused_args = (its input wait, side, first K128 step): `fused_unit`),
         or the whole CTA (the warp-specialized producer warp has no outputs)."""
@@ -1041,7 +1073,7 @@ def _make_kernel(cfg: GemmConfig):
         else:
             acc = cute.make_rmem_tensor((BN // 2,), Float32)
             tid, wg, warp, g, q, factor = tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
-                                                       acc, epilogue if SPLIT else None)
+                                                       acc, epilogue if SPLIT else None, ksplit)
             if cutlass.const_expr(not SPLIT):
                 if tid < THREADS:
                     epilogue[0](tid, wg, warp, g, q, factor, acc, *epilogue[1])
@@ -1193,6 +1225,39 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
 
     @cute.jit
+    def w1_epilogue_split(tid, wg, warp, g, q, factor, acc, split_partials, split_counts, unit, ks_index, *rest):
+        """A split unit's consumer thread (k_splits): its FP32 partials to split_partials[unit, ks_index, tid]; the
+        CTA whose arrival completes the unit's count sums every split's partials in split order (the same bits
+        whichever arrives last), sets the count back to zero and runs the W1 epilogue (`rest`: its arguments)."""
+        smem = rest[0]
+        per = BN // 2
+        mine = split_partials + ((Int64(unit) * KS + Int64(ks_index)) * THREADS + Int64(tid)) * (per * 4)
+        for i in cutlass.range_constexpr(per):
+            ptx.stg_f32(mine + Int64(i * 4), acc[i])
+        ptx.fence_acq_rel_gpu()  # each thread's partials before the arrival below (cumulative through the barrier)
+        consumer_sync()
+        flag = smem + cfg.amax_offset
+        if tid == 0:
+            arrived = ptx.atom_add_acq_rel_gpu_s32(split_counts + Int64(unit) * 4, Int32(1))
+            last = Float32(0.0)
+            if arrived == KS - 1:
+                last = Float32(1.0)
+                ptx.st_relaxed_gpu_s32(split_counts + Int64(unit) * 4, Int32(0))  # ready for the next launch
+            ptx.sts_f32(flag, last)
+        consumer_sync()
+        last = ptx.lds_f32(flag)
+        consumer_sync()  # every thread read the flag before the epilogue reuses the word
+        if last > Float32(0.5):
+            ptx.fence_acq_rel_gpu()  # the other splits' partials, published before their arrivals
+            for i in cutlass.range_constexpr(per):
+                acc[i] = Float32(0.0)
+            for sp in cutlass.range_constexpr(KS):
+                theirs = split_partials + ((Int64(unit) * KS + Int64(sp)) * THREADS + Int64(tid)) * (per * 4)
+                for i in cutlass.range_constexpr(per):
+                    acc[i] = acc[i] + ptx.ld_relaxed_gpu_f32(theirs + Int64(i * 4))
+            w1_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
+
+    @cute.jit
     def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring):
         """A consumer thread's W2 epilogue: BF16 partials to each row's combine row (the ring consumer's: in the
         source rank's buffer)."""
@@ -1224,10 +1289,10 @@ def _make_kernel(cfg: GemmConfig):
     if W1:
         @cute.jit
         def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
-                    k_blocks, m_tiles, ring, fused=None):
+                    k_blocks, m_tiles, ring, fused=None, split=None):
             """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, side,
             base) of the fused role2 kernel's unit (it waited for RING_READY already): `fused_unit`'s side and
-            first K128 step."""
+            first K128 step. split (k_splits > 1): (split_partials, split_counts)."""
             if cutlass.const_expr(FUSED):
                 ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 e, bx, bz, started, done_mask, side, base = fused
@@ -1236,6 +1301,10 @@ def _make_kernel(cfg: GemmConfig):
                 done_mask = None
             if cutlass.const_expr(cfg.token_tiles_fastest and not FUSED):
                 bz, bx, e = cute.arch.block_idx()
+            ks_index = Int32(0)
+            if cutlass.const_expr(KS > 1):  # the splits of a token tile are neighbours in x
+                ks_index = Int32(bz) % KS
+                bz = Int32(bz) // KS
             if cutlass.const_expr(RING and not FUSED):
                 # role1 writes expert_offsets while this kernel may already run: wait for its release, then
                 # read them (and every ring word below) with coherent loads, not the read-only path
@@ -1272,10 +1341,25 @@ def _make_kernel(cfg: GemmConfig):
                 epilogue = (w1_epilogue, (smem, row0, count, rows, bx, m_tiles, routing_weight, out, out_scale, ring,
                                           done_mask))
                 fused_args = ((ring, rows, started), side, base) if cutlass.const_expr(FUSED) else None
+                ksplit = None
+                if cutlass.const_expr(KS > 1):
+                    # this split's K128 steps, and its unit (token tile x weight-row CTA x expert) for the partials
+                    k_first = (ks_index * k_blocks) // KS
+                    ksplit = (k_first, ((ks_index + 1) * k_blocks) // KS - k_first)
+                    tiles = Int32(cute.arch.grid_dim()[0]) // KS
+                    unit = (e * (m_tiles // TILES_PER_CTA) + bx) * tiles + bz
+                    epilogue = (w1_epilogue_split, (split[0], split[1], unit, ks_index, *epilogue[1]))
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
-                                   m_tiles, smem, epilogue, fused_args)
+                                   m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(RING):
+        if cutlass.const_expr(KS > 1):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32, split_partials: Int64, split_counts: Int64):
+                w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
+                        k_blocks, m_tiles, None, split=(split_partials, split_counts))
+        elif cutlass.const_expr(RING):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
@@ -1367,7 +1451,12 @@ def _host_launcher(cfg: GemmConfig, kernel):
 
     launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
     launch.update(launch_register_bounds(cfg))
-    if cfg.role == "w1" and cfg.ring_consumer:
+    if cfg.role == "w1" and cfg.k_splits > 1:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1).launch(**launch)
+    elif cfg.role == "w1" and cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32, r0: Int64, r1: Int64, r2: Int64, block_m: Int32,
@@ -1399,7 +1488,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
-               consumer_registers: int | None = None):
+               consumer_registers: int | None = None, k_splits: int = 1):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1410,7 +1499,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
-                     consumer_registers=consumer_registers)
+                     consumer_registers=consumer_registers, k_splits=k_splits)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1421,7 +1510,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
-            compact_grid: bool = False, consumer_registers: int | None = None):
+            compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1433,10 +1522,14 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
         compact_grid = False  # likewise (the cp.async pipeline's bn 64 has no registers left for the scan)
         consumer_registers = None
+    if role != "w1" or block_n > K_SPLIT_MAX_BLOCK_N or not GemmConfig(
+            role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
+            warp_specialized=warp_specialized).warp_specialized:
+        k_splits = 1  # a knob of the stand-alone W1 at tiles 8 / 16 (warp-specialized): sets may name it everywhere
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
-                     consumer_registers=consumer_registers)
+                     consumer_registers=consumer_registers, k_splits=k_splits)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1458,9 +1551,13 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["compact_grid"] = True
     if consumer_registers is not None:
         params["consumer_registers"] = consumer_registers
+    if cfg.k_splits > 1:
+        params["k_splits"] = cfg.k_splits
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
+    if cfg.k_splits > 1:  # the partials' publication and the last split's acquire
+        promises += ("fence.acq_rel.gpu", "atom.acq_rel.gpu.global.add", "ld.relaxed.gpu.global")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -1488,8 +1585,11 @@ def all_variants():
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
+    # W1 with K split over 2-4 CTAs at tiles 8 / 16 (opt-in: for calls whose working CTAs leave SMs idle)
+    split_w1 = [variant("w1", bn, k_splits=ks) for ks in K_SPLIT_CHOICES[1:] for bn in BLOCK_N_CHOICES
+                if bn <= K_SPLIT_MAX_BLOCK_N]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
-              + variant_set(warp_specialized=False) + compact_ring):
+              + variant_set(warp_specialized=False) + compact_ring + split_w1):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -1537,9 +1637,25 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
     return list(ring_args)
 
 
+def split_buffers(kernel, mat, capacity: int, device):
+    """(split_partials, split_counts) for a W1 kernel with k_splits > 1 at this matrix and capacity: FP32
+    partials [unit, split, consumer thread, block_n / 2] and int32 counts [unit], zeroed (the kernel keeps them
+    zero between launches). None for a kernel without splits."""
+    import torch
+
+    cfg = GemmConfig(**dict(kernel.entry.variant.params))
+    if cfg.k_splits == 1:
+        return None
+    tiles, ctas, experts = grid(cfg, mat.rows, mat.num_experts, capacity)
+    units = (tiles // cfg.k_splits) * ctas * experts
+    return (torch.zeros(units * cfg.k_splits * THREADS * (cfg.block_n // 2), dtype=torch.float32, device=device),
+            torch.zeros(units, dtype=torch.int32, device=device))
+
+
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-              ring_args=()):
-    """(grid, arguments) of one W1 launch or graph node; see `launch_w1`."""
+              ring_args=(), split=None):
+    """(grid, arguments) of one W1 launch or graph node; see `launch_w1`. split: `split_buffers(...)` for a
+    kernel with k_splits > 1."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -1557,24 +1673,39 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     if cfg.role != "w1":
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
     extra = _check_ring_args(cfg, kernel, ring_args)
-    return grid(cfg, mat.rows, mat.num_experts, capacity), [
+    g = grid(cfg, mat.rows, mat.num_experts, capacity)
+    if cfg.k_splits > hidden // 128:
+        raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}, but hidden {hidden} has {hidden // 128} K128 "
+                         f"steps; allowed: at least one step per split")
+    if cfg.k_splits > 1:
+        units = (g[0] // cfg.k_splits) * g[1] * g[2]
+        need = units * cfg.k_splits * THREADS * (cfg.block_n // 2)
+        if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
+                or split[1].dtype != torch.int32 or split[1].numel() < units or not split[1].is_cuda:
+            raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}: pass split=split_buffers(kernel, mat, "
+                             f"capacity, device) (float32 partials >= {need}, int32 counts >= {units}, zeroed)")
+        extra = extra + [ptr(split[0]), ptr(split[1])]
+    elif split is not None:
+        raise ValueError(f"{kernel.name} does not split K: pass split=None")
+    return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
 
 
 def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream,
-              ring_args=()):
+              ring_args=(), split=None):
     """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
 
     mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
     expert_offsets int32 [E+1] (rows of expert e: [off[e], off[e+1])); routing_weight f32 [R];
     out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold;
-    ring_args: `ring_args_w1(...)` for a ring-consumer variant, else empty.
+    ring_args: `ring_args_w1(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
+    variant with k_splits > 1, else None.
     """
     from gc_moe.runtime.launch import launch
 
     g, args = w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-                        ring_args)
+                        ring_args, split)
     return launch(kernel, g, args, stream)
 
 

@@ -430,6 +430,16 @@ def st_relaxed_gpu_s32(addr: Int64, v: Int32) -> None:
     asm("st.relaxed.gpu.global.b32 [$0], $1;", [], [addr, v])
 
 
+def fence_acq_rel_gpu() -> None:
+    """Orders this thread's earlier writes before its later ones at GPU scope (the split-K partials before the
+    arrival that publishes them)."""
+    asm("fence.acq_rel.gpu;", [], [])
+
+
+def atom_add_acq_rel_gpu_s32(addr: Int64, v: Int32) -> Int32:
+    return asm("atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", [Int32], [addr, v])
+
+
 def red_or_release_gpu_u64(addr: Int64, bits: Int64) -> None:
     """Set `bits` in a 64-bit word with release semantics (what this thread observed happens before)."""
     asm("red.release.gpu.global.or.b64 [$0], $1;", [], [addr, bits])
