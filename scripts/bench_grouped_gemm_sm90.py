@@ -403,7 +403,8 @@ def main() -> int:
                 {"warp_specialized": False, "fold_scales": True}, {"token_tiles_fastest": False}, {"l2_evict_first": True},
                 {"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000},
                 {"compact_grid": True}, {"compact_grid": True, "producer_warps": 4},
-                {"compact_grid": True, "ctas_per_sm": 1}, {"compact_grid": True, "ring_consumer": True}]
+                {"compact_grid": True, "ctas_per_sm": 1}, {"compact_grid": True, "ring_consumer": True},
+                {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
