@@ -1637,6 +1637,13 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
     return list(ring_args)
 
 
+def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:
+    """(FP32 partials, arrival counts) a split W1 launch of this grid needs: one count per unit (token tile x
+    weight-row CTA x expert), block_n / 2 partials per consumer thread and split."""
+    units = (launch_grid[0] // cfg.k_splits) * launch_grid[1] * launch_grid[2]
+    return units * cfg.k_splits * THREADS * (cfg.block_n // 2), units
+
+
 def split_buffers(kernel, mat, capacity: int, device):
     """(split_partials, split_counts) for a W1 kernel with k_splits > 1 at this matrix and capacity: FP32
     partials [unit, split, consumer thread, block_n / 2] and int32 counts [unit], zeroed (the kernel keeps them
@@ -1646,9 +1653,8 @@ def split_buffers(kernel, mat, capacity: int, device):
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
     if cfg.k_splits == 1:
         return None
-    tiles, ctas, experts = grid(cfg, mat.rows, mat.num_experts, capacity)
-    units = (tiles // cfg.k_splits) * ctas * experts
-    return (torch.zeros(units * cfg.k_splits * THREADS * (cfg.block_n // 2), dtype=torch.float32, device=device),
+    partials, units = split_sizes(cfg, grid(cfg, mat.rows, mat.num_experts, capacity))
+    return (torch.zeros(partials, dtype=torch.float32, device=device),
             torch.zeros(units, dtype=torch.int32, device=device))
 
 
@@ -1678,8 +1684,7 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
         raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}, but hidden {hidden} has {hidden // 128} K128 "
                          f"steps; allowed: at least one step per split")
     if cfg.k_splits > 1:
-        units = (g[0] // cfg.k_splits) * g[1] * g[2]
-        need = units * cfg.k_splits * THREADS * (cfg.block_n // 2)
+        need, units = split_sizes(cfg, g)
         if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
                 or split[1].dtype != torch.int32 or split[1].numel() < units or not split[1].is_cuda:
             raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}: pass split=split_buffers(kernel, mat, "

@@ -210,12 +210,6 @@ def l1_readers(shape: LayerShape) -> int:
     return shape.block_m * (2 * shape.intermediate // 256)
 
 
-def l2_readers(shape: LayerShape) -> int:
-    """What one generation of a full block of W1's output rows adds to its l2_empty_count under ring reuse: each
-    of its BM rows is read by every W2 weight-row CTA (H / 256) of its token tile, and each adds the rows it read."""
-    return shape.block_m * (shape.hidden // 256)
-
-
 def l1_empty_target(grouped_row: int, shape: LayerShape) -> int:
     """The l1_empty_count role1 waits for before writing `grouped_row` into a reused ring (0: no wait, the
     block's first generation)."""
