@@ -120,7 +120,7 @@ class Point:
         self.dest = torch.arange(max(self.rows, 1), dtype=torch.int32, device=device)
         self.rw = self.rw.float().contiguous() if self.rows else torch.ones(1, device=device)
         self.device = device
-        self.splits = {}  # W1 kernels that split K: their partials and counts, one pair per kernel
+        self.splits = {}  # kernels that split K: their partials and counts, one pair per kernel
         self.use(kernels)
 
     def use(self, kernels):
@@ -128,9 +128,10 @@ class Point:
         from gc_moe.kernels.sm90.grouped_gemm import split_buffers
 
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
-        if self.k1.name not in self.splits:  # allocated before any capture
-            self.splits[self.k1.name] = split_buffers(self.k1, self.weights.l1, self.capacity, self.device)
-        self.split = self.splits[self.k1.name]
+        for k, mat in ((self.k1, self.weights.l1), (self.k2, self.weights.l2)):
+            if k.name not in self.splits:  # allocated before any capture
+                self.splits[k.name] = split_buffers(k, mat, self.capacity, self.device)
+        self.split1, self.split2 = self.splits[self.k1.name], self.splits[self.k2.name]
 
     def poison(self):
         self.mid.view(torch.uint8).fill_(0x7F)  # E4M3FN NaN
@@ -141,12 +142,12 @@ class Point:
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
         launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
-                  self.mid_scale, self.capacity, stream, split=self.split)
+                  self.mid_scale, self.capacity, stream, split=self.split1)
         if sync_each:
             torch.cuda.synchronize()
             print("# w1 ran", flush=True)
         launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
-                  self.capacity, stream)
+                  self.capacity, stream, split=self.split2)
 
     def weight_bytes(self) -> int:
         """Active experts' repacked W1 + W2 codes and scale bytes, each read once."""
@@ -404,7 +405,9 @@ def main() -> int:
                 {"producer_warps": 2}, {"producer_warps": 4}, {"wait_suspend_ns": 10_000_000},
                 {"compact_grid": True}, {"compact_grid": True, "producer_warps": 4},
                 {"compact_grid": True, "ctas_per_sm": 1}, {"compact_grid": True, "ring_consumer": True},
-                {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1}]
+                {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1},
+                {"k_splits": 3, "w2_k_splits": 2}, {"k_splits": 3, "w2_k_splits": 2, "ctas_per_sm": 1},
+                {"k_splits": 4, "w2_k_splits": 2}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:

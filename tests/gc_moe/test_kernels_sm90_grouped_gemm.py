@@ -27,24 +27,30 @@ def test_config_errors_name_what_is_allowed():
     assert gg.grid(gg.GemmConfig("w1", 16, token_tiles_fastest=False), 4608, 48, 33) == (18, 48, 3)
 
 
-def test_split_k_w1_knob_its_grid_parameters_and_buffers():
+def test_split_k_knob_its_grid_parameters_and_buffers():
     cfg = gg.GemmConfig("w1", 8, k_splits=3)
     assert gg.grid(cfg, 4096, 32, 5) == (3, 16, 32)  # a token tile's splits are its neighbours in x
     assert [n for n, _ in cfg.params][-2:] == ["split_partials", "split_counts"] and cfg.name.endswith("_k3_ws2")
     assert dict(gg.variant("w1", 16, k_splits=2).params)["k_splits"] == 2
     assert "k_splits" not in dict(gg.variant("w1", 8).params)  # the default variants keep their cache keys
-    # sets may name the knob everywhere: W2, tile 32 and the cp.async pipeline drop it
-    assert "k_splits" not in dict(gg.variant("w2", 8, k_splits=3).params)
+    assert dict(gg.variant("w2", 8, k_splits=3).params)["k_splits"] == 3
+    w2 = gg.GemmConfig("w2", 16, k_splits=2)
+    assert [n for n, _ in w2.params] == [n for n, _ in gg.PARAMS_W2 + gg.SPLIT_PARAMS] and "_k2_" in w2.name
+    # sets may name the knob everywhere: tile 32 and the cp.async pipeline drop it; a set splits W1 and W2 apart
     assert "k_splits" not in dict(gg.variant("w1", 32, k_splits=3).params)
     assert "k_splits" not in dict(gg.variant("w1", 64, k_splits=3).params)
+    by_role = {(dict(v.params)["role"], dict(v.params)["block_n"]): dict(v.params).get("k_splits", 1)
+               for v in gg.variant_set(k_splits=3, w2_k_splits=2)}
+    assert by_role == {("w1", 8): 3, ("w1", 16): 3, ("w1", 32): 1, ("w1", 64): 1,
+                       ("w2", 8): 2, ("w2", 16): 2, ("w2", 32): 1, ("w2", 64): 1}
     for bad in ({"k_splits": 5}, {"k_splits": 2, "ring_consumer": True}, {"k_splits": 2, "fold_scales": True},
-                {"k_splits": 2, "block_n": 32}, {"k_splits": 2, "role": "w2"}):
+                {"k_splits": 2, "block_n": 32}, {"k_splits": 2, "role": "w2", "compact_grid": True}):
         kw = {"role": "w1", "block_n": 8, **bad}
         with pytest.raises(ValueError, match="k_splits .* allowed 1, or one of"):
             gg.GemmConfig(**kw)
     built = [v for v in gg.all_variants() if dict(v.params).get("k_splits")]
-    assert sorted((dict(v.params)["block_n"], dict(v.params)["k_splits"]) for v in built) == [
-        (bn, ks) for bn in (8, 16) for ks in (2, 3, 4)]
+    assert sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params)["k_splits"]) for v in built) == [
+        (role, bn, ks) for role in ("w1", "w2") for bn in (8, 16) for ks in (2, 3, 4)]
 
     class Fake:  # split_buffers reads only the loaded kernel's variant parameters
         def __init__(self, variant):
@@ -56,6 +62,9 @@ def test_split_k_w1_knob_its_grid_parameters_and_buffers():
     partials, counts = gg.split_buffers(Fake(gg.variant("w1", 8, k_splits=3)), mat, 5, "cpu")
     assert counts.shape == (16 * 32,) and partials.shape == (16 * 32 * 3 * gg.THREADS * 4,)
     assert int(counts.abs().sum()) == 0 and gg.split_buffers(Fake(gg.variant("w1", 8)), mat, 5, "cpu") is None
+    w2_mat = SimpleNamespace(rows=6144, num_experts=32)  # W2's rows are H: 24 weight-row CTAs
+    partials, counts = gg.split_buffers(Fake(gg.variant("w2", 16, k_splits=2)), w2_mat, 20, "cpu")
+    assert counts.shape == (2 * 24 * 32,) and partials.shape == (2 * 24 * 32 * 2 * gg.THREADS * 8,)
 
 
 def test_shared_memory_plan_fits_the_sm():
@@ -242,8 +251,8 @@ def built(tmp_path_factory):
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
-    # the compact ring consumer at bn 8 (both roles), and W1 with K split in 2-4 at bn 8 / 16
-    assert len(built) == 8 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 3
+    # the compact ring consumer at bn 8 (both roles), and W1 and W2 with K split in 2-4 at bn 8 / 16
+    assert len(built) == 8 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -267,7 +276,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert [size for _, size in res["params"]] == expected  # folding changes no parameter, the ring appends
         assert len(expected) == len(gg.PARAMS_W1 if params["role"] == "w1" else gg.PARAMS_W2) + (
             len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0) + (
-            len(gg.SPLIT_PARAMS_W1) if params.get("k_splits", 1) > 1 else 0)
+            len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
@@ -312,8 +321,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     consumer warp), bulk copies of the 4096-byte weight tiles and 256-byte scale blocks completing on it,
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
-    # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 at bn 8 / 16
-    assert len(ws) == 6 * 3 + 2 + 2 * 3
+    # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -321,9 +330,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # the ring consumer's W1 adds two before the main loop: after the RING_READY wait and the acquire
         ring_w1 = params.get("ring_consumer", False) and params["role"] == "w1"
         assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
-        # a split W1 meets three times more before the epilogue: partials stored, the arrival's flag, flag read
-        assert ptx.count("bar.sync 1, 512;") == ((4 if params.get("k_splits", 1) > 1 else 1)
-                                                 if params["role"] == "w1" else 0)
+        # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read
+        split = 3 if params.get("k_splits", 1) > 1 else 0
+        assert ptx.count("bar.sync 1, 512;") == split + (1 if params["role"] == "w1" else 0), variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == ["33", "16"] * cfg.stages
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
@@ -455,7 +464,7 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False, **more_knobs):
+              return_raw=False, w2_k_splits=1, **more_knobs):
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -486,7 +495,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     dest = torch.randperm(rows, generator=gen, device=dev).to(torch.int32)
     knobs = {"fold_scales": fold_scales, "warp_specialized": warp_specialized, **more_knobs}
     k1 = jit.load_kernel(gg.variant("w1", block_n, **knobs), "sm_90a")
-    k2 = jit.load_kernel(gg.variant("w2", block_n, **knobs), "sm_90a")
+    k2 = jit.load_kernel(gg.variant("w2", block_n, **{**knobs, "k_splits": w2_k_splits}), "sm_90a")
     stream = torch.cuda.current_stream()
     cap = int(counts.max())
     split = gg.split_buffers(k1, w.l1, cap, dev)  # k_splits > 1: partials and arrival counts, else None
@@ -501,7 +510,15 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         torch.cuda.synchronize()
         assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf)
         assert int(split[1].abs().sum()) == 0, "a split unit's arrival count was not set back to zero"
-    gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream)
+    split2 = gg.split_buffers(k2, w.l2, cap, dev)
+    gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2)
+    if split2 is not None:  # as W1's above
+        first = out.clone()
+        out.fill_(float("nan"))
+        gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+        assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
     torch.cuda.synchronize()
     if return_raw:
         return mid, mid_sf, out
@@ -559,14 +576,18 @@ def test_grouped_gemm_model_shapes(hidden, inter, topk, fold_scales, warp_specia
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_splits", gg.K_SPLIT_CHOICES[1:])
+@pytest.mark.parametrize("split_roles", ["w1", "w2", "both"])
 @pytest.mark.parametrize("block_n", [bn for bn in gg.BLOCK_N_CHOICES if bn <= gg.K_SPLIT_MAX_BLOCK_N])
-@pytest.mark.parametrize("hidden,inter,topk,tokens", [(512, 256, 1, 5), (512, 256, 8, 3), (1024, 256, 6, 40),
+@pytest.mark.parametrize("hidden,inter,topk,tokens", [(512, 512, 1, 5), (512, 512, 8, 3), (1024, 512, 6, 40),
                                                       (6144, 2048, 8, 1)])
-def test_split_k_w1_matches_float32_reference(block_n, k_splits, hidden, inter, topk, tokens):
-    """W1 with its K split over 2-4 CTAs (the last to arrive sums the partials): against the float32 reference
-    through W2, every element written; two launches on the same buffers write the same bytes (`_run_case`)."""
+def test_split_k_matches_float32_reference(block_n, split_roles, k_splits, hidden, inter, topk, tokens):
+    """W1 and / or W2 with K split over 2-4 CTAs (the last to arrive sums the partials): against the float32
+    reference, every element written; two launches on the same buffers write the same bytes (`_run_case`)."""
+    w1_splits = k_splits if split_roles in ("w1", "both") else 1
+    w2_splits = k_splits if split_roles in ("w2", "both") else 1
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, max(10, topk + 2), topk, tokens, block_n,
-                                           seed=block_n * 10 + k_splits + tokens, k_splits=k_splits)
+                                           seed=block_n * 10 + k_splits + tokens, k_splits=w1_splits,
+                                           w2_k_splits=w2_splits)
     assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
     for y, r in ((got_mid, ref_mid), (got, ref)):
         cos, diff = _cos_diff(y, r)

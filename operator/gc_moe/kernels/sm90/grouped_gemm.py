@@ -105,10 +105,10 @@ RING_PARAMS_W1 = (
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("timeout_ns", "s64"),
 )
 RING_PARAMS_W2 = (("ring_source", "u64"), ("peers", "u64"), ("source_rows", "s32"))
-# k_splits > 1 appends these to W1: each CTA's FP32 partials [unit, split, consumer thread, BN / 2] and one
+# k_splits > 1 appends these (W1 or W2): each CTA's FP32 partials [unit, split, consumer thread, BN / 2] and one
 # arrival counter per unit (token tile x weight-row CTA x expert; zero before the first launch, the last split
 # of a unit sets it back to zero)
-SPLIT_PARAMS_W1 = (("split_partials", "u64"), ("split_counts", "u64"))
+SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 K_SPLIT_CHOICES = (1, 2, 3, 4)
 K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
@@ -177,10 +177,11 @@ class GemmConfig:
     # (role2.run_unit releases l2_empty_count). Off, the variants' code is what it was (the rows' flat index,
     # one release per CTA and block)
     ring_reuse: bool = False
-    # W1 on the warp-specialized pipeline: K (the H / 128 steps) split over this many CTAs per (token tile,
-    # weight-row CTA, expert). Each writes its FP32 partials; the last to arrive sums them in split order (the
-    # same bits whichever arrives last) and runs the epilogue. For calls whose working CTAs leave SMs idle: one
-    # CTA's K loop (32-48 steps at ~0.6 us) is the floor there (docs/sm90-grouped-gemm.md, step 10)
+    # the stand-alone W1 or W2 on the warp-specialized pipeline: K (H / 128 or I / 128 steps) split over this
+    # many CTAs per (token tile, weight-row CTA, expert). Each writes its FP32 partials; the last to arrive sums
+    # them in split order (the same bits whichever arrives last) and runs the role's epilogue. For calls whose
+    # working CTAs leave SMs idle: one CTA's K loop (W1 32-48 steps, W2 16-18, ~0.6 us each) is the floor there
+    # (docs/sm90-grouped-gemm.md, steps 10-11)
     k_splits: int = 1
 
     def __post_init__(self):
@@ -223,11 +224,11 @@ class GemmConfig:
             raise ValueError("ring_reuse is a knob of the fused role2 halves (its tickets keep the reused ring's "
                              "waits acyclic): pass fused_role2=True")
         if self.k_splits not in K_SPLIT_CHOICES or (self.k_splits > 1 and not (
-                self.role == "w1" and self.warp_specialized and not self.ring_consumer and not self.fused_role2
+                self.warp_specialized and not self.ring_consumer and not self.fused_role2
                 and not self.compact_grid and not self.fold_scales and self.token_tiles_fastest
                 and self.block_n <= K_SPLIT_MAX_BLOCK_N)):
             raise ValueError(f"k_splits {self.k_splits}: allowed 1, or one of {K_SPLIT_CHOICES[1:]} for the "
-                             f"stand-alone W1 on the warp-specialized pipeline at token tiles up to "
+                             f"stand-alone W1 or W2 on the warp-specialized pipeline at token tiles up to "
                              f"{K_SPLIT_MAX_BLOCK_N} (unfolded scales, token tiles fastest, no ring, no compact grid)")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
@@ -358,8 +359,8 @@ class GemmConfig:
     def params(self):
         if self.role == "w1":
             return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + (
-                SPLIT_PARAMS_W1 if self.k_splits > 1 else ())
-        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ())
+                SPLIT_PARAMS if self.k_splits > 1 else ())
+        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + (SPLIT_PARAMS if self.k_splits > 1 else ())
 
     @property
     def name(self) -> str:
@@ -1225,11 +1226,20 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
 
     @cute.jit
-    def w1_epilogue_split(tid, wg, warp, g, q, factor, acc, split_partials, split_counts, unit, ks_index, *rest):
+    def split_unit(ks_index, k_blocks, m_tiles, e, bx, bz):
+        """A split CTA's K128 steps (first, count) and its unit (token tile x weight-row CTA x expert), the index of
+        its partials and arrival count."""
+        k_first = (ks_index * k_blocks) // KS
+        tiles = Int32(cute.arch.grid_dim()[0]) // KS
+        unit = (e * (m_tiles // TILES_PER_CTA) + bx) * tiles + bz
+        return (k_first, ((ks_index + 1) * k_blocks) // KS - k_first), unit
+
+    @cute.jit
+    def split_epilogue(tid, wg, warp, g, q, factor, acc, smem, split_partials, split_counts, unit, ks_index, *rest):
         """A split unit's consumer thread (k_splits): its FP32 partials to split_partials[unit, ks_index, tid]; the
         CTA whose arrival completes the unit's count sums every split's partials in split order (the same bits
-        whichever arrives last), sets the count back to zero and runs the W1 epilogue (`rest`: its arguments)."""
-        smem = rest[0]
+        whichever arrives last), sets the count back to zero and runs the role's epilogue (`rest`: its
+        arguments)."""
         per = BN // 2
         mine = split_partials + ((Int64(unit) * KS + Int64(ks_index)) * THREADS + Int64(tid)) * (per * 4)
         for i in cutlass.range_constexpr(per):
@@ -1255,7 +1265,10 @@ def _make_kernel(cfg: GemmConfig):
                 theirs = split_partials + ((Int64(unit) * KS + Int64(sp)) * THREADS + Int64(tid)) * (per * 4)
                 for i in cutlass.range_constexpr(per):
                     acc[i] = acc[i] + ptx.ld_relaxed_gpu_f32(theirs + Int64(i * 4))
-            w1_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
+            if cutlass.const_expr(W1):
+                w1_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
+            else:
+                w2_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
 
     @cute.jit
     def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring):
@@ -1343,12 +1356,8 @@ def _make_kernel(cfg: GemmConfig):
                 fused_args = ((ring, rows, started), side, base) if cutlass.const_expr(FUSED) else None
                 ksplit = None
                 if cutlass.const_expr(KS > 1):
-                    # this split's K128 steps, and its unit (token tile x weight-row CTA x expert) for the partials
-                    k_first = (ks_index * k_blocks) // KS
-                    ksplit = (k_first, ((ks_index + 1) * k_blocks) // KS - k_first)
-                    tiles = Int32(cute.arch.grid_dim()[0]) // KS
-                    unit = (e * (m_tiles // TILES_PER_CTA) + bx) * tiles + bz
-                    epilogue = (w1_epilogue_split, (split[0], split[1], unit, ks_index, *epilogue[1]))
+                    ksplit, unit = split_unit(ks_index, k_blocks, m_tiles, e, bx, bz)
+                    epilogue = (split_epilogue, (smem, split[0], split[1], unit, ks_index, *epilogue[1]))
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
                                    m_tiles, smem, epilogue, fused_args, ksplit)
 
@@ -1378,10 +1387,11 @@ def _make_kernel(cfg: GemmConfig):
     else:
         @cute.jit
         def w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks, m_tiles,
-                    ring, fused=None):
+                    ring, fused=None, split=None):
             """fused: (expert, weight-row CTA, token tile, started, the token tile's W1-completion word, the
             bound on waits, side, base) of the fused role2 kernel's unit: role1 and W1 write what this reads while
-            it runs, so every such read is coherent, and the producer waits for all I/128 bits of the word."""
+            it runs, so every such read is coherent, and the producer waits for all I/128 bits of the word.
+            split (k_splits > 1): (split_partials, split_counts)."""
             ready = None
             if cutlass.const_expr(FUSED and REUSE):  # and the ring rows of W1's output
                 e, bx, bz, started, done_mask, timeout_ns, side, base, l2_rows = fused
@@ -1393,6 +1403,10 @@ def _make_kernel(cfg: GemmConfig):
                 bx, e, bz = cute.arch.block_idx()
             if cutlass.const_expr(cfg.token_tiles_fastest and not FUSED):
                 bz, bx, e = cute.arch.block_idx()
+            ks_index = Int32(0)
+            if cutlass.const_expr(KS > 1):  # the splits of a token tile are neighbours in x
+                ks_index = Int32(bz) % KS
+                bz = Int32(bz) // KS
             if cutlass.const_expr(cfg.compact_grid):
                 e, bx, bz = compact_unit(expert_offsets, False)
             count = Int32(0)
@@ -1409,10 +1423,21 @@ def _make_kernel(cfg: GemmConfig):
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
                 epilogue = (w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, ring))
                 fused_args = (ready, side, base) if cutlass.const_expr(FUSED) else None
+                ksplit = None
+                if cutlass.const_expr(KS > 1):
+                    ksplit, unit = split_unit(ks_index, k_blocks, m_tiles, e, bx, bz)
+                    epilogue = (split_epilogue, (smem, split[0], split[1], unit, ks_index, *epilogue[1]))
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
-                                   m_tiles, smem, epilogue, fused_args)
+                                   m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(RING):
+        if cutlass.const_expr(KS > 1):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
+                       split_partials: Int64, split_counts: Int64):
+                w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks,
+                        m_tiles, None, split=(split_partials, split_counts))
+        elif cutlass.const_expr(RING):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
@@ -1469,6 +1494,11 @@ def _host_launcher(cfg: GemmConfig, kernel):
                  a8: Int64, k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles).launch(
                 **launch)
+    elif cfg.k_splits > 1:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, p0, p1).launch(**launch)
     elif cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -1522,10 +1552,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
         compact_grid = False  # likewise (the cp.async pipeline's bn 64 has no registers left for the scan)
         consumer_registers = None
-    if role != "w1" or block_n > K_SPLIT_MAX_BLOCK_N or not GemmConfig(
+    if block_n > K_SPLIT_MAX_BLOCK_N or not GemmConfig(
             role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
             warp_specialized=warp_specialized).warp_specialized:
-        k_splits = 1  # a knob of the stand-alone W1 at tiles 8 / 16 (warp-specialized): sets may name it everywhere
+        k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
@@ -1572,9 +1602,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     )
 
 
-def variant_set(**knobs):
-    """One configuration at both roles and every block_n, default SwiGLU (alpha 1, clamp 10)."""
-    return [variant(role, bn, **knobs) for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
+def variant_set(k_splits: int = 1, w2_k_splits: int = 1, **knobs):
+    """One configuration at both roles and every block_n, default SwiGLU (alpha 1, clamp 10). k_splits splits
+    W1's K and w2_k_splits W2's (at the tiles that take it, `variant`)."""
+    return [variant(role, bn, k_splits=k_splits if role == "w1" else w2_k_splits, **knobs)
+            for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
 
 
 def all_variants():
@@ -1585,11 +1617,11 @@ def all_variants():
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
-    # W1 with K split over 2-4 CTAs at tiles 8 / 16 (opt-in: for calls whose working CTAs leave SMs idle)
-    split_w1 = [variant("w1", bn, k_splits=ks) for ks in K_SPLIT_CHOICES[1:] for bn in BLOCK_N_CHOICES
-                if bn <= K_SPLIT_MAX_BLOCK_N]
+    # W1 and W2 with K split over 2-4 CTAs at tiles 8 / 16 (opt-in: for calls whose working CTAs leave SMs idle)
+    split_k = [variant(role, bn, k_splits=ks) for role in ("w1", "w2") for ks in K_SPLIT_CHOICES[1:]
+               for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
-              + variant_set(warp_specialized=False) + compact_ring + split_w1):
+              + variant_set(warp_specialized=False) + compact_ring + split_k):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -1638,14 +1670,14 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
 
 
 def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:
-    """(FP32 partials, arrival counts) a split W1 launch of this grid needs: one count per unit (token tile x
+    """(FP32 partials, arrival counts) a split launch of this grid needs: one count per unit (token tile x
     weight-row CTA x expert), block_n / 2 partials per consumer thread and split."""
     units = (launch_grid[0] // cfg.k_splits) * launch_grid[1] * launch_grid[2]
     return units * cfg.k_splits * THREADS * (cfg.block_n // 2), units
 
 
 def split_buffers(kernel, mat, capacity: int, device):
-    """(split_partials, split_counts) for a W1 kernel with k_splits > 1 at this matrix and capacity: FP32
+    """(split_partials, split_counts) for a kernel with k_splits > 1 at this matrix and capacity: FP32
     partials [unit, split, consumer thread, block_n / 2] and int32 counts [unit], zeroed (the kernel keeps them
     zero between launches). None for a kernel without splits."""
     import torch
@@ -1656,6 +1688,27 @@ def split_buffers(kernel, mat, capacity: int, device):
     partials, units = split_sizes(cfg, grid(cfg, mat.rows, mat.num_experts, capacity))
     return (torch.zeros(partials, dtype=torch.float32, device=device),
             torch.zeros(units, dtype=torch.int32, device=device))
+
+
+def _split_args(cfg: GemmConfig, kernel, launch_grid, k: int, split) -> list:
+    """The split launch's extra arguments (`SPLIT_PARAMS`) after checking `split` against the grid and K."""
+    import torch
+
+    from gc_moe.runtime.launch import ptr
+
+    if cfg.k_splits > k // 128:
+        raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}, but K = {k} has {k // 128} K128 steps; "
+                         f"allowed: at least one step per split")
+    if cfg.k_splits == 1:
+        if split is not None:
+            raise ValueError(f"{kernel.name} does not split K: pass split=None")
+        return []
+    need, units = split_sizes(cfg, launch_grid)
+    if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
+            or split[1].dtype != torch.int32 or split[1].numel() < units or not split[1].is_cuda:
+        raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}: pass split=split_buffers(kernel, mat, "
+                         f"capacity, device) (float32 partials >= {need}, int32 counts >= {units}, zeroed)")
+    return [ptr(split[0]), ptr(split[1])]
 
 
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
@@ -1680,18 +1733,7 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
     extra = _check_ring_args(cfg, kernel, ring_args)
     g = grid(cfg, mat.rows, mat.num_experts, capacity)
-    if cfg.k_splits > hidden // 128:
-        raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}, but hidden {hidden} has {hidden // 128} K128 "
-                         f"steps; allowed: at least one step per split")
-    if cfg.k_splits > 1:
-        need, units = split_sizes(cfg, g)
-        if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
-                or split[1].dtype != torch.int32 or split[1].numel() < units or not split[1].is_cuda:
-            raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}: pass split=split_buffers(kernel, mat, "
-                             f"capacity, device) (float32 partials >= {need}, int32 counts >= {units}, zeroed)")
-        extra = extra + [ptr(split[0]), ptr(split[1])]
-    elif split is not None:
-        raise ValueError(f"{kernel.name} does not split K: pass split=None")
+    extra = extra + _split_args(cfg, kernel, g, hidden, split)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
@@ -1714,8 +1756,9 @@ def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     return launch(kernel, g, args, stream)
 
 
-def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args=()):
-    """(grid, arguments) of one W2 launch or graph node; see `launch_w2`."""
+def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args=(), split=None):
+    """(grid, arguments) of one W2 launch or graph node; see `launch_w2`. split: `split_buffers(...)` for a
+    kernel with k_splits > 1."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -1732,19 +1775,23 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     if cfg.role != "w2":
         raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
     extra = _check_ring_args(cfg, kernel, ring_args)
-    return grid(cfg, mat.rows, mat.num_experts, capacity), [
+    g = grid(cfg, mat.rows, mat.num_experts, capacity)
+    extra = extra + _split_args(cfg, kernel, g, inter, split)
+    return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra
 
 
-def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=()):
+def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=(),
+              split=None):
     """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
 
     act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H]
     (a ring consumer: the local combine buffer, rows go to peers[ring_source div C k] + it);
-    ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty.
+    ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
+    variant with k_splits > 1, else None.
     """
     from gc_moe.runtime.launch import launch
 
-    g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args)
+    g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split)
     return launch(kernel, g, args, stream)
