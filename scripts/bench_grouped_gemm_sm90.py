@@ -370,7 +370,8 @@ def main() -> int:
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--auto-ctas", action="store_true",
                     help="also a set `ws_auto`: per point the default variants or their one-CTA-per-SM twins at token "
-                         "tile 8, by ctas_per_sm_for (one CTA per SM when the working W1 CTAs fit the SMs)")
+                         "tile 8, by ctas_per_sm_for (one CTA per SM when the working W1 CTAs fit the SMs), and "
+                         "those with K split (grouped_gemm.k_splits_for) where the working CTAs leave SMs idle")
     ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
                          "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
@@ -434,7 +435,7 @@ def main() -> int:
     if args.one_cta or args.auto_ctas:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
     if args.auto_ctas:
-        kernel_sets["ws_auto"] = None  # per point: the default set's kernels or ws1's (ctas_per_sm_for)
+        kernel_sets["ws_auto"] = None  # per point: the default set's kernels or ws1's (ctas_per_sm_for), split or not
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
     if args.baseline:
@@ -448,6 +449,10 @@ def main() -> int:
             loaded[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
         kernel_sets[tag] = loaded
     kernels = kernel_sets[base_tag]
+    # ws_auto's split choices (k_splits_for), loaded beside the timed sets
+    auto_splits = {(w1, w2): {(dict(v.params)["role"], dict(v.params)["block_n"]): jit.load_kernel(v, "sm_90a")
+                              for v in gg.variant_set(**{**knobs, "ctas_per_sm": 1}, k_splits=w1, w2_k_splits=w2)}
+                   for w1, w2 in ((3, 1), (3, 2))} if args.auto_ctas else {}
     occupancy_report(kernel_sets)
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
@@ -465,13 +470,20 @@ def main() -> int:
         for tokens in [int(t) for t in args.tokens.split(",")]:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device, args.max_block_n)
             for tag, set_kernels in kernel_sets.items():
+                row_note = {}
                 if set_kernels is None:  # ws_auto
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     one = ctas_per_sm_for(pt.counts.tolist(), pt.block_n, model["inter"], sms) == 1
                     set_kernels = kernel_sets["ws1" if one else base_tag]
+                    if one:
+                        tiles = sum(-(-int(c) // pt.block_n) for c in pt.counts.tolist())
+                        splits = gg.k_splits_for(tiles * (2 * model["inter"] // 256),
+                                                 tiles * (model["hidden"] // 256), sms)
+                        set_kernels = auto_splits.get(splits, set_kernels)
+                        row_note = {"k_splits": list(splits)}
                 pt.use(set_kernels)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
-                       "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes()}
+                       "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)

@@ -67,6 +67,17 @@ def test_split_k_knob_its_grid_parameters_and_buffers():
     assert counts.shape == (2 * 24 * 32,) and partials.shape == (2 * 24 * 32 * 2 * gg.THREADS * 8,)
 
 
+def test_k_splits_for_follows_the_measured_points():
+    # H200 at 1 token (docs/sm90-grouped-gemm.md, step 11): DeepSeek with 2 experts split both, GLM-5.2 with 5
+    # W1 only, GLM-5.2 with 7 and every busier call none
+    assert gg.k_splits_for(36, 40, 132) == (3, 2)
+    assert gg.k_splits_for(80, 120, 132) == (3, 1)
+    assert gg.k_splits_for(112, 168, 132) == (1, 1)
+    assert gg.k_splits_for(88, 66, 132) == (3, 2) and gg.k_splits_for(89, 66, 132) == (1, 1)  # the edges
+    with pytest.raises(ValueError, match="allowed: w1_ctas >= 1"):
+        gg.k_splits_for(0, 10, 132)
+
+
 def test_shared_memory_plan_fits_the_sm():
     for bn in gg.BLOCK_N_CHOICES:
         for ws in (False, True) if bn <= gg.WS_MAX_BLOCK_N else (False,):

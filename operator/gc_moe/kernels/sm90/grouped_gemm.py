@@ -1669,6 +1669,20 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
     return list(ring_args)
 
 
+def k_splits_for(w1_ctas: int, w2_ctas: int, sms: int) -> tuple[int, int]:
+    """(W1, W2) K splits for a call whose working CTAs (token tiles with rows x weight-row CTAs) are known, at one
+    CTA per SM: W1 in 3 when the split CTAs fit two waves (3 w1 <= 2 SMs), W2 in 2 besides when its split CTAs
+    fit one (2 w2 <= SMs); else none. Measured on the H200 at 1 token (docs/sm90-grouped-gemm.md, step 11):
+    DeepSeek with 2 experts (36 / 40 CTAs) 43 -> 34 us, GLM-5.2 with 5 (80 / 120) 48 -> 45, with 7 (112) no
+    gain, and at 2-8 tokens every split was 5-20% slower."""
+    if w1_ctas < 1 or w2_ctas < 0 or sms < 1:
+        raise ValueError(f"w1_ctas {w1_ctas}, w2_ctas {w2_ctas}, sms {sms}; allowed: w1_ctas >= 1, w2_ctas >= 0, "
+                         f"sms >= 1")
+    if 3 * w1_ctas > 2 * sms:
+        return 1, 1
+    return 3, 2 if 2 * w2_ctas <= sms else 1
+
+
 def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:
     """(FP32 partials, arrival counts) a split launch of this grid needs: one count per unit (token tile x
     weight-row CTA x expert), block_n / 2 partials per consumer thread and split."""
