@@ -172,10 +172,8 @@ def test_kernel_variants_are_ring_consumers_at_every_tile():
     names = [v.name for v in vs]
     assert names[:2] == ["sm90.dispatch", "sm90.finalize"]
     fused = [dict(v.params) for v in vs if v.name == "sm90.role2"]
-    assert sorted((p["block_n"], p.get("ctas_per_sm", 1), p.get("ring_reuse", False), p.get("w1_k_splits", 1))
-                  for p in fused) == sorted(
-        [(bn, ctas, reuse, 1) for bn, ctas in [(8, 1), (8, 2), (16, 1), (32, 1)] for reuse in (False, True)]
-        + [(bn, 1, False, ks) for bn in (8, 16) for ks in (2, 3, 4)])  # W1's K split (GC_MOE_ROLE2_K_SPLITS)
+    assert sorted((p["block_n"], p.get("ctas_per_sm", 1), p.get("ring_reuse", False)) for p in fused) == sorted(
+        (bn, ctas, reuse) for bn, ctas in [(8, 1), (8, 2), (16, 1), (32, 1)] for reuse in (False, True))
     assert all((p["swiglu_alpha"], p["swiglu_clamp"]) == (1.0, 10.0) for p in fused)
     gemms = [dict(v.params) for v in vs[2:] if v.name == "sm90.grouped_gemm"]
     assert len(gemms) + len(fused) == len(vs) - 2
@@ -241,8 +239,7 @@ class _RecordingGraph:
 
 
 def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int = 8, timing_nodes=None,
-              shared: bool = False, role4_order: str = "beside", role4_fused: bool = False, role2_splits: int = 1,
-              launches=None) -> dict:
+              shared: bool = False, role4_order: str = "beside", role4_fused: bool = False) -> dict:
     """build_graph of a layer without a GPU: kernels, launch arguments and the graph are stand-ins; `shared`: the
     layer has a shared expert (role4: W1 -> W2 nodes, or one node with `role4_fused`)."""
     from types import SimpleNamespace
@@ -269,15 +266,9 @@ def _graph_of(monkeypatch, overlap_roots: bool, role2_nodes=1, num_tokens: int =
     layer.overlap_roots = overlap_roots
     layer.role2_nodes, layer.role4_fused, layer.role2_tile = role2_nodes, role4_fused, "auto"
     layer.role4_order = role4_order
-    def role2_launch(kernel, *a, **k):
-        if launches is not None:
-            launches.append((dict(kernel.entry.variant.params), a))
-        return 1, ()
-    monkeypatch.setattr(sm90_layer.role2, "role2_launch", role2_launch)
-    layer.role2_kernel = lambda block_n, ctas_per_sm=1, w1_k_splits=1: SimpleNamespace(entry=SimpleNamespace(
-        variant=SimpleNamespace(params=sm90_layer.role2_variant(block_n, ctas_per_sm, w1_k_splits=w1_k_splits).params)))
-    layer.role2_ctas, layer.role2_splits = 1, role2_splits
-    layer.split_buffers = lambda partials, counts: ("partials", partials, counts)
+    monkeypatch.setattr(sm90_layer.role2, "role2_launch", lambda *a, **k: (1, ()))
+    layer.role2_kernel = lambda block_n, ctas_per_sm=1: "role2 kernel"
+    layer.role2_ctas = 1
     layer.timing_nodes = timing_nodes
     if shared:
         from gc_moe.kernels.sm90 import shared_expert
@@ -294,30 +285,6 @@ def test_graph_edges_follow_the_overlap_switch(monkeypatch):
                   "finalize": ("compute", ["dispatch", "w2"])}
     off = _graph_of(monkeypatch, False, role2_nodes=2)
     assert off == {**on, "w1": ("compute", ["dispatch"])}  # the only change: W1 after dispatch
-
-
-def test_role2_k_splits_pick_the_split_kernel_and_size_its_buffers(monkeypatch):
-    """GC_MOE_ROLE2_K_SPLITS: the fused kernel with W1's K split where it builds so (1 token: tile 8, one CTA per
-    SM), with partials for the call's W1 units (at most T min(k, E) token tiles x 2I/256); elsewhere the plain one."""
-    launches = []
-    plain = _graph_of(monkeypatch, True, num_tokens=1, launches=launches)
-    assert _graph_of(monkeypatch, True, num_tokens=1, role2_splits=3, launches=launches) == plain
-    _graph_of(monkeypatch, True, num_tokens=64, role2_splits=3, launches=launches)  # token tile 32: no split
-    (p1, a1), (p3, a3), (p64, a64) = launches
-    assert "w1_k_splits" not in p1 and a1[-2:] == (None, None)
-    cfg = sm90_layer.role2.Role2Config(**p3)
-    assert cfg.w1_k_splits == 3 and cfg.block_n == 8
-    units = 8 * (2 * 2048 // 256)  # 1 token x top-8 rows, at most one tile each, 16 weight-row CTAs
-    assert sm90_layer.role2.split_sizes(cfg, 6144, 2048, 32, 1, 8) == (units * 3 * 512 * 4, units)
-    assert a3[-2:] == (("partials", units * 3 * 512 * 4, units), 8)
-    assert "w1_k_splits" not in p64 and p64["block_n"] == 32
-    assert sm90_layer.role2_k_splits(3, 8, 2, False) == 1 and sm90_layer.role2_k_splits(3, 8, 1, True) == 1
-    assert sm90_layer.role2_k_splits_from_env({}) == 1
-    assert sm90_layer.role2_k_splits_from_env({sm90_layer.ROLE2_K_SPLITS_ENV: "2"}) == 2
-    with pytest.raises(ValueError, match="allowed: auto"):
-        sm90_layer.role2_k_splits_from_env({sm90_layer.ROLE2_K_SPLITS_ENV: "5"})
-    with pytest.raises(ValueError, match="w1_k_splits 2 .* allowed: 1, or one of"):
-        sm90_layer.role2.Role2Config(8, ctas_per_sm=2, w1_k_splits=2)
 
 
 def test_fused_role2_makes_a_three_node_graph(monkeypatch):
@@ -451,7 +418,7 @@ def test_settings_note():
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 12, "compute_sms": 120})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = False, 2, False, "auto"
-    layer.role2_ctas, layer.role4_order, layer.role2_splits = 1, "auto", 1
+    layer.role2_ctas, layer.role4_order = 1, "auto"
     layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256, ring_blocks="auto")
     assert layer.settings_note() == "partition comm/compute 12/120 SMs; overlap off; role2 W1 and W2 nodes"
     layer.role4_fused = True
@@ -573,7 +540,7 @@ def test_adapter_note_names_the_partition_and_the_overlap_under_the_sm90_backend
     layer = object.__new__(sm90_layer.Sm90Layer)
     layer.parts = SimpleNamespace(describe=lambda: {"comm_sms": 4, "compute_sms": 128})
     layer.overlap_roots, layer.role2_nodes, layer.role4_fused, layer.role2_tile = True, 1, False, "auto"
-    layer.role2_ctas, layer.role4_order, layer.role2_splits = 2, "auto", 1
+    layer.role2_ctas, layer.role4_order = 2, "auto"
     layer.shape = sm90_layer.layer_shape(1, 32, 8, 6144, 2048, 256, ring_blocks="auto")
 
     def allocate(buffer):

@@ -63,8 +63,7 @@ def sm90_grouped_gemm(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
 @family
 def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
     """Roles 1-3 of the SM90 layer: dispatch and finalize (one binary each, shapes are kernel parameters) and the
-    fused role2 kernel at every token tile the layer plans, for a pool-sized and for a reused ring, and with W1's
-    K split."""
+    fused role2 kernel at every token tile the layer plans, for a pool-sized and for a reused ring."""
     if arch == "sm_90a":
         from gc_moe.kernels.sm90 import dispatch, finalize  # import without the DSL; built lazily
         from gc_moe.kernels.sm90 import layer as sm90_layer
@@ -72,8 +71,10 @@ def sm90_layer_roles(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
         yield dispatch.variant()
         yield finalize.variant()
         yield dispatch.consumer_probe_variant()
-        # the layer's own list: pool-sized and reused ring, one or two CTAs per SM, W1 split over K
-        yield from (v for v in sm90_layer.kernel_variants() if v.name == "sm90.role2")
+        for reuse in (False, True):
+            yield from (sm90_layer.role2_variant(bn, ring_reuse=reuse) for bn in sm90_layer.role2.BLOCK_N_CHOICES)
+            yield from (sm90_layer.role2_variant(bn, ctas_per_sm=2, ring_reuse=reuse)
+                        for bn in sm90_layer.role2.TWO_CTA_BLOCK_N)
 
 
 @family

@@ -223,16 +223,13 @@ class GemmConfig:
         if self.ring_reuse and not self.fused_role2:
             raise ValueError("ring_reuse is a knob of the fused role2 halves (its tickets keep the reused ring's "
                              "waits acyclic): pass fused_role2=True")
-        stand_alone = not self.ring_consumer and not self.fused_role2
-        fused_w1 = self.fused_role2 and self.role == "w1" and not self.ring_reuse
         if self.k_splits not in K_SPLIT_CHOICES or (self.k_splits > 1 and not (
-                self.warp_specialized and (stand_alone or fused_w1)
+                self.warp_specialized and not self.ring_consumer and not self.fused_role2
                 and not self.compact_grid and not self.fold_scales and self.token_tiles_fastest
                 and self.block_n <= K_SPLIT_MAX_BLOCK_N)):
             raise ValueError(f"k_splits {self.k_splits}: allowed 1, or one of {K_SPLIT_CHOICES[1:]} for the "
-                             f"stand-alone W1 or W2, or the fused role2 kernel's W1 half (pool ring), on the "
-                             f"warp-specialized pipeline at token tiles up to {K_SPLIT_MAX_BLOCK_N} (unfolded "
-                             f"scales, token tiles fastest, no compact grid)")
+                             f"stand-alone W1 or W2 on the warp-specialized pipeline at token tiles up to "
+                             f"{K_SPLIT_MAX_BLOCK_N} (unfolded scales, token tiles fastest, no ring, no compact grid)")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -417,13 +414,6 @@ def decode_fp4x4_folded(w, step, high: bool, u32=int):
     magnitude = x & (u32(0x06060606) | exp_nonzero)  # m kept only where e != 0 (drops code 1's m)
     sign = (x & u32(0x08080808)) << 4
     return sign | ((magnitude << 2) + nonzero * step)
-
-
-def split_steps(ks_index, k_blocks, k_splits):
-    """(first K128 step, steps) of split `ks_index` of `k_splits` over k_blocks steps (host and device: plain ints
-    or DSL values); the splits tile the steps in order, sizes differing by at most one."""
-    first = (ks_index * k_blocks) // k_splits
-    return first, ((ks_index + 1) * k_blocks) // k_splits - first
 
 
 def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple[int, int, int]:
@@ -693,7 +683,7 @@ def _make_kernel(cfg: GemmConfig):
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
 
     @cute.jit
-    def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base, ksplit=None):
+    def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base):
         """A fused half's producer for one unit of the persistent role2 loop. The unit's K128 steps are the
         CTA's steps base .. base + k_blocks - 1: stage = step mod STAGES, and the stage barriers' phases run on
         across units, so this unit's copies go out while the consumers still finish the previous unit (no
@@ -702,17 +692,14 @@ def _make_kernel(cfg: GemmConfig):
         fence) and the warp's lanes copy the token rows after it; the weights of the first stages go out
         before that wait, except in the CTA's first W1 unit. W2 reads the tile's activation
         scales once into a table (coherent loads: W1 wrote them during this kernel) and stores each stage's.
-        Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it). ksplit: (first
-        K128 step, steps) of a W1 unit whose K is split (k_splits), else None (all k_blocks)."""
-        k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
+        Producer thread 0 adds one plain arrival per stage (the fused halves' barriers count it)."""
         ring_rows = None
         if cutlass.const_expr(REUSE):
             if cutlass.const_expr(W1):
                 ring_rows = ready[0][3] * ready[0][4]  # ring_block_m x ring_blocks
             else:
                 ring_rows = ready[4]  # W1's output rows form a ring of the same rows
-        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows,
-                                                     k_first)
+        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows)
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
@@ -722,7 +709,7 @@ def _make_kernel(cfg: GemmConfig):
         # before the input wait: they depend on neither role1 nor W1, and the SM's weight stream goes on while
         # the wait's round trips run. Not in the CTA's first W1 unit: there the ring may still be filling, and
         # every CTA's first stages at once would compete with role1's pulls for the memory system
-        prefetched = k_steps
+        prefetched = k_blocks
         if prefetched > STAGES:
             prefetched = Int32(STAGES)
         if cutlass.const_expr(W1):
@@ -777,7 +764,7 @@ def _make_kernel(cfg: GemmConfig):
                             ptx.sts_f32(table + (base_word + pidx + 32 * j) * 4, vals[j])
                     base_word = base_word + 256
                 ptx.warp_sync()
-        for kb in cutlass.range(k_steps):
+        for kb in cutlass.range(k_blocks):
             step = base + kb
             stage = step_stage(step, STAGES)
             full = smem + cfg.barrier_offset + stage * 8
@@ -1014,21 +1001,20 @@ def _make_kernel(cfg: GemmConfig):
         return tid, wg, warp, g, q
 
     @cute.jit
-    def fused_unit(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, ready, epilogue, side, base,
-                   ksplit=None):
+    def fused_unit(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, ready, epilogue, side, base):
         """One unit of the persistent role2 loop, for one side of the warp-specialized split: side "producer"
         (the producer warps' copies) or "consumer" (WGMMA, then the epilogue). The loop (`role2`) initializes
         the stage barriers once, sets the registers of each side and hands each side its units; base: the
-        CTA's K128 steps before this unit; ksplit: (first K128 step, steps) of a split W1 unit, else None."""
+        CTA's K128 steps before this unit."""
         tid = cute.arch.thread_idx()[0]
         if cutlass.const_expr(side == "producer"):
-            produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready, base, ksplit)
+            produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, ready, base)
         else:
             wg, t, warp, g, q = thread_coords(tid)
             acc = cute.make_rmem_tensor((BN // 2,), Float32)
             for i in cutlass.range_constexpr(BN // 2):
                 acc[i] = Float32(0.0)
-            consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc, base)
+            consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base)
             epilogue[0](tid, wg, warp, g, q, weight_factor(w_factor, e), acc, *epilogue[1])
 
     @cute.jit
@@ -1084,7 +1070,7 @@ def _make_kernel(cfg: GemmConfig):
         or the whole CTA (the warp-specialized producer warp has no outputs)."""
         if cutlass.const_expr(FUSED):
             ready, side, base = fused_args
-            fused_unit(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, ready, epilogue, side, base, ksplit)
+            fused_unit(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, ready, epilogue, side, base)
         else:
             acc = cute.make_rmem_tensor((BN // 2,), Float32)
             tid, wg, warp, g, q, factor = tile_product(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem,
@@ -1243,9 +1229,10 @@ def _make_kernel(cfg: GemmConfig):
     def split_unit(ks_index, k_blocks, m_tiles, e, bx, bz):
         """A split CTA's K128 steps (first, count) and its unit (token tile x weight-row CTA x expert), the index of
         its partials and arrival count."""
+        k_first = (ks_index * k_blocks) // KS
         tiles = Int32(cute.arch.grid_dim()[0]) // KS
         unit = (e * (m_tiles // TILES_PER_CTA) + bx) * tiles + bz
-        return split_steps(ks_index, k_blocks, KS), unit
+        return (k_first, ((ks_index + 1) * k_blocks) // KS - k_first), unit
 
     @cute.jit
     def split_epilogue(tid, wg, warp, g, q, factor, acc, smem, split_partials, split_counts, unit, ks_index, *rest):
@@ -1318,8 +1305,7 @@ def _make_kernel(cfg: GemmConfig):
                     k_blocks, m_tiles, ring, fused=None, split=None):
             """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, side,
             base) of the fused role2 kernel's unit (it waited for RING_READY already): `fused_unit`'s side and
-            first K128 step. split (k_splits > 1): (split_partials, split_counts), and in the fused half the
-            unit's (partials index, split index) after them: role2 numbers the units."""
+            first K128 step. split (k_splits > 1): (split_partials, split_counts)."""
             if cutlass.const_expr(FUSED):
                 ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 e, bx, bz, started, done_mask, side, base = fused
@@ -1329,9 +1315,7 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(cfg.token_tiles_fastest and not FUSED):
                 bz, bx, e = cute.arch.block_idx()
             ks_index = Int32(0)
-            if cutlass.const_expr(KS > 1 and FUSED):
-                ks_index = split[3]
-            elif cutlass.const_expr(KS > 1):  # the splits of a token tile are neighbours in x
+            if cutlass.const_expr(KS > 1):  # the splits of a token tile are neighbours in x
                 ks_index = Int32(bz) % KS
                 bz = Int32(bz) // KS
             if cutlass.const_expr(RING and not FUSED):
@@ -1371,16 +1355,13 @@ def _make_kernel(cfg: GemmConfig):
                                           done_mask))
                 fused_args = ((ring, rows, started), side, base) if cutlass.const_expr(FUSED) else None
                 ksplit = None
-                if cutlass.const_expr(KS > 1 and FUSED):
-                    ksplit = split_steps(ks_index, k_blocks, KS)
-                    epilogue = (split_epilogue, (smem, split[0], split[1], split[2], ks_index, *epilogue[1]))
-                elif cutlass.const_expr(KS > 1):
+                if cutlass.const_expr(KS > 1):
                     ksplit, unit = split_unit(ks_index, k_blocks, m_tiles, e, bx, bz)
                     epilogue = (split_epilogue, (smem, split[0], split[1], unit, ks_index, *epilogue[1]))
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
                                    m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(KS > 1 and not FUSED):
+        if cutlass.const_expr(KS > 1):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,

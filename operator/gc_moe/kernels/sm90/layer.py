@@ -26,9 +26,7 @@
   token count (four nodes).
 - the fused role2 kernel's token tile (GC_MOE_ROLE2_BLOCK_N, "auto"): as above, or a fixed 8 / 16 / 32 (an
   experiment knob: bn 32 at every token count measured slower where the call's tile is smaller), and its CTAs per
-  SM at tile 8 (GC_MOE_ROLE2_CTAS_PER_SM, "2"; "1": one), and its W1 split over K (GC_MOE_ROLE2_K_SPLITS,
-  "auto": none; 2-4 split each W1 unit's K over that many drawn units where the kernel runs one CTA per SM at
-  tiles 8 / 16 with the pool ring, one rank only).
+  SM at tile 8 (GC_MOE_ROLE2_CTAS_PER_SM, "2"; "1": one).
 - the role4 switch (`role4_fused`, default GC_MOE_ROLE4_FUSED, "0"): the shared expert as one fused node ("1")
   instead of W1 -> W2 (1.5-2 us slower alone on the H200, so off by default), and where it runs
   (`role4_order`, GC_MOE_ROLE4_ORDER: "auto", "beside", "before", "after"); its kernels' pipeline and CTAs per SM
@@ -57,8 +55,6 @@ DEFAULT_TIMEOUT_S = 3600.0
 TIMEOUT_ENV = "GC_MOE_WAIT_TIMEOUT_S"  # the backend's bounded waits, seconds
 OVERLAP_ENV = "GC_MOE_OVERLAP_ROOTS"  # "1" (default): dispatch and W1 run concurrently; "0": W1 after dispatch
 ROLE2_CTAS_ENV = "GC_MOE_ROLE2_CTAS_PER_SM"  # "2" (default) or "1": the fused role2 kernel's CTAs per SM at bn 8
-# the fused role2 kernel's W1 units split over K: "auto" (default: none) or 1-4 (role2.Role2Config.w1_k_splits)
-ROLE2_K_SPLITS_ENV = "GC_MOE_ROLE2_K_SPLITS"
 ROLE2_ENV = "GC_MOE_ROLE2_NODES"  # "auto" (default), "1": role2 as one fused kernel, "2": W1 and W2 as two nodes
 ROLE2_NODE_CHOICES = ("auto", 1, 2)
 # the fused role2 kernel's token tile: "auto" (default: the call's tile, at most 32) or a fixed 8 / 16 / 32
@@ -321,19 +317,16 @@ def kernel_variants() -> list:
     for reuse in (False, True):  # the pool-sized ring's kernels, a reused ring's (GC_MOE_RING_BLOCKS)
         out += [role2_variant(bn, ring_reuse=reuse) for bn in role2.BLOCK_N_CHOICES]
         out += [role2_variant(bn, ctas_per_sm=2, ring_reuse=reuse) for bn in role2.TWO_CTA_BLOCK_N]
-    # W1 split over K (GC_MOE_ROLE2_K_SPLITS): pool ring, one CTA per SM, tiles 8 / 16
-    out += [role2_variant(bn, w1_k_splits=ks) for ks in gg.K_SPLIT_CHOICES[1:] for bn in role2.BLOCK_N_CHOICES
-            if bn <= gg.K_SPLIT_MAX_BLOCK_N]
     for bn in LAYER_BLOCK_N_CHOICES:
         out += list(gemm_variants(bn))
     return out
 
 
-def role2_variant(block_n: int, ctas_per_sm: int = 1, ring_reuse: bool = False, w1_k_splits: int = 1):
+def role2_variant(block_n: int, ctas_per_sm: int = 1, ring_reuse: bool = False):
     """The fused role2 kernel (W1 and W2 units in one launch) at one token tile, for a pool-sized or a reused
-    ring, W1's K split or not."""
+    ring."""
     return role2.variant(block_n, swiglu_alpha=SWIGLU_ALPHA, swiglu_clamp=SWIGLU_CLAMP, ctas_per_sm=ctas_per_sm,
-                         ring_reuse=ring_reuse, w1_k_splits=w1_k_splits)
+                         ring_reuse=ring_reuse)
 
 
 def gemm_variants(block_n: int):
@@ -457,21 +450,6 @@ def role2_ctas_from_env(environ=os.environ) -> int:
     return int(raw)
 
 
-def role2_k_splits_from_env(environ=os.environ) -> int:
-    """W1 K splits of the fused role2 kernel: GC_MOE_ROLE2_K_SPLITS "auto" (the default when unset or empty:
-    none) or 1-4 (applied where the kernel builds with them: `role2_k_splits`)."""
-    raw = _choice_from_env(environ, ROLE2_K_SPLITS_ENV, tuple(str(k) for k in gg.K_SPLIT_CHOICES),
-                           f"auto (the default: none) or one of {gg.K_SPLIT_CHOICES}")
-    return 1 if raw == "auto" else int(raw)
-
-
-def role2_k_splits(setting: int, block_n: int, ctas_per_sm: int, ring_reuse: bool) -> int:
-    """The fused kernel's W1 K splits for one call: `setting` where the kernel builds with them (one CTA per SM,
-    token tiles up to gg.K_SPLIT_MAX_BLOCK_N, the pool ring), else 1."""
-    fits = ctas_per_sm == 1 and block_n <= gg.K_SPLIT_MAX_BLOCK_N and not ring_reuse
-    return setting if fits else 1
-
-
 def role2_ctas_per_sm(setting: int, block_n: int, num_tokens: int) -> int:
     """The fused kernel's CTAs per SM for one call: `setting` where its token tile builds with two and the call has
     more than one token per rank, else one."""
@@ -514,8 +492,7 @@ def w1_dependencies(dispatch_node, overlap_roots: bool) -> list:
 
 def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_nodes="auto",
                   role4_fused: bool = False, role2_tile="auto", role2_ctas: int = 2,
-                  role4_order: str = "auto", ring_blocks: int | None = None, pool_blocks: int | None = None,
-                  role2_k_splits: int = 1) -> str:
+                  role4_order: str = "auto", ring_blocks: int | None = None, pool_blocks: int | None = None) -> str:
     """How a layer runs, as the harness records it beside each measurement (role4 only when it is one node or
     not beside role2, the fused role2 kernel's token tile only when it is fixed, its CTAs per SM only when one,
     the ring only when it is reused: `ring_blocks` < `pool_blocks`)."""
@@ -524,8 +501,6 @@ def settings_note(comm_sms: int, compute_sms: int, overlap_roots: bool, role2_no
     return (f"partition comm/compute {comm_sms}/{compute_sms} SMs; overlap {'on' if overlap_roots else 'off'}; "
             f"role2 {role2_text}" + (f" (fused token tile {role2_tile})" if role2_tile != "auto" else "")
             + (" (fused kernel at one CTA per SM)" if role2_ctas == 1 and role2_nodes != 2 else "")
-            + (f" (fused kernel's W1 K split in {role2_k_splits} where it builds so)"
-               if role2_k_splits > 1 and role2_nodes != 2 else "")
             + ("; role4 one fused node" if role4_fused else "")
             + (f"; role4 {role4_order} role2" if role4_order != "auto" else "")
             + (f"; ring {ring_blocks} of {pool_blocks} blocks, reused" if ring_blocks and pool_blocks
@@ -592,12 +567,6 @@ class Sm90Layer:
         self.role2_nodes = role2_nodes
         self.role2_tile = role2_block_n_from_env()  # "auto", or the fused kernel's fixed token tile
         self.role2_ctas = role2_ctas_from_env()  # 2: two fused-kernel CTAs per SM at bn 8 from 2 tokens; or 1
-        self.role2_splits = role2_k_splits_from_env()  # W1 K splits of the fused kernel where it builds so
-        if self.role2_splits > 1 and shape.num_ranks > 1:
-            raise ValueError(f"{ROLE2_K_SPLITS_ENV}={self.role2_splits} with {shape.num_ranks} ranks; allowed: auto or "
-                             f"1 at P > 1 (the split's partials are sized by the call's rows, which the host knows "
-                             f"at P = 1 only)")
-        self._split_buffers: dict = {}  # (partials, counts) sizes -> buffers; graphs keep pointing at them
         if role4_fused is None:
             role4_fused = role4_fused_from_env()
         if not isinstance(role4_fused, bool):
@@ -651,9 +620,7 @@ class Sm90Layer:
         self.k_finalize = _load(finalize.variant())
         for k in [k for bn in LAYER_BLOCK_N_CHOICES for k in self.gemm_kernels(bn)] + [
                 self.role2_kernel(bn) for bn in role2.BLOCK_N_CHOICES] + [
-                self.role2_kernel(bn, 2) for bn in role2.TWO_CTA_BLOCK_N] + [
-                self.role2_kernel(bn, 1, self.role2_splits) for bn in role2.BLOCK_N_CHOICES
-                if role2_k_splits(self.role2_splits, bn, 1, shape.ring_reuse) > 1]:
+                self.role2_kernel(bn, 2) for bn in role2.TWO_CTA_BLOCK_N]:
             k.ensure_dynamic_smem(k.entry.launch.dynamic_smem_bytes, device.index)
         self.shared = None
         if shape.num_shared_experts:
@@ -674,25 +641,14 @@ class Sm90Layer:
         described = self.parts.describe()
         return settings_note(described["comm_sms"], described["compute_sms"], self.overlap_roots,
                              self.role2_nodes, self.role4_fused, self.role2_tile, self.role2_ctas,
-                             self.role4_order, self.shape.ring_blocks, self.shape.pool_blocks, self.role2_splits)
+                             self.role4_order, self.shape.ring_blocks, self.shape.pool_blocks)
 
     def gemm_kernels(self, block_n: int):
         w1, w2 = gemm_variants(block_n)
         return _load(w1), _load(w2)
 
-    def role2_kernel(self, block_n: int, ctas_per_sm: int = 1, w1_k_splits: int = 1):
-        return _load(role2_variant(block_n, ctas_per_sm, self.shape.ring_reuse, w1_k_splits))
-
-    def split_buffers(self, partials: int, counts: int):
-        """Zeroed (float32 partials, int32 counts) of at least these sizes for a split role2 node. Every pair
-        handed out stays allocated with the layer (a cached graph keeps its pointers)."""
-        import torch
-
-        if (partials, counts) not in self._split_buffers:
-            self._split_buffers[(partials, counts)] = (
-                torch.zeros(partials, dtype=torch.float32, device=self.device),
-                torch.zeros(counts, dtype=torch.int32, device=self.device))
-        return self._split_buffers[(partials, counts)]
+    def role2_kernel(self, block_n: int, ctas_per_sm: int = 1):
+        return _load(role2_variant(block_n, ctas_per_sm, self.shape.ring_reuse))
 
     def build_graph(self, y, num_tokens: int, l1, l2, shared=None):
         """The child graph of one call: [dispatch || role2] -> finalize; with shared experts also role4 (the shared
@@ -729,17 +685,9 @@ class Sm90Layer:
             last = None
         elif shape.ring_reuse or role2_fused(self.role2_nodes, num_tokens, shared is not None, self.role4_order):
             bn = role2_block_n(plan.block_n, self.role2_tile)
-            ctas = role2_ctas_per_sm(self.role2_ctas, bn, num_tokens)
-            k_role2 = self.role2_kernel(bn, ctas, role2_k_splits(self.role2_splits, bn, ctas, shape.ring_reuse))
-            split, rows_bound = None, None
-            cfg2 = role2.Role2Config(**dict(k_role2.entry.variant.params))
-            if cfg2.w1_k_splits > 1:  # one rank (checked at construction): the call's rows are T min(k, E)
-                rows_bound = max(1, num_tokens) * min(shape.topk, shape.local_experts)
-                split = self.split_buffers(*role2.split_sizes(cfg2, shape.hidden, shape.intermediate,
-                                                              shape.local_experts, plan.expert_rows_bound,
-                                                              rows_bound))
+            k_role2 = self.role2_kernel(bn, role2_ctas_per_sm(self.role2_ctas, bn, num_tokens))
             grid, args = role2.role2_launch(k_role2, l1, l2, ws, shape, plan.expert_rows_bound, self.timeout_s,
-                                            self.parts.describe()["compute_sms"], split, rows_bound)
+                                            self.parts.describe()["compute_sms"])
             last = g.add_kernel("role2", k_role2, grid, args, compute, depends_on=role2_after)
         else:
             k_w1, k_w2 = self.gemm_kernels(plan.block_n)
@@ -776,7 +724,7 @@ class Sm90Layer:
         target, staged = self._output_rows(y, num_tokens)
         key = (num_tokens, target.data_ptr(), l1.codes.data_ptr(), l2.codes.data_ptr(), l1.factor.data_ptr(),
                l2.factor.data_ptr(), self.role2_nodes, self.overlap_roots, self.role4_fused, self.timing_nodes,
-               self.role2_ctas, self.role4_order, self.role2_splits)
+               self.role2_ctas, self.role4_order)
         if shared is not None:
             key += tuple(t.data_ptr() for t in (shared.w1, shared.w1_sf, shared.w2, shared.w2_sf))
             key += self.shared.graph_key(shared)

@@ -52,10 +52,7 @@ PARAMS = (
     ("hidden_blocks", "s32"), ("w1_row_tiles", "s32"), ("inter_blocks", "s32"), ("w2_row_tiles", "s32"),
     ("ring_block_m", "s32"), ("ring_blocks", "s32"), ("source_rows", "s32"), ("local_experts", "s32"),
     ("mask_stride", "s32"), ("timeout_ns", "s64"),
-    ("l2_empty_count", "u64"),  # the pool ring's variants never read it (their code is unchanged)
-    # a W1 split over CTAs (Role2Config.w1_k_splits > 1): FP32 partials [unit, split, consumer thread, BN / 2] and
-    # an arrival count per unit (zero between launches); the other variants never read them
-    ("split_partials", "u64"), ("split_counts", "u64"),
+    ("l2_empty_count", "u64"),  # last: the pool ring's variants never read it (their code is unchanged)
 )
 # stack bytes per thread a variant may use, never inside a K loop (SASS checked): bn 8 and 16 use none; bn 32
 # spills 88 bytes: the W1 epilogue's 64-bit rows of its routing-weight loop (live across its barrier) in the
@@ -106,11 +103,6 @@ class Role2Config:
     # rows by modulo (the token ring and W1's output rows), l1_empty_count / l2_empty_count released by rows (role1
     # / W1 wait on them)
     ring_reuse: bool = False
-    # W1's K (H / 128 steps) split over this many units, each drawn by its own ticket (the split index fastest):
-    # the unit whose arrival completes the count sums the partials in split order and runs W1's epilogue (and
-    # sets the W1-completion bit). For calls whose W1 units leave CTAs idle or unevenly loaded (one token per
-    # rank: a W1 unit is 40-48 steps, a W2 unit 16-18); pool ring, one CTA per SM, token tiles 8 / 16
-    w1_k_splits: int = 1
 
     def half(self, role: str) -> gg.GemmConfig:
         """The grouped GEMM configuration of one half (both halves share stages, threads and shared memory). One
@@ -120,8 +112,7 @@ class Role2Config:
         return gg.GemmConfig(role, self.block_n, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              ring_consumer=True, warp_specialized=True, producer_warps=self.producer_warps,
                              ctas_per_sm=self.ctas_per_sm, fused_role2=True, consumer_registers=self.consumer_registers,
-                             side_threads=self.side_threads, ring_reuse=self.ring_reuse,
-                             k_splits=self.w1_k_splits if role == "w1" else 1)
+                             side_threads=self.side_threads, ring_reuse=self.ring_reuse)
 
     def __post_init__(self):
         split = SPLIT_BLOCK_N.get(self.block_n, (1, None))
@@ -135,12 +126,6 @@ class Role2Config:
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.block_n not in TWO_CTA_BLOCK_N):
             raise ValueError(f"ctas_per_sm {self.ctas_per_sm} at block_n {self.block_n}; allowed: 1, or 2 at block_n "
                              f"in {TWO_CTA_BLOCK_N} (the registers of two CTAs per SM)")
-        if self.w1_k_splits != 1 and (self.w1_k_splits not in gg.K_SPLIT_CHOICES or self.ring_reuse
-                                      or self.ctas_per_sm != 1 or self.block_n > gg.K_SPLIT_MAX_BLOCK_N):
-            raise ValueError(f"w1_k_splits {self.w1_k_splits} at block_n {self.block_n}, ctas_per_sm "
-                             f"{self.ctas_per_sm}, ring_reuse {self.ring_reuse}; allowed: 1, or one of "
-                             f"{gg.K_SPLIT_CHOICES[1:]} with the pool ring, one CTA per SM and block_n <= "
-                             f"{gg.K_SPLIT_MAX_BLOCK_N}")
         w1, w2 = self.half("w1"), self.half("w2")
         if (w1.stages, w1.threads, w1.smem_bytes, w1.ctas_per_sm) != (w2.stages, w2.threads, w2.smem_bytes,
                                                                       w2.ctas_per_sm):
@@ -153,18 +138,6 @@ def units(block_n: int, hidden: int, intermediate: int, local_experts: int, expe
     w1 = token_tiles * (2 * intermediate // gg.ROWS_PER_CTA) * local_experts
     w2 = token_tiles * (hidden // gg.ROWS_PER_CTA) * local_experts
     return {"token_tiles": token_tiles, "w1": w1, "w2": w2}
-
-
-def split_sizes(cfg: Role2Config, hidden: int, intermediate: int, local_experts: int, expert_rows_bound: int,
-                call_rows_bound: int) -> tuple[int, int]:
-    """(FP32 partials, arrival counts) a launch with w1_k_splits > 1 needs: one count per W1 unit (token tile with
-    rows x weight-row CTA; the tiles with rows are at most the call's rows and at most the experts' tiles under
-    the per-expert bound), block_n / 2 partials per consumer thread and split. (0, 0) without splits."""
-    if cfg.w1_k_splits == 1:
-        return 0, 0
-    tiles = min(local_experts * max(1, -(-expert_rows_bound // cfg.block_n)), max(1, call_rows_bound))
-    w1_units = tiles * (2 * intermediate // gg.ROWS_PER_CTA)
-    return w1_units * cfg.w1_k_splits * gg.THREADS * (cfg.block_n // 2), w1_units
 
 
 def launch_ctas(block_n: int, compute_sms: int, max_units: int, ctas_per_sm: int = 1) -> int:
@@ -220,13 +193,12 @@ def unit_of_ticket(ticket: int, prefix: list[int], w1_ctas: int, w2_ctas: int, r
 
 
 def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, producer_warps: int | None = None,
-            consumer_registers: int | None = None, ctas_per_sm: int = 1, ring_reuse: bool = False,
-            w1_k_splits: int = 1):
+            consumer_registers: int | None = None, ctas_per_sm: int = 1, ring_reuse: bool = False):
     """The runtime KernelVariant of the fused role2 kernel at one token tile."""
     from gc_moe.runtime.jit import KernelVariant
 
     cfg = Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers,
-                      ctas_per_sm=ctas_per_sm, ring_reuse=ring_reuse, w1_k_splits=w1_k_splits)  # validates
+                      ctas_per_sm=ctas_per_sm, ring_reuse=ring_reuse)  # validates
     params = {"block_n": block_n, "swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     if ctas_per_sm != 1:  # the one-CTA variants keep their measured parameters (and cache keys)
         params["ctas_per_sm"] = ctas_per_sm
@@ -236,8 +208,6 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
         params["consumer_registers"] = cfg.consumer_registers
     if ring_reuse:  # named only when on: the pool-sized ring's variants keep their parameters
         params["ring_reuse"] = True
-    if w1_k_splits != 1:
-        params["w1_k_splits"] = w1_k_splits
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "atom.relaxed.gpu.global.add", "red.release.gpu.global.or.b64",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
@@ -247,15 +217,10 @@ def variant(block_n: int, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
                                              "gc_moe.kernels.sm90.dispatch", "gc_moe.kernels.sm90.layer_layout"))
 
 
-def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: float, compute_sms: int,
-                 split=None, call_rows_bound: int | None = None) -> tuple:
+def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: float, compute_sms: int) -> tuple:
     """(grid, arguments) of the role2 node from the layer workspace `ws` (layer_layout regions) and its
     `layer_layout.LayerShape`; l1 / l2: this rank's SM90 matrices (weights.sm90.Sm90Matrix); compute_sms: the
-    SMs of the partition it runs in (the persistent CTAs fill it once). A variant with w1_k_splits > 1 needs
-    split = (float32 partials, int32 counts, zeroed) of at least `split_sizes(...)` at this call's bounds
-    (call_rows_bound: the most grouped rows the call can hold; default the workspace's)."""
-    import torch
-
+    SMs of the partition it runs in (the persistent CTAs fill it once)."""
     from gc_moe.kernels.sm90 import layer_layout as ll
     from gc_moe.runtime.launch import i32, i64, ptr
 
@@ -281,17 +246,6 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
     if n["token_tiles"] > mask_stride:
         raise ValueError(f"{n['token_tiles']} token tiles per expert exceed the W1-completion words per expert "
                          f"({mask_stride}): expert_rows_bound {expert_rows_bound} is above the workspace's")
-    split_args = [ptr(0), ptr(0)]
-    if cfg.w1_k_splits > 1:
-        need, counts = split_sizes(cfg, h, i, e, expert_rows_bound,
-                                   shape.max_rows if call_rows_bound is None else call_rows_bound)
-        if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
-                or split[1].dtype != torch.int32 or split[1].numel() < counts or not split[1].is_cuda:
-            raise ValueError(f"{kernel.name} splits W1's K in {cfg.w1_k_splits}: pass split=(float32 partials >= "
-                             f"{need}, int32 counts >= {counts}, zeroed) (role2.split_sizes)")
-        split_args = [ptr(split[0]), ptr(split[1])]
-    elif split is not None:
-        raise ValueError(f"{kernel.name} does not split W1's K: pass split=None")
     control = ws.control.data_ptr()
     args = [ptr(l1.codes), ptr(l1.scales), ptr(l1.factor), ptr(l2.codes), ptr(l2.scales), ptr(l2.factor),
             ptr(ws.ring_act), ptr(ws.ring_scale), ptr(ws.expert_offsets), ptr(ws.routing_weight),
@@ -300,8 +254,8 @@ def role2_launch(kernel, l1, l2, ws, shape, expert_rows_bound: int, timeout_s: f
             ptr(ws.ring_source), ptr(ws.peers), ptr(ws.w1_done_mask), ptr(control + 4 * ll.ROLE2_TICKET),
             i32(h // 128), i32(2 * i // 64), i32(i // 128), i32(h // 64),
             i32(shape.block_m), i32(shape.ring_blocks), i32(shape.capacity * shape.topk),
-            i32(e), i32(mask_stride), i64(int(timeout_s * 1e9)), ptr(ws.l2_empty_count)] + split_args
-    return (launch_ctas(cfg.block_n, compute_sms, n["w1"] * cfg.w1_k_splits + n["w2"], cfg.ctas_per_sm), 1, 1), args
+            i32(e), i32(mask_stride), i64(int(timeout_s * 1e9)), ptr(ws.l2_empty_count)]
+    return (launch_ctas(cfg.block_n, compute_sms, n["w1"] + n["w2"], cfg.ctas_per_sm), 1, 1), args
 
 
 # ------------------------------------------------------------------------------------------------- device code
@@ -319,13 +273,12 @@ def _make_kernel(cfg: Role2Config):
                l1_full_count: Int64, l1_empty_count: Int64, ring_source: Int64, peers: Int64, w1_done_mask: Int64,
                ticket: Int64, hidden_blocks: Int32, w1_row_tiles: Int32, inter_blocks: Int32, w2_row_tiles: Int32,
                ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32, local_experts: Int32,
-               mask_stride: Int32, timeout_ns: Int64, l2_empty_count: Int64, split_partials: Int64,
-               split_counts: Int64):
+               mask_stride: Int32, timeout_ns: Int64, l2_empty_count: Int64):
         run_units(w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor, ring_act, ring_scale,
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
                   inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows, local_experts, mask_stride,
-                  timeout_ns, l2_empty_count, split_partials, split_counts)
+                  timeout_ns, l2_empty_count)
 
     launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
     launch.update(gg.launch_register_bounds(half1))
@@ -335,10 +288,10 @@ def _make_kernel(cfg: Role2Config):
              a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
              a17: Int64, a18: Int64, a19: Int64, a20: Int64, hidden_blocks: Int32, w1_row_tiles: Int32,
              inter_blocks: Int32, w2_row_tiles: Int32, ring_block_m: Int32, ring_blocks: Int32, source_rows: Int32,
-             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64, a21: Int64, a22: Int64, a23: Int64):
+             local_experts: Int32, mask_stride: Int32, timeout_ns: Int64, a21: Int64):
         kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
                hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows,
-               local_experts, mask_stride, timeout_ns, a21, a22, a23).launch(**launch)
+               local_experts, mask_stride, timeout_ns, a21).launch(**launch)
 
     return host, half1
 
@@ -365,7 +318,6 @@ def make_unit_loop(cfg: Role2Config):
     SPLIT = half1.consumer_registers is not None
     REUSE = cfg.ring_reuse
     SPAN = -(-(BN - 1) // REUSE_BLOCK_M) + 1  # ring blocks a token tile can touch (the W2 release is unrolled)
-    KS1 = cfg.w1_k_splits
 
     @cute.jit
     def build_prefix(expert_offsets, local_experts, prefix, lane):
@@ -467,14 +419,14 @@ def make_unit_loop(cfg: Role2Config):
         ring_protocol.sts(slot + 12, bz)
 
     @cute.jit
-    def run_unit(side, slot, slot_empty, e, started, base, weights, tensors, ring, w2_ring, dims, sched, split):
+    def run_unit(side, slot, slot_empty, e, started, base, weights, tensors, ring, w2_ring, dims, sched):
         """One side's part of the unit in `slot` (expert e; slot_empty: the slot's empty barrier, which the
         consumer warps complete once they read it): a W1 unit if its ticket is below the W1 units' count, else
         a W2 unit. Returns the CTA's K128 steps after it."""
         w1_codes, w1_scales, w1_factor, w2_codes, w2_scales, w2_factor = weights
         ring_act, ring_scale, expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine = tensors
         hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles = dims
-        prefix, local_experts, w1_tickets, w1_done_mask, mask_stride, timeout_ns = sched
+        prefix, local_experts, w1_ctas, w1_done_mask, mask_stride, timeout_ns = sched
         drawn = ring_protocol.lds(slot)
         bx = ring_protocol.lds(slot + 8)
         bz = ring_protocol.lds(slot + 12)
@@ -485,22 +437,10 @@ def make_unit_loop(cfg: Role2Config):
         else:
             started = cute.arch.globaltimer()  # the producer's bounded waits count from the unit's start
         done_mask = w1_done_mask + (Int64(e) * Int64(mask_stride) + Int64(bz)) * 8
-        if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_tickets:
-            if cutlass.const_expr(KS1 > 1):
-                # the draw numbered (weight-row CTA, split) together, split fastest; the partials of the unit
-                # (token tile with rows, weight-row CTA) sit at its index among the call's W1 units
-                ks = bx % KS1
-                bx = bx // KS1
-                unit = (ring_protocol.lds(prefix + e * 4) + bz) * (w1_row_tiles // gg.TILES_PER_CTA) + bx
-                w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
-                        l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring,
-                        (e, bx, bz, started, done_mask, side, base), split=(split[0], split[1], unit, ks))
-                base = base + gg.split_steps(ks, hidden_blocks, KS1)[1]
-            else:
-                w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
-                        l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring,
-                        (e, bx, bz, started, done_mask, side, base))
-                base = base + hidden_blocks
+        if drawn < ring_protocol.lds(prefix + local_experts * 4) * w1_ctas:
+            w1_body(w1_codes, w1_scales, w1_factor, ring_act, ring_scale, expert_offsets, routing_weight,
+                    l2_act, l2_scale, hidden_blocks, w1_row_tiles, ring, (e, bx, bz, started, done_mask, side, base))
+            base = base + hidden_blocks
         elif cutlass.const_expr(REUSE):
             ring_block_m, ring_blocks, l2_empty_count = ring[3], ring[4], ring[6]
             w2_body(w2_codes, w2_scales, w2_factor, l2_act, l2_scale, expert_offsets, dest_row, combine,
@@ -542,7 +482,7 @@ def make_unit_loop(cfg: Role2Config):
                   expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine, ring_ready, l1_full_count,
                   l1_empty_count, ring_source, peers, w1_done_mask, ticket, hidden_blocks, w1_row_tiles,
                   inter_blocks, w2_row_tiles, ring_block_m, ring_blocks, source_rows, local_experts, mask_stride,
-                  timeout_ns, l2_empty_count=None, split_partials=None, split_counts=None):
+                  timeout_ns, l2_empty_count=None):
         tid = cute.arch.thread_idx()[0]
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         slots = smem + half1.ticket_offset
@@ -552,7 +492,6 @@ def make_unit_loop(cfg: Role2Config):
         started = cute.arch.globaltimer()
         ctas = Int32(cute.arch.grid_dim()[0])
         w1_ctas = w1_row_tiles // gg.TILES_PER_CTA
-        w1_tickets = w1_ctas * KS1  # a split W1 unit is KS1 draws
         w2_ctas = w2_row_tiles // gg.TILES_PER_CTA
         lag = None
         if cutlass.const_expr(REUSE):
@@ -575,7 +514,7 @@ def make_unit_loop(cfg: Role2Config):
                 if cutlass.const_expr(REUSE):  # thread 0 acquired RING_READY: the call's rows are visible
                     first_lag = (lag, ptx.ld_relaxed_gpu_s32(expert_offsets + Int64(local_experts) * 4),
                                  ring_blocks * ring_block_m)
-                draw_unit(ticket, prefix, local_experts, w1_tickets, w2_ctas, ctas, slots, first_lag)
+                draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots, first_lag)
                 ptx.mbarrier_arrive(slot_full)
         ptx.gemm_barrier(half1)
         ring = (ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns)
@@ -585,8 +524,7 @@ def make_unit_loop(cfg: Role2Config):
         tensors = (ring_act, ring_scale, expert_offsets, routing_weight, l2_act, l2_scale, dest_row, combine)
         w2_ring = (ring_source, peers, source_rows)
         dims = (hidden_blocks, w1_row_tiles, inter_blocks, w2_row_tiles)
-        sched = (prefix, local_experts, w1_tickets, w1_done_mask, mask_stride, timeout_ns)
-        split = (split_partials, split_counts)
+        sched = (prefix, local_experts, w1_ctas, w1_done_mask, mask_stride, timeout_ns)
         if tid >= gg.THREADS:
             # the producer side: each unit's copies, then (lane 0 of producer warp 0) the next draw, into the
             # other slot once every consumer warp read what it held; then every producer thread reads it
@@ -602,12 +540,12 @@ def make_unit_loop(cfg: Role2Config):
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
                 base = run_unit("producer", slots + unit_slot(it) * 16, slot_empty + unit_slot(it) * 8, e, started,
-                                base, weights, tensors, ring, w2_ring, dims, sched, split)
+                                base, weights, tensors, ring, w2_ring, dims, sched)
                 it = it + 1
                 if tid == gg.THREADS:
                     if it >= gg.FUSED_UNIT_SLOTS:
                         ptx.mbarrier_wait(slot_empty + unit_slot(it) * 8, slot_empty_parity(it))
-                    draw_unit(ticket, prefix, local_experts, w1_tickets, w2_ctas, ctas, slots + unit_slot(it) * 16,
+                    draw_unit(ticket, prefix, local_experts, w1_ctas, w2_ctas, ctas, slots + unit_slot(it) * 16,
                               draw_lag)
                     ptx.mbarrier_arrive(slot_full + unit_slot(it) * 8)
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
@@ -626,7 +564,7 @@ def make_unit_loop(cfg: Role2Config):
             e = ring_protocol.lds(slots + 4)
             while e >= 0:
                 base = run_unit("consumer", slots + unit_slot(it) * 16, slot_empty + unit_slot(it) * 8, e, started,
-                                base, weights, tensors, ring, w2_ring, dims, sched, split)
+                                base, weights, tensors, ring, w2_ring, dims, sched)
                 it = it + 1
                 ptx.mbarrier_wait(slot_full + unit_slot(it) * 8, slot_full_parity(it))
                 e = ring_protocol.lds(slots + unit_slot(it) * 16 + 4)
@@ -647,7 +585,7 @@ def make_unit_loop(cfg: Role2Config):
 
 def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
                 producer_warps: int | None = None, consumer_registers: int | None = None, ctas_per_sm: int = 1,
-                ring_reuse: bool = False, w1_k_splits: int = 1):
+                ring_reuse: bool = False):
     """The runtime's builder: a CompileRequest for one variant (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -656,6 +594,6 @@ def build_role2(arch: str = "sm_90a", block_n: int = 8, swiglu_alpha: float = 1.
     if arch != "sm_90a":
         raise ValueError(f"the SM90 role2 kernel is built for sm_90a only, not {arch!r}")
     host, half = _make_kernel(Role2Config(block_n, swiglu_alpha, swiglu_clamp, producer_warps, consumer_registers,
-                                          ctas_per_sm=ctas_per_sm, ring_reuse=ring_reuse, w1_k_splits=w1_k_splits))
+                                          ctas_per_sm=ctas_per_sm, ring_reuse=ring_reuse))
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
