@@ -18,6 +18,9 @@ large `amax` measured in the same run.
 
 `--fold-scales` runs the folded-scale variants (K32 scale in the decode, `GemmConfig.fold_scales`) beside the
 configured ones at every point, on the same inputs: each point gives one row per variant set (`tag`; the folded set's ends in `_fold`).
+`--table-decode` adds the byte-permute decode of the folded scales (`GemmConfig.table_decode`, weights in the
+"table" nibble order) as `tab` (token tiles up to 32) and `tab64` (up to 64). An `--extra-set` may name
+`max_block_n` beside its knobs (that set's largest token tile).
 
 Run on the GPU machine with the cubins built on the build machine and copied over:
   python scripts/bench_grouped_gemm_sm90.py --build-only            # here: fills .cubin-cache
@@ -104,14 +107,16 @@ class Point:
     """One (model, tokens) point: inputs, outputs, launches."""
 
     def __init__(self, name, model, tokens, weights, canon, kernels, gen, device, max_block_n=32):
+        """weights: {nibble order: weights.sm90.Sm90Weights} (the "table" order for table_decode kernels)."""
         self.name, self.model, self.tokens = name, model, tokens
-        self.weights, self.canon = weights, canon
+        self.weights_by_order, self.canon = weights, canon
+        self.weights = weights["lane"]
         h, inter = model["hidden"], model["inter"]
         self.offsets, self.token, self.slot, self.expert, self.rw, self.counts = route(tokens, model, gen, device)
         self.rows = int(self.offsets[-1])
         self.active = int((self.counts > 0).sum())
         self.capacity = max(1, int(self.counts.max()))
-        self.block_n = block_n_for(self.capacity, max_block_n)
+        self.max_block_n = max_block_n
         x = torch.randn(max(self.rows, 1), h, generator=gen, device=device)
         self.act, self.act_scale = quantize_fp8_k128(x)
         self.mid = torch.empty(max(self.rows, 1), inter, dtype=torch.float8_e4m3fn, device=device)
@@ -123,11 +128,15 @@ class Point:
         self.splits = {}  # kernels that split K: their partials and counts, one pair per kernel
         self.use(kernels)
 
-    def use(self, kernels):
-        """Run with this variant set's kernels: {(role, block_n): loaded kernel}."""
-        from gc_moe.kernels.sm90.grouped_gemm import split_buffers
+    def use(self, kernels, max_block_n=None):
+        """Run with this variant set's kernels: {(role, block_n): loaded kernel}, token tiles up to max_block_n
+        (None: the point's), on the weights in the nibble order the kernels read."""
+        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, split_buffers
 
+        self.block_n = block_n_for(self.capacity, max_block_n or self.max_block_n)
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
+        table = GemmConfig(**dict(self.k1.entry.variant.params)).table_decode
+        self.weights = self.weights_by_order["table" if table else "lane"]
         for k, mat in ((self.k1, self.weights.l1), (self.k2, self.weights.l2)):
             if k.name not in self.splits:  # allocated before any capture
                 self.splits[k.name] = split_buffers(k, mat, self.capacity, self.device)
@@ -380,6 +389,9 @@ def main() -> int:
     ap.add_argument("--experts-fastest", action="store_true", help="grid with token tiles slowest (before tuning)")
     ap.add_argument("--fold-scales", action="store_true",
                     help="also run the folded-scale variants (K32 scale in the decode) at every point")
+    ap.add_argument("--table-decode", action="store_true",
+                    help="also the folded scales' byte-permute decode: sets `tab` (token tiles up to 32) and `tab64` "
+                         "(up to 64)")
     ap.add_argument("--profile", action="store_true",
                     help="launch W1 and W2 twice per point, eager, nothing else (for a profiler: skip the first two)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
@@ -408,7 +420,7 @@ def main() -> int:
                 {"compact_grid": True, "ctas_per_sm": 1}, {"compact_grid": True, "ring_consumer": True},
                 {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1},
                 {"k_splits": 3, "w2_k_splits": 2}, {"k_splits": 3, "w2_k_splits": 2, "ctas_per_sm": 1},
-                {"k_splits": 4, "w2_k_splits": 2}]
+                {"k_splits": 4, "w2_k_splits": 2}, {"fold_scales": True, "table_decode": True}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -436,13 +448,19 @@ def main() -> int:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
     if args.auto_ctas:
         kernel_sets["ws_auto"] = None  # per point: the default set's kernels or ws1's (ctas_per_sm_for), split or not
+    if args.table_decode:
+        kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
+        kernel_sets["tab64"] = {**knobs, "fold_scales": True, "table_decode": True, "max_block_n": 64}
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
+    set_max_block_n = {}  # per set: its largest token tile (a pseudo-knob, not a GemmConfig one)
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():
         if set_knobs is None:
             continue
+        set_knobs = dict(set_knobs)
+        set_max_block_n[tag] = set_knobs.pop("max_block_n", args.max_block_n)
         loaded = {}
         for v in gg.variant_set(**set_knobs):
             p = dict(v.params)
@@ -464,7 +482,12 @@ def main() -> int:
         t0 = time.time()
         canon = (random_mxfp4(e_loc, 2 * model["inter"], model["hidden"], gen, device),
                  random_mxfp4(e_loc, model["hidden"], model["inter"], gen, device))
-        weights = wsm90.transform(*canon)
+        weights = {"lane": wsm90.transform(*canon)}
+        if any(k.entry.variant.params and dict(k.entry.variant.params).get("table_decode")
+               for ks in kernel_sets.values() if ks for k in ks.values()):
+            lane = weights["lane"]
+            weights["table"] = wsm90.Sm90Weights(l1=wsm90.with_nibble_order(lane.l1, "table"),
+                                                 l2=wsm90.with_nibble_order(lane.l2, "table"))
         torch.cuda.synchronize()
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -473,15 +496,16 @@ def main() -> int:
                 row_note = {}
                 if set_kernels is None:  # ws_auto
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
-                    one = ctas_per_sm_for(pt.counts.tolist(), pt.block_n, model["inter"], sms) == 1
+                    bn = block_n_for(pt.capacity, args.max_block_n)
+                    one = ctas_per_sm_for(pt.counts.tolist(), bn, model["inter"], sms) == 1
                     set_kernels = kernel_sets["ws1" if one else base_tag]
                     if one:
-                        tiles = sum(-(-int(c) // pt.block_n) for c in pt.counts.tolist())
+                        tiles = sum(-(-int(c) // bn) for c in pt.counts.tolist())
                         splits = gg.k_splits_for(tiles * (2 * model["inter"] // 256),
                                                  tiles * (model["hidden"] // 256), sms)
                         set_kernels = auto_splits.get(splits, set_kernels)
                         row_note = {"k_splits": list(splits)}
-                pt.use(set_kernels)
+                pt.use(set_kernels, set_max_block_n.get(tag))
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)

@@ -251,6 +251,119 @@ def test_folded_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
     assert torch.equal(got, wsm90.dequantize_matrix(mat))
 
 
+# --------------------------------------------------------------------------------------------- table decode
+# CPU proof of table_decode: gg.decode_table / gg.decode_fp4x8_table are the kernel's expressions; the byte
+# permute they take is PTX prmt.b32 in its default mode, modelled here from the ISA's definition.
+def _prmt(a, b, selector):
+    """prmt.b32 d, a, b, c (default mode) on int64 tensors of 32-bit words: byte i of d = byte c[4i..4i+2] of
+    the pair (a: bytes 0..3, b: 4..7), or that byte's sign replicated when c[4i+3] is set."""
+    a, b, selector = torch.as_tensor(a), torch.as_tensor(b), torch.as_tensor(selector)
+    out = torch.zeros(torch.broadcast_shapes(a.shape, b.shape, selector.shape), dtype=torch.int64)
+    for i in range(4):
+        nib = (selector >> (4 * i)) & 0xF
+        idx = nib & 7
+        byte = torch.where(idx < 4, a >> (8 * (idx % 4)), b >> (8 * (idx % 4))) & 0xFF
+        byte = torch.where(nib >= 8, torch.where(byte >= 0x80, 0xFF, 0), byte)
+        out |= byte << (8 * i)
+    return out
+
+
+def test_prmt_model_hand_checked():
+    a, b = torch.tensor([0x33221100]), torch.tensor([0x77665544])
+    assert int(_prmt(a, b, torch.tensor([0x3210]))) == 0x33221100
+    assert int(_prmt(a, b, torch.tensor([0x4567]))) == 0x44556677
+    assert int(_prmt(torch.tensor([0x80]), b, torch.tensor([0x0008]))) == 0x808080FF  # sign replicate of byte 0
+
+
+def test_table_decode_every_code_at_every_window_step():
+    """All 16 codes x d in 0..11 in both rows of a word (table nibble order), the other codes random: the E4M3
+    bytes equal torch's exact encoding of value * 2^(d-5), the same bytes as the folded decode."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    d = torch.arange(12).view(12, 1, 1)
+    j = int(torch.randint(0, 4, (1,), generator=gen))
+    sbytes = torch.randint(0, 12, (12, 4), generator=gen) + gg.SCALE_BYTE_OFFSET
+    sbytes[:, j] = torch.arange(12) + gg.SCALE_BYTE_OFFSET
+    table = gg.decode_table(_words(sbytes.to(torch.uint8)), j)
+    table = tuple(t.view(12, 1) for t in table)
+    expected_value = E2M1_VALUES[torch.arange(16)].view(1, 16, 1) * torch.exp2(d.float() - gg.FOLD_EXPONENT)
+    expected_byte = expected_value.expand(12, 16, 4).to(torch.float8_e4m3fn).view(torch.uint8)
+    for row in (0, 1):  # the code under test in row g (low register) or row g + 8 (high register)
+        for pos in range(4):
+            codes = torch.randint(0, 16, (12, 16, 8), generator=gen, dtype=torch.uint8)
+            codes[..., 4 * row + pos] = torch.arange(16, dtype=torch.uint8).view(1, 16)
+            word = _words(wsm90._codes_to_table_bytes(codes.view(12, 16, 1, 8)).view(12, 16, 4))
+            lo, hi = gg.decode_fp4x8_table(word, table, table, _prmt)
+            got = _word_bytes(hi if row else lo)[..., pos]
+            assert torch.equal(got, expected_byte[..., pos]), (row, pos)
+            # and the word's other codes decode to their own values
+            other = _e4m3(_word_bytes(lo if row else hi))
+            want = E2M1_VALUES[codes[..., 4 * (1 - row): 4 * (1 - row) + 4].long()] * torch.exp2(d.float() - 5)
+            assert torch.equal(other, want)
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_table_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
+    """Per thread as the kernel does, on weights repacked in the table nibble order: E4M3(decode) * 2^5 * factor
+    equals formats.dequantize_fp4_ue8m0 of the canonical weights, every element, every d."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    e, m, k = 2, 128, 512
+    codes = torch.randint(0, 16, (e, m, k), dtype=torch.uint8, generator=gen)
+    codes[:, :, :16] = torch.arange(16, dtype=torch.uint8)
+    exps = torch.randint(113, 125, (e, m, k // 32), dtype=torch.uint8, generator=gen)
+    exps[:, 0, :12] = torch.arange(113, 125, dtype=torch.uint8)
+    packed, sf = pack_fp4(codes), pack_ue8m0(exps)
+    mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up, nibble_order="table")
+    assert mat.nibble_order == "table"
+    words = _words(mat.codes.view(*mat.codes.shape[:3], 128, 8, 4))
+    scale_words = _words(mat.scales)
+    t = torch.arange(128)
+    warp, g, q = t // 32, (t % 32) // 4, t % 4
+    row_lo = 16 * warp + g
+    dense = torch.zeros(e, m // 64, k // 128, 64, 128)
+    for j in range(4):
+        table_lo = gg.decode_table(scale_words[..., row_lo], j)
+        table_hi = gg.decode_table(scale_words[..., row_lo + 8], j)
+        for h in range(2):
+            lo, hi = gg.decode_fp4x8_table(words[..., 2 * j + h], table_lo, table_hi, _prmt)
+            lo, hi = _e4m3(_word_bytes(lo)), _e4m3(_word_bytes(hi))
+            for b in range(4):
+                col = 32 * j + 16 * h + 4 * q + b
+                dense[..., row_lo, col] = lo[..., b]
+                dense[..., row_lo + 8, col] = hi[..., b]
+    got = dense.transpose(2, 3).reshape(e, m, k) * 2.0**gg.FOLD_EXPONENT * mat.factor.view(e, 1, 1)
+    ref = dequantize_fp4_ue8m0(packed, sf)
+    if gate_up:
+        ref = ref[:, wsm90.w1_row_order(m // 2)]
+    assert torch.equal(got, ref)
+    assert torch.equal(got, wsm90.dequantize_matrix(mat))
+
+
+def test_table_decode_knob_and_the_nibble_order_it_needs():
+    with pytest.raises(ValueError, match="fold_scales=True"):
+        gg.GemmConfig("w1", 16, table_decode=True)
+    cfg = gg.GemmConfig("w2", 64, fold_scales=True, table_decode=True)
+    assert cfg.warp_specialized and "_tab" in cfg.name and "_fold" not in cfg.name
+    assert not gg.GemmConfig("w2", 64, fold_scales=True).warp_specialized
+    with pytest.raises(ValueError, match="block_n <= 32"):
+        gg.GemmConfig("w2", 64, fold_scales=True, warp_specialized=True)
+    v64 = dict(gg.variant("w1", 64, fold_scales=True, table_decode=True).params)
+    assert v64["producer_warps"] == 4 and v64["consumer_registers"] == 112 and v64["table_decode"] is True
+    assert "table_decode" not in dict(gg.variant("w1", 16, table_decode=True).params)  # no fold: no table
+    mat = wsm90.repack_matrix(pack_fp4(torch.zeros(1, 64, 128, dtype=torch.uint8)),
+                              pack_ue8m0(torch.full((1, 64, 4), 127, dtype=torch.uint8)), gate_up=False)
+
+    class Kernel:
+        name = "k"
+
+    with pytest.raises(ValueError, match="'table' nibble order"):
+        gg._check_nibble_order(cfg, Kernel, mat)
+    gg._check_nibble_order(cfg, Kernel, wsm90.with_nibble_order(mat, "table"))
+    with pytest.raises(ValueError, match="'lane' nibble order"):
+        gg._check_nibble_order(gg.GemmConfig("w2", 16), Kernel, wsm90.with_nibble_order(mat, "table"))
+    with pytest.raises(ValueError, match="allowed"):
+        wsm90.with_nibble_order(mat, "rows")
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     pytest.importorskip("cutlass")
@@ -262,8 +375,8 @@ def built(tmp_path_factory):
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
-    # the compact ring consumer at bn 8 (both roles), and W1 and W2 with K split in 2-4 at bn 8 / 16
-    assert len(built) == 8 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3
+    # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -313,7 +426,7 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
-    assert len(folded) == 2 * len(gg.BLOCK_N_CHOICES)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES)  # the folded decode and the table decode
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -328,12 +441,13 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
 
 def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     """The warp-specialized variants: one CTA-wide barrier (after the mbarrier init), per stage a full barrier
-    of 33 arrivals (the producer's expect-tx + 32 cp.async arrivals) and an empty barrier of 16 (one per
+    of 33 arrivals per producer warp (the producer's expect-tx + 32 cp.async arrivals each) and an empty barrier of 16 (one per
     consumer warp), bulk copies of the 4096-byte weight tiles and 256-byte scale blocks completing on it,
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
-    # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3
+    # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
+    # the table decode at bn 8..64
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -345,7 +459,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         split = 3 if params.get("k_splits", 1) > 1 else 0
         assert ptx.count("bar.sync 1, 512;") == split + (1 if params["role"] == "w1" else 0), variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
-        assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == ["33", "16"] * cfg.stages
+        assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
+            str(cfg.full_arrivals), "16"] * cfg.stages
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
         assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
@@ -488,7 +603,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         return packed, pack_ue8m0(exps)
 
     l1, l2 = mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
-    w = wsm90.transform(l1, l2)
+    w = wsm90.transform(l1, l2, nibble_order="table" if more_knobs.get("table_decode") else "lane")
     # routing: tokens x topk distinct experts, expert 0 left without tokens
     if experts < topk + 2:
         raise ValueError(f"{experts} experts cannot leave expert 0 empty with top-{topk} routing; allowed: >= {topk + 2}")
@@ -617,6 +732,45 @@ def test_folded_pipelines_write_the_same_bytes(block_n):
     assert torch.isfinite(sf_ws).all() and torch.isfinite(out_ws.float()).all()
     assert torch.equal(mid_ws.view(torch.uint8), mid_cp.view(torch.uint8))
     assert torch.equal(sf_ws, sf_cp) and torch.equal(out_ws.view(torch.int16), out_cp.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", gg.BLOCK_N_CHOICES)
+@pytest.mark.parametrize("topk,tokens", [(1, 5), (8, 3), (6, 40), (8, 130)])
+def test_table_decode_matches_float32_reference(block_n, topk, tokens):
+    """The folded scales' table decode (weights in the table nibble order), warp-specialized at every bn."""
+    got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 1000 + tokens,
+                                           fold_scales=True, table_decode=True)
+    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
+    for y, r in ((got_mid, ref_mid), (got, ref)):
+        cos, diff = _cos_diff(y, r)
+        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [16, 64])
+@pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
+def test_table_decode_model_shapes(hidden, inter, topk, block_n):
+    _, _, got, ref = _run_case(hidden, inter, topk + 2, topk, 40, block_n, seed=hidden + block_n,
+                               fold_scales=True, table_decode=True)
+    assert torch.isfinite(got).all()
+    cos, diff = _cos_diff(got, ref)
+    assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", gg.BLOCK_N_CHOICES)
+def test_table_decode_writes_the_folded_bytes(block_n):
+    """The table decode yields the folded decode's E4M3 bytes and runs the same chain and FMAs: W1 and W2 must
+    write byte for byte what the folded variant writes (the warp-specialized one up to bn 32, the cp.async one
+    at bn 64, where only the table decode is warp-specialized), over several token tiles and an empty expert."""
+    ref_knobs = {"fold_scales": True, "warp_specialized": None if block_n <= 32 else False}
+    runs = [_run_case(1024, 512, 6, 4, 3 * block_n, block_n, seed=13 + block_n, return_raw=True, **kn)
+            for kn in ({"fold_scales": True, "table_decode": True}, ref_knobs)]
+    (mid_t, sf_t, out_t), (mid_f, sf_f, out_f) = runs
+    assert torch.isfinite(sf_t).all() and torch.isfinite(out_t.float()).all()
+    assert torch.equal(mid_t.view(torch.uint8), mid_f.view(torch.uint8))
+    assert torch.equal(sf_t, sf_f) and torch.equal(out_t.view(torch.int16), out_f.view(torch.int16))
 
 
 @pytest.mark.gpu

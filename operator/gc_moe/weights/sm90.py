@@ -25,6 +25,13 @@ thread T = 32 w + 4 g + q (warp w, group g, quad lane q) owns bytes [32 T, 32 T 
 its high nibble A[16 w + g + 8, same k]. Decoding the low nibbles of word 2 j + h gives WGMMA A register
 2 h, the high nibbles register 2 h + 1 (the m64k32 8-bit A fragment: rows g / g+8, k 4q.. / 16+4q..).
 
+Nibble order "table" (opt-in, `nibble_order="table"`; the kernels' `table_decode`): the same 32 bytes per thread,
+each word's eight codes rearranged for a byte-permute decode. Word nibble n (bits 4n..4n+3) holds in bits 0..2 the
+magnitude of A[row g, k_n] (n < 4) or A[row g + 8, k_(n-4)] (n >= 4), k_i = 32 j + 16 h + 4 q + i, and in bit 3 a
+sign: of A[row g, k_(n-1)/2] for odd n, of A[row g + 8, k_n/2] for even n. Then `w & 0x77777777` holds the row's
+magnitudes as four permute selectors per half, `w & 0x80808080` row g's signs at the E4M3 sign bits and
+`(w << 4) & 0x80808080` row g + 8's.
+
 Row order. W2 tiles take rows in order. W1 tiles interleave gate and up so one thread holds both halves
 of the same intermediate channel: W1 tile mt, row 16 w + r is gate channel 32 mt + 8 w + r for r < 8 and
 up channel 32 mt + 8 w + r - 8 for r >= 8 (rows [gate; up] of the DeepGEMM layout, I rows each).
@@ -54,6 +61,7 @@ TILE_BYTES = TILE_M * TILE_K // 2
 WINDOW_STEPS = 11  # largest exponent distance d a block may keep from the window base
 X64_EXPONENT = 6  # decode yields value / 2^6; stored scales carry 2^6 back
 UE8M0_BIAS = 127
+NIBBLE_ORDERS = ("lane", "table")
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Sm90Matrix:
     rows: int  # M
     cols: int  # K
     gate_up_interleaved: bool
+    nibble_order: str = "lane"  # "table": the byte-permute decode's order (module docstring)
 
     @property
     def num_experts(self) -> int:
@@ -102,6 +111,52 @@ def w1_row_order(intermediate: int, device: torch.device | str = "cpu") -> torch
     return torch.where(within < 8, channel, intermediate + channel)
 
 
+# (magnitude nibble, sign nibble) of word nibble n in the table order: codes c[0..7] = row g k0..k3, row g+8 k0..k3
+_TABLE_MAGNITUDE = (0, 1, 2, 3, 4, 5, 6, 7)
+_TABLE_SIGN = (4, 0, 5, 1, 6, 2, 7, 3)
+
+
+def _lane_words_to_codes(tile_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 n] in lane order -> codes [..., n words, 8]: row g k0..k3, then row g+8 k0..k3."""
+    b = tile_bytes.view(*tile_bytes.shape[:-1], tile_bytes.shape[-1] // 4, 4)
+    return torch.cat((b & 0xF, b >> 4), dim=-1)
+
+
+def _codes_to_table_bytes(c: torch.Tensor) -> torch.Tensor:
+    """codes [..., n words, 8] (as _lane_words_to_codes) -> uint8 [..., 4 n] in table order."""
+    nib = [(c[..., _TABLE_MAGNITUDE[n]] & 7) | (c[..., _TABLE_SIGN[n]] & 8) for n in range(8)]
+    out = torch.stack([nib[2 * i] | (nib[2 * i + 1] << 4) for i in range(4)], dim=-1)
+    return out.reshape(*c.shape[:-2], 4 * c.shape[-2])
+
+
+def _table_bytes_to_codes(tile_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 n] in table order -> codes [..., n words, 8] (row g k0..k3, row g+8 k0..k3)."""
+    b = tile_bytes.view(*tile_bytes.shape[:-1], tile_bytes.shape[-1] // 4, 4)
+    nib = [(b[..., n // 2] >> (4 * (n % 2))) & 0xF for n in range(8)]
+    codes = [None] * 8
+    for n in range(8):
+        codes[_TABLE_MAGNITUDE[n]] = nib[n] & 7
+    for n in range(8):
+        codes[_TABLE_SIGN[n]] = codes[_TABLE_SIGN[n]] | (nib[n] & 8)
+    return torch.stack(codes, dim=-1)
+
+
+def with_nibble_order(mat: Sm90Matrix, order: str) -> Sm90Matrix:
+    """The same matrix with its codes in `order` ("lane" or "table"); scales and factor shared, codes new."""
+    if order not in NIBBLE_ORDERS:
+        raise ValueError(f"nibble order {order!r}; allowed: {NIBBLE_ORDERS}")
+    if order == mat.nibble_order:
+        return mat
+    if order == "table":
+        codes = _lane_words_to_codes(mat.codes)
+        new = _codes_to_table_bytes(codes)
+    else:
+        c = _table_bytes_to_codes(mat.codes)
+        new = (c[..., :4] | (c[..., 4:] << 4)).reshape(mat.codes.shape)
+    return Sm90Matrix(codes=new.contiguous(), scales=mat.scales, factor=mat.factor, rows=mat.rows, cols=mat.cols,
+                      gate_up_interleaved=mat.gate_up_interleaved, nibble_order=order)
+
+
 # ---------------------------------------------------------------------------------------- window
 def window_base(exponents: torch.Tensor) -> torch.Tensor:
     """UE8M0 exponents [E, ...] (uint8) -> per-expert window base int32 [E]."""
@@ -133,9 +188,11 @@ def _check_matrix(packed: torch.Tensor, sf: torch.Tensor, what: str) -> tuple[in
 
 
 def repack_matrix(
-    packed: torch.Tensor, sf: torch.Tensor, *, gate_up: bool, what: str = "weights"
+    packed: torch.Tensor, sf: torch.Tensor, *, gate_up: bool, what: str = "weights", nibble_order: str = "lane"
 ) -> Sm90Matrix:
-    """MXFP4 (int8 [E, M, K/2], int32 [E, M, K/128]) -> the SM90 window-repacked layout."""
+    """MXFP4 (int8 [E, M, K/2], int32 [E, M, K/128]) -> the SM90 window-repacked layout (codes in `nibble_order`)."""
+    if nibble_order not in NIBBLE_ORDERS:
+        raise ValueError(f"{what}: nibble order {nibble_order!r}; allowed: {NIBBLE_ORDERS}")
     e, m, k = _check_matrix(packed, sf, what)
     if gate_up and (m // 2) % 32:
         raise ValueError(
@@ -160,7 +217,7 @@ def repack_matrix(
     scale_bytes = (d + X64_EXPONENT + UE8M0_BIAS).to(torch.uint8)
     scale_bytes = scale_bytes.view(e, m // TILE_M, TILE_M, k // TILE_K, 4).transpose(2, 3)
     factor = torch.ldexp(torch.ones(e, device=packed.device), (base - UE8M0_BIAS).to(torch.float32))
-    return Sm90Matrix(
+    mat = Sm90Matrix(
         codes=tile_bytes.contiguous(),
         scales=scale_bytes.contiguous(),
         factor=factor,
@@ -168,10 +225,12 @@ def repack_matrix(
         cols=k,
         gate_up_interleaved=gate_up,
     )
+    return with_nibble_order(mat, nibble_order)
 
 
 def _untile(mat: Sm90Matrix) -> tuple[torch.Tensor, torch.Tensor]:
     """Repacked tiles -> (codes uint8 [E, M, K], d int32 [E, M, K/32]) in repacked row order."""
+    mat = with_nibble_order(mat, "lane")
     e, m, k = mat.num_experts, mat.rows, mat.cols
     rows, ks = _lane_index_maps(mat.codes.device)
     tiles = torch.empty(
@@ -210,12 +269,13 @@ def dequantize_matrix(mat: Sm90Matrix) -> torch.Tensor:
 
 
 def transform(
-    l1_weights: tuple[torch.Tensor, torch.Tensor], l2_weights: tuple[torch.Tensor, torch.Tensor]
+    l1_weights: tuple[torch.Tensor, torch.Tensor], l2_weights: tuple[torch.Tensor, torch.Tensor],
+    nibble_order: str = "lane",
 ) -> Sm90Weights:
-    """DeepGEMM-layout MXFP4 W1 / W2 -> the SM90 kernel's layout."""
+    """DeepGEMM-layout MXFP4 W1 / W2 -> the SM90 kernel's layout (codes in `nibble_order`)."""
     return Sm90Weights(
-        l1=repack_matrix(*l1_weights, gate_up=True, what="l1_weights"),
-        l2=repack_matrix(*l2_weights, gate_up=False, what="l2_weights"),
+        l1=repack_matrix(*l1_weights, gate_up=True, what="l1_weights", nibble_order=nibble_order),
+        l2=repack_matrix(*l2_weights, gate_up=False, what="l2_weights", nibble_order=nibble_order),
     )
 
 

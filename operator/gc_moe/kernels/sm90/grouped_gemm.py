@@ -63,6 +63,12 @@ AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
 # smallest normal 2^-6 and the largest (6 at d = 11) is 384 <= 448, so every (code, d) is an exact E4M3 byte
 FOLD_EXPONENT = 5
 SCALE_BYTE_OFFSET = 6 + 127  # stored K32 scale byte = d + 6 + 127 (weights.sm90, the x64 convention)
+# table_decode: the E4M3 bytes of the FP4 magnitudes times 2^(d - FOLD_EXPONENT) at d = 0, four per word: codes
+# 0..3 (0, 0.5, 1, 1.5) and 4..7 (2, 3, 4, 6). A K32 block at window step d adds 8 d to every byte but code 0's
+TABLE_LOW = 0x14100800
+TABLE_HIGH = 0x24201C18
+TABLE_STEP_LOW = 0x08080800
+TABLE_STEP_HIGH = 0x08080808
 # fused_role2: W2's activation scales of a token tile (rows x K128 blocks, I/128 <= 32: planning.MAX_INTERMEDIATE)
 # are read once into shared memory when the tile's W1 bits are set, not one coherent load per K128 step
 FUSED_MAX_K_BLOCKS = 32
@@ -183,17 +189,27 @@ class GemmConfig:
     # working CTAs leave SMs idle: one CTA's K loop (W1 32-48 steps, W2 16-18, ~0.6 us each) is the floor there
     # (docs/sm90-grouped-gemm.md, steps 10-11)
     k_splits: int = 1
+    # fold_scales through a byte-permute table: per (row, K32 block) the eight magnitudes' E4M3 bytes at the
+    # block's scale (two words, three integer ops), then per word of eight codes one `prmt` per four codes picks
+    # the magnitudes and two masks place the signs (7 ops per 8 codes, as the unfolded decode). Needs the weights
+    # in weights.sm90's "table" nibble order. The FP32 scale work left is one FMA per accumulator per K128 step,
+    # and no partial buffers: room for token tiles of 64 on the warp-specialized pipeline
+    table_decode: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
             raise ValueError(f"role must be 'w1' or 'w2', got {self.role!r}")
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
+        if self.table_decode and not self.fold_scales:
+            raise ValueError("table_decode is a way of folding the K32 scales into the decode: pass fold_scales=True")
         if self.warp_specialized is None:
-            object.__setattr__(self, "warp_specialized", not self.l2_evict_first and self.block_n <= WS_MAX_BLOCK_N)
-        if self.warp_specialized and self.block_n > WS_MAX_BLOCK_N:
-            raise ValueError(f"warp_specialized needs block_n <= {WS_MAX_BLOCK_N}, got {self.block_n}: ptxas gives a "
-                             "544-thread CTA 96 registers per thread and bn 64 spills there")
+            object.__setattr__(self, "warp_specialized", not self.l2_evict_first and (
+                self.block_n <= WS_MAX_BLOCK_N or self.table_decode))
+        if self.warp_specialized and self.block_n > WS_MAX_BLOCK_N and not self.table_decode:
+            raise ValueError(f"warp_specialized needs block_n <= {WS_MAX_BLOCK_N} (or table_decode), got "
+                             f"{self.block_n}: ptxas gives a 544-thread CTA 96 registers per thread and bn 64 spills "
+                             "there with per-K32 scale work")
         if self.warp_specialized and self.l2_evict_first:
             raise ValueError("l2_evict_first is a knob of the cp.async pipeline: pass warp_specialized=False")
         if self.ctas_per_sm is None:
@@ -368,7 +384,7 @@ class GemmConfig:
         if self.role == "w1":
             s += f"_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
         if self.fold_scales:
-            s += "_fold"
+            s += "_tab" if self.table_decode else "_fold"
         if self.compact_grid:
             s += "_compact"
         if self.k_splits > 1:
@@ -414,6 +430,26 @@ def decode_fp4x4_folded(w, step, high: bool, u32=int):
     magnitude = x & (u32(0x06060606) | exp_nonzero)  # m kept only where e != 0 (drops code 1's m)
     sign = (x & u32(0x08080808)) << 4
     return sign | ((magnitude << 2) + nonzero * step)
+
+
+# table_decode: plain integer arithmetic as above; the byte permute comes in as `prmt(a, b, selector)` (PTX
+# prmt.b32's default mode: result byte i = byte selector[4i..4i+2] of the pair (a: 0..3, b: 4..7))
+def decode_table(scale_word, byte: int, u32=int):
+    """Byte `byte` of a packed K32 scale word (d + 133, d in 0..11) -> the block's (low, high) table words: the
+    E4M3 bytes of the magnitudes 0, 0.5, 1, 1.5 / 2, 3, 4, 6 times 2^(d - 5). Per byte at most 88 + 0x24, no
+    carry between bytes."""
+    d = ((scale_word >> (8 * byte)) & u32(0xFF)) - u32(SCALE_BYTE_OFFSET)
+    return d * u32(TABLE_STEP_LOW) + u32(TABLE_LOW), d * u32(TABLE_STEP_HIGH) + u32(TABLE_HIGH)
+
+
+def decode_fp4x8_table(w, table_lo, table_hi, prmt, u32=int):
+    """A word of eight codes in weights.sm90's "table" nibble order -> (row g, row g + 8) A registers: four E4M3
+    bytes each of value * 2^(d - 5), the rows' tables (decode_table) picked by the magnitude bits (bits 0..2 of
+    each nibble; bit 3 cleared, else prmt would replicate a sign), the signs masked into bit 7 of each byte."""
+    m = w & u32(0x77777777)
+    lo = prmt(table_lo[0], table_lo[1], m) | (w & u32(0x80808080))
+    hi = prmt(table_hi[0], table_hi[1], m >> 16) | ((w << 4) & u32(0x80808080))
+    return lo, hi
 
 
 def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple[int, int, int]:
@@ -575,13 +611,19 @@ def _make_kernel(cfg: GemmConfig):
         a_regs = []
         descs = []
         for j in cutlass.range_constexpr(4):
-            step_lo = ptx.fold_exponent_step(sc_lo, j)
-            step_hi = ptx.fold_exponent_step(sc_hi, j)
             w_k0, w_k16 = words[2 * j], words[2 * j + 1]
-            a_regs += [
-                ptx.decode_fp4x4_folded(w_k0, step_lo, False), ptx.decode_fp4x4_folded(w_k0, step_hi, True),
-                ptx.decode_fp4x4_folded(w_k16, step_lo, False), ptx.decode_fp4x4_folded(w_k16, step_hi, True),
-            ]
+            if cutlass.const_expr(cfg.table_decode):
+                table_lo = ptx.decode_table(sc_lo, j)
+                table_hi = ptx.decode_table(sc_hi, j)
+                a_regs += [*ptx.decode_fp4x8_table(w_k0, table_lo, table_hi),
+                           *ptx.decode_fp4x8_table(w_k16, table_lo, table_hi)]
+            else:
+                step_lo = ptx.fold_exponent_step(sc_lo, j)
+                step_hi = ptx.fold_exponent_step(sc_hi, j)
+                a_regs += [
+                    ptx.decode_fp4x4_folded(w_k0, step_lo, False), ptx.decode_fp4x4_folded(w_k0, step_hi, True),
+                    ptx.decode_fp4x4_folded(w_k16, step_lo, False), ptx.decode_fp4x4_folded(w_k16, step_hi, True),
+                ]
             descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
         ptx.wgmma_fence()
         part = ptx.wgmma_rs_e4m3_chain(BN, a_regs, descs)
@@ -1518,7 +1560,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
-               consumer_registers: int | None = None, k_splits: int = 1):
+               consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1529,7 +1571,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
-                     consumer_registers=consumer_registers, k_splits=k_splits)
+                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1540,30 +1582,37 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             swiglu_clamp: float = 10.0, l2_evict_first: bool = False, token_tiles_fastest: bool = True,
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
-            compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1):
+            compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
+            table_decode: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
     consumer); bn 64 and l2_evict_first run on the cp.async pipeline (6 stages unless `stages` says otherwise)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    if not GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
-                      warp_specialized=warp_specialized).warp_specialized:
+    table_decode = table_decode and fold_scales  # a way of folding: sets may name it with the fold off
+    ws_default = GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
+                            warp_specialized=warp_specialized, fold_scales=fold_scales,
+                            table_decode=table_decode).warp_specialized
+    if not ws_default:
         producer_warps = 1  # a knob of the warp-specialized pipeline: a variant set may ask for it at every bn
         compact_grid = False  # likewise (the cp.async pipeline's bn 64 has no registers left for the scan)
         consumer_registers = None
-    if block_n > K_SPLIT_MAX_BLOCK_N or not GemmConfig(
-            role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
-            warp_specialized=warp_specialized).warp_specialized:
+    if block_n > K_SPLIT_MAX_BLOCK_N or not ws_default:
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
+    if table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None:
+        # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
+        # registers, so the consumers take 112 from a producer warpgroup (W2 likewise, one shape for both roles)
+        producer_warps, consumer_registers = 4, max(CONSUMER_REGISTER_CHOICES)
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
-                     consumer_registers=consumer_registers, k_splits=k_splits)
+                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
-                                                            warp_specialized=warp_specialized).ctas_per_sm:
+                                                            warp_specialized=warp_specialized,
+                                                            table_decode=table_decode).ctas_per_sm:
         params["ctas_per_sm"] = ctas_per_sm  # named when it is not the default for the configuration
     if producer_warps != 1:
         params["producer_warps"] = producer_warps
@@ -1577,6 +1626,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["token_tiles_fastest"] = False
     if fold_scales:  # only named when on: the default variants keep their parameters (and cache keys)
         params["fold_scales"] = True
+    if table_decode:
+        params["table_decode"] = True
     if compact_grid:
         params["compact_grid"] = True
     if consumer_registers is not None:
@@ -1586,6 +1637,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
+    if cfg.table_decode:
+        promises += ("prmt.b32",)
     if cfg.k_splits > 1:  # the partials' publication and the last split's acquire
         promises += ("fence.acq_rel.gpu", "atom.acq_rel.gpu.global.add", "ld.relaxed.gpu.global")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
@@ -1612,8 +1665,8 @@ def variant_set(k_splits: int = 1, w2_k_splits: int = 1, **knobs):
 def all_variants():
     """Every variant CI builds (the registry's list), each once: the default set (warp-specialized up to bn 32,
     the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
-    pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference) and the
-    compact ring consumer at bn 8."""
+    pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference), the
+    compact ring consumer at bn 8, the K splits and the folded scales' table decode (warp-specialized at every bn)."""
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
@@ -1621,7 +1674,8 @@ def all_variants():
     split_k = [variant(role, bn, k_splits=ks) for role in ("w1", "w2") for ks in K_SPLIT_CHOICES[1:]
                for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
-              + variant_set(warp_specialized=False) + compact_ring + split_k):
+              + variant_set(warp_specialized=False) + compact_ring + split_k
+              + variant_set(fold_scales=True, table_decode=True)):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -1667,6 +1721,15 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
     if not cfg.ring_consumer and ring_args:
         raise ValueError(f"{kernel.name} is not a ring consumer: ring_args must be empty")
     return list(ring_args)
+
+
+def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
+    """A table_decode kernel reads codes in the "table" nibble order, every other one in the "lane" order."""
+    want = "table" if cfg.table_decode else "lane"
+    have = getattr(mat, "nibble_order", "lane")
+    if have != want:
+        raise ValueError(f"{kernel.name} reads weights in the {want!r} nibble order, the matrix has {have!r}: "
+                         f"weights.sm90.with_nibble_order(mat, {want!r})")
 
 
 def k_splits_for(w1_ctas: int, w2_ctas: int, sms: int) -> tuple[int, int]:
@@ -1745,6 +1808,7 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
     if cfg.role != "w1":
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
+    _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
     g = grid(cfg, mat.rows, mat.num_experts, capacity)
     extra = extra + _split_args(cfg, kernel, g, hidden, split)
@@ -1788,6 +1852,7 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
     if cfg.role != "w2":
         raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
+    _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
     g = grid(cfg, mat.rows, mat.num_experts, capacity)
     extra = extra + _split_args(cfg, kernel, g, inter, split)

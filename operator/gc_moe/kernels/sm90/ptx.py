@@ -161,6 +161,25 @@ def decode_fp4x4_folded(w: Uint32, step: Uint32, high: bool) -> Uint32:
     return decode(w, step, high, Uint32)
 
 
+def prmt(a: Uint32, b: Uint32, selector: Uint32) -> Uint32:
+    """Byte permute (default mode): result byte i = byte selector[4i..4i+3] of (a: bytes 0..3, b: 4..7)."""
+    return asm("prmt.b32 $0, $1, $2, $3;", [Uint32], [a, b, selector])
+
+
+def decode_table(scale_word: Uint32, byte: int) -> tuple:
+    """Byte `byte` of a packed K32 scale word -> the block's two table words (grouped_gemm.decode_table)."""
+    from gc_moe.kernels.sm90.grouped_gemm import decode_table as table
+
+    return table(scale_word, byte, Uint32)
+
+
+def decode_fp4x8_table(w: Uint32, table_lo: tuple, table_hi: tuple) -> tuple:
+    """A "table"-order word's eight codes -> the row g and row g + 8 A registers (grouped_gemm.decode_fp4x8_table)."""
+    from gc_moe.kernels.sm90.grouped_gemm import decode_fp4x8_table as decode
+
+    return decode(w, table_lo, table_hi, prmt, Uint32)
+
+
 def fold_exponent_step(scale_word: Uint32, byte: int) -> Uint32:
     """Byte `byte` of a packed K32 scale word (d + 133) -> the exponent-field add 8 (d + 1)."""
     from gc_moe.kernels.sm90.grouped_gemm import fold_exponent_step as step
