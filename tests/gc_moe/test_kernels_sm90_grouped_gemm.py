@@ -314,7 +314,9 @@ def test_table_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
     packed, sf = pack_fp4(codes), pack_ue8m0(exps)
     mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up, nibble_order="table")
     assert mat.nibble_order == "table"
-    words = _words(mat.codes.view(*mat.codes.shape[:3], 128, 8, 4))
+    # thread T's two 16-byte loads, as the kernel issues them: bytes [16 T, +16) and [2048 + 16 T, +16)
+    halves = mat.codes.view(*mat.codes.shape[:3], 2, 128, 4, 4)
+    words = _words(torch.cat((halves[..., 0, :, :, :], halves[..., 1, :, :, :]), dim=-2))  # [E, mt, kt, T, 8]
     scale_words = _words(mat.scales)
     t = torch.arange(128)
     warp, g, q = t // 32, (t % 32) // 4, t % 4
@@ -387,8 +389,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
-        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's)
-        assert len(mma) == (8 if cfg.pipelined else 4) and all(len(a.split(",")) == 4 for a in mma), variant.describe()
+        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), the
+        # pipelined table consumer three times (the first step, then two per trip of its loop)
+        steps = 2 if cfg.pipelined else 3 if cfg.table_pipelined else 1
+        assert len(mma) == 4 * steps and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
         res = entry.resources
         assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
@@ -407,6 +411,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         if cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
             groups = 4 // cfg.wgmmas_per_group
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
+        elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
+            assert waits == ["1"] * 3 + ["0"], variant.describe()
         else:
             assert waits == ["0"] * (1 if fold else 4 // cfg.wgmmas_per_wait), variant.describe()
 
@@ -432,9 +438,11 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         ptx = entry.ptx_path.read_text()
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{([^}}]*)\}}, "
                          r"\{[^}]*\}, %rd\d+, (\w+), 1, 1;", ptx)
-        assert len(mma) == 4 and len({acc for acc, _ in mma}) == 1, variant.describe()
+        chains = 3 if gg.GemmConfig(**dict(variant.params)).table_pipelined else 1  # see the test above
+        assert len(mma) == 4 * chains, variant.describe()
+        assert all(len({acc for acc, _ in mma[i:i + 4]}) == 1 for i in range(0, len(mma), 4)), variant.describe()
         assert len(mma[0][0].split(",")) == bn // 2
-        assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"]
+        assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"] * chains
         assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
         assert entry.resources["frame_bytes"] == 0 and entry.resources["registers"] <= 128
 
@@ -740,6 +748,20 @@ def test_folded_pipelines_write_the_same_bytes(block_n):
 def test_table_decode_matches_float32_reference(block_n, topk, tokens):
     """The folded scales' table decode (weights in the table nibble order), warp-specialized at every bn."""
     got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 1000 + tokens,
+                                           fold_scales=True, table_decode=True)
+    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
+    for y, r in ((got_mid, ref_mid), (got, ref)):
+        cos, diff = _cos_diff(y, r)
+        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [8, 32, 64])
+@pytest.mark.parametrize("hidden,inter", [(512, 384), (256, 128)])
+def test_table_decode_odd_and_single_k_steps(hidden, inter, block_n):
+    """W2 with 3 K128 steps and with 1, W1 with 2: the pipelined consumer's two-step trips and its last chain
+    (odd and single step counts)."""
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, 8, 4, 2 * block_n + 3, block_n, seed=inter + block_n,
                                            fold_scales=True, table_decode=True)
     assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
     for y, r in ((got_mid, ref_mid), (got, ref)):

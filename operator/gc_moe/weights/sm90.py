@@ -30,7 +30,9 @@ each word's eight codes rearranged for a byte-permute decode. Word nibble n (bit
 magnitude of A[row g, k_n] (n < 4) or A[row g + 8, k_(n-4)] (n >= 4), k_i = 32 j + 16 h + 4 q + i, and in bit 3 a
 sign: of A[row g, k_(n-1)/2] for odd n, of A[row g + 8, k_n/2] for even n. Then `w & 0x77777777` holds the row's
 magnitudes as four permute selectors per half, `w & 0x80808080` row g's signs at the E4M3 sign bits and
-`(w << 4) & 0x80808080` row g + 8's.
+`(w << 4) & 0x80808080` row g + 8's. Also, thread T's words 0..3 lie at bytes [16 T, 16 T + 16) of the tile and
+words 4..7 at [2048 + 16 T, ...): each of its two 16-byte shared loads is then contiguous over the warp (no bank
+conflict; the lane order's 32-byte stride costs two wavefronts per quarter warp).
 
 Row order. W2 tiles take rows in order. W1 tiles interleave gate and up so one thread holds both halves
 of the same intermediate channel: W1 tile mt, row 16 w + r is gate channel 32 mt + 8 w + r for r < 8 and
@@ -122,8 +124,19 @@ def _lane_words_to_codes(tile_bytes: torch.Tensor) -> torch.Tensor:
     return torch.cat((b & 0xF, b >> 4), dim=-1)
 
 
+def _split_thread_halves(tile_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4096]: thread T's bytes [32 T, 32 T + 32) -> [16 T, ...) and [2048 + 16 T, ...)."""
+    return tile_bytes.view(*tile_bytes.shape[:-1], 128, 2, 16).transpose(-3, -2).reshape(tile_bytes.shape)
+
+
+def _join_thread_halves(tile_bytes: torch.Tensor) -> torch.Tensor:
+    """The inverse of _split_thread_halves."""
+    return tile_bytes.view(*tile_bytes.shape[:-1], 2, 128, 16).transpose(-3, -2).reshape(tile_bytes.shape)
+
+
 def _codes_to_table_bytes(c: torch.Tensor) -> torch.Tensor:
-    """codes [..., n words, 8] (as _lane_words_to_codes) -> uint8 [..., 4 n] in table order."""
+    """codes [..., n words, 8] (as _lane_words_to_codes) -> uint8 [..., 4 n]: each word in table nibble order
+    (the 16-byte halves are placed by _split_thread_halves)."""
     nib = [(c[..., _TABLE_MAGNITUDE[n]] & 7) | (c[..., _TABLE_SIGN[n]] & 8) for n in range(8)]
     out = torch.stack([nib[2 * i] | (nib[2 * i + 1] << 4) for i in range(4)], dim=-1)
     return out.reshape(*c.shape[:-2], 4 * c.shape[-2])
@@ -148,10 +161,9 @@ def with_nibble_order(mat: Sm90Matrix, order: str) -> Sm90Matrix:
     if order == mat.nibble_order:
         return mat
     if order == "table":
-        codes = _lane_words_to_codes(mat.codes)
-        new = _codes_to_table_bytes(codes)
+        new = _split_thread_halves(_codes_to_table_bytes(_lane_words_to_codes(mat.codes)))
     else:
-        c = _table_bytes_to_codes(mat.codes)
+        c = _table_bytes_to_codes(_join_thread_halves(mat.codes))
         new = (c[..., :4] | (c[..., 4:] << 4)).reshape(mat.codes.shape)
     return Sm90Matrix(codes=new.contiguous(), scales=mat.scales, factor=mat.factor, rows=mat.rows, cols=mat.cols,
                       gate_up_interleaved=mat.gate_up_interleaved, nibble_order=order)

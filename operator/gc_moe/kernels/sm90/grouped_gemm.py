@@ -367,6 +367,12 @@ class GemmConfig:
         return self.warp_specialized and not self.fold_scales
 
     @property
+    def table_pipelined(self) -> bool:
+        """The table decode's consumers keep one K128 step's WGMMA chain in flight while they scale the step before
+        (two accumulator buffers: up to bn 32; bn 64 waits for each chain)."""
+        return self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
+
+    @property
     def wgmmas_per_group(self) -> int:
         """pipelined: K32 WGMMAs per group, so that a group's fresh partials take 32 registers at every bn."""
         return {8: 2, 16: 2, 32: 1, 64: 1}[self.block_n]
@@ -601,30 +607,46 @@ def _make_kernel(cfg: GemmConfig):
                     acc[4 * i + 3] = acc[4 * i + 3] + p[3] * (s_hi * xs[i][1])
 
     @cute.jit
+    def table_fragment(sbase, a_off, s_off):
+        """The thread's 16 A registers of a K128 step through the table decode: its two 16-byte loads of codes
+        (table nibble order: bytes 16 t and 2048 + 16 t of its warpgroup's tile, no bank conflict), its rows' K32
+        scale words (row g at s_off, row g + 8 32 bytes on) and per K32 block the two rows' tables."""
+        wa = sbase + a_off
+        words = ptx.lds128(wa) + ptx.lds128(wa + TILE_BYTES // 2)
+        sc_lo = ptx.lds32(sbase + s_off)
+        sc_hi = ptx.lds32(sbase + s_off + 32)
+        a_regs = []
+        for j in cutlass.range_constexpr(4):
+            table_lo = ptx.decode_table(sc_lo, j)
+            table_hi = ptx.decode_table(sc_hi, j)
+            a_regs += [*ptx.decode_fp4x8_table(words[2 * j], table_lo, table_hi),
+                       *ptx.decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
+        return a_regs
+
+    @cute.jit
     def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc):
         sbase = smem + stage * cfg.stage_bytes
-        wa = sbase + wg * TILE_BYTES + t * 32
-        words = ptx.lds128(wa) + ptx.lds128(wa + 16)
-        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
-        sc_lo = ptx.lds32(srow)
-        sc_hi = ptx.lds32(srow + 32)
-        a_regs = []
-        descs = []
-        for j in cutlass.range_constexpr(4):
-            w_k0, w_k16 = words[2 * j], words[2 * j + 1]
-            if cutlass.const_expr(cfg.table_decode):
-                table_lo = ptx.decode_table(sc_lo, j)
-                table_hi = ptx.decode_table(sc_hi, j)
-                a_regs += [*ptx.decode_fp4x8_table(w_k0, table_lo, table_hi),
-                           *ptx.decode_fp4x8_table(w_k16, table_lo, table_hi)]
-            else:
+        if cutlass.const_expr(cfg.table_decode):
+            srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+            a_regs = table_fragment(sbase, wg * TILE_BYTES + t * 16, srow - sbase)
+            descs = [ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024) for j in range(4)]
+        else:
+            wa = sbase + wg * TILE_BYTES + t * 32
+            words = ptx.lds128(wa) + ptx.lds128(wa + 16)
+            srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+            sc_lo = ptx.lds32(srow)
+            sc_hi = ptx.lds32(srow + 32)
+            a_regs = []
+            descs = []
+            for j in cutlass.range_constexpr(4):
                 step_lo = ptx.fold_exponent_step(sc_lo, j)
                 step_hi = ptx.fold_exponent_step(sc_hi, j)
+                w_k0, w_k16 = words[2 * j], words[2 * j + 1]
                 a_regs += [
                     ptx.decode_fp4x4_folded(w_k0, step_lo, False), ptx.decode_fp4x4_folded(w_k0, step_hi, True),
                     ptx.decode_fp4x4_folded(w_k16, step_lo, False), ptx.decode_fp4x4_folded(w_k16, step_hi, True),
                 ]
-            descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
+                descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
         ptx.wgmma_fence()
         part = ptx.wgmma_rs_e4m3_chain(BN, a_regs, descs)
         xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
@@ -1004,6 +1026,71 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
+    def table_issue(smem, stage, a_off, s_off, desc0, buf):
+        """Decode stage `stage`'s fragment and issue its four chained WGMMAs into `buf`; returns once at most this
+        chain is in flight (the one before it has completed)."""
+        sbase = smem + stage * cfg.stage_bytes
+        a_regs = table_fragment(sbase, a_off, s_off)
+        desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+        descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+        ptx.wgmma_fence()
+        out = ptx.wgmma_rs_e4m3_chain_issue(BN, a_regs, descs, [buf[r] for r in range(BN // 2)], 1)
+        for r in cutlass.range_constexpr(BN // 2):
+            buf[r] = out[r]
+
+    @cute.jit
+    def table_step(smem, stage, phase, cur, prev, a_off, s_off, x_off, desc0, t, acc):
+        """One K128 step of the pipelined table consumer: wait for the next stage, issue its chain into `cur`,
+        then scale the previous step's chain (`prev`, complete now) into acc and release its stage. Returns the
+        (stage, phase) just consumed."""
+        bar0 = smem + cfg.barrier_offset
+        prev_stage = stage
+        stage = stage + 1
+        if stage == STAGES:
+            stage = Int32(0)
+            phase = phase ^ 1
+        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        table_issue(smem, stage, a_off, s_off, desc0, cur)
+        finish_step(smem + prev_stage * cfg.stage_bytes + x_off, prev, acc)
+        ptx.warp_sync()
+        if t % 32 == 0:
+            ptx.mbarrier_arrive(bar0 + (STAGES + prev_stage) * 8)
+        return stage, phase
+
+    @cute.jit
+    def consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc):
+        """A table-decode consumer warpgroup with one chain in flight: step kb's chain goes into buffer kb mod 2
+        (the loop runs two steps per trip so each buffer stays in its registers), and step kb - 1's FP32 scaling
+        and stage release follow its issue."""
+        bufs = (cute.make_rmem_tensor((BN // 2,), Float32), cute.make_rmem_tensor((BN // 2,), Float32))
+        for r in cutlass.range_constexpr(BN // 2):
+            bufs[0][r] = Float32(0.0)
+            bufs[1][r] = Float32(0.0)
+        a_off = wg * TILE_BYTES + t * 16
+        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        x_off = cfg.xs_offset + 2 * q * 4
+        desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
+        stage = Int32(0)
+        phase = Int32(0)
+        ptx.mbarrier_wait(smem + cfg.barrier_offset, phase, suspend_ns=SUSPEND)
+        ptx.fence_proxy_async_shared()
+        table_issue(smem, stage, a_off, s_off, desc0, bufs[0])
+        for kb in cutlass.range(1, k_blocks, 2):
+            stage, phase = table_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0, t, acc)
+            if kb + 1 < k_blocks:
+                stage, phase = table_step(smem, stage, phase, bufs[0], bufs[1], a_off, s_off, x_off, desc0, t, acc)
+        # the last chain (step k_blocks - 1, in buffer (k_blocks - 1) mod 2) completes, then its scaling
+        done = ptx.wgmma_wait_tied([bufs[0][r] for r in range(BN // 2)] + [bufs[1][r] for r in range(BN // 2)], 0)
+        for r in cutlass.range_constexpr(BN // 2):
+            bufs[0][r] = done[r]
+            bufs[1][r] = done[BN // 2 + r]
+        if k_blocks % 2 == 1:
+            finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[0], acc)
+        else:
+            finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[1], acc)
+
+    @cute.jit
     def thread_coords(tid):
         """A consumer thread's place: warpgroup (its 64-row weight tile), thread in the warpgroup, warp in the
         warpgroup, and the WGMMA fragment's row group g (lane / 4) and column pair q (lane % 4)."""
@@ -1032,6 +1119,8 @@ def _make_kernel(cfg: GemmConfig):
                 cute.arch.setmaxregister_increase(cfg.consumer_registers)
             if cutlass.const_expr(cfg.pipelined):
                 consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc)
+            elif cutlass.const_expr(cfg.table_pipelined):
+                consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
             else:
                 consume_folded(k_blocks, smem, wg, t, warp, g, q, acc)
             if cutlass.const_expr(epilogue is not None):
