@@ -420,7 +420,8 @@ def main() -> int:
                 {"compact_grid": True, "ctas_per_sm": 1}, {"compact_grid": True, "ring_consumer": True},
                 {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1},
                 {"k_splits": 3, "w2_k_splits": 2}, {"k_splits": 3, "w2_k_splits": 2, "ctas_per_sm": 1},
-                {"k_splits": 4, "w2_k_splits": 2}, {"fold_scales": True, "table_decode": True}]
+                {"k_splits": 4, "w2_k_splits": 2}, {"fold_scales": True, "table_decode": True},
+                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -462,7 +463,7 @@ def main() -> int:
         set_knobs = dict(set_knobs)
         set_max_block_n[tag] = set_knobs.pop("max_block_n", args.max_block_n)
         loaded = {}
-        for v in gg.variant_set(**set_knobs):
+        for v in gg.variant_set(**set_knobs, max_block_n=set_max_block_n[tag]):
             p = dict(v.params)
             loaded[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
         kernel_sets[tag] = loaded

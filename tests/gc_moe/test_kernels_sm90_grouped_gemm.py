@@ -378,7 +378,7 @@ def built(tmp_path_factory):
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -432,7 +432,7 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES)  # the folded decode and the table decode
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2  # the folded decode, the table decode (+ bn 16 at 2 per SM)
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -454,8 +454,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
-    # the table decode at bn 8..64
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4
+    # the table decode at bn 8..64 and at bn 16 with two CTAs per SM
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -778,6 +778,17 @@ def test_table_decode_model_shapes(hidden, inter, topk, block_n):
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+@pytest.mark.gpu
+def test_table_decode_two_ctas_per_sm_writes_the_same_bytes():
+    """bn 16 with two CTAs per SM (half the stages each) moves the same bytes through the same arithmetic."""
+    runs = [_run_case(1024, 512, 6, 4, 48, 16, seed=17, return_raw=True, fold_scales=True, table_decode=True, **kn)
+            for kn in ({"ctas_per_sm": 2}, {})]
+    (mid_2, sf_2, out_2), (mid_1, sf_1, out_1) = runs
+    assert torch.isfinite(sf_2).all() and torch.isfinite(out_2.float()).all()
+    assert torch.equal(mid_2.view(torch.uint8), mid_1.view(torch.uint8))
+    assert torch.equal(sf_2, sf_1) and torch.equal(out_2.view(torch.int16), out_1.view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -1744,11 +1744,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     )
 
 
-def variant_set(k_splits: int = 1, w2_k_splits: int = 1, **knobs):
-    """One configuration at both roles and every block_n, default SwiGLU (alpha 1, clamp 10). k_splits splits
-    W1's K and w2_k_splits W2's (at the tiles that take it, `variant`)."""
+def variant_set(k_splits: int = 1, w2_k_splits: int = 1, max_block_n: int = max(BLOCK_N_CHOICES), **knobs):
+    """One configuration at both roles and every block_n up to max_block_n, default SwiGLU (alpha 1, clamp 10).
+    k_splits splits W1's K and w2_k_splits W2's (at the tiles that take it, `variant`)."""
     return [variant(role, bn, k_splits=k_splits if role == "w1" else w2_k_splits, **knobs)
-            for role in ("w1", "w2") for bn in BLOCK_N_CHOICES]
+            for role in ("w1", "w2") for bn in BLOCK_N_CHOICES if bn <= max_block_n]
 
 
 def all_variants():
@@ -1764,7 +1764,9 @@ def all_variants():
                for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k
-              + variant_set(fold_scales=True, table_decode=True)):
+              + variant_set(fold_scales=True, table_decode=True)
+              # the table decode fits two CTAs per SM up to token tile 16 (bn 8 is at two by default)
+              + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
