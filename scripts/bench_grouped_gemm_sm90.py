@@ -378,9 +378,11 @@ def main() -> int:
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--auto-ctas", action="store_true",
-                    help="also a set `ws_auto`: per point the default variants or their one-CTA-per-SM twins at token "
-                         "tile 8, by ctas_per_sm_for (one CTA per SM when the working W1 CTAs fit the SMs), and "
-                         "those with K split (grouped_gemm.k_splits_for) where the working CTAs leave SMs idle")
+                    help="also a set `ws_auto`: per point the token tile and knobs of grouped_gemm.tile_knobs (the "
+                         "table decode from 9 rows on); at token tile 8 the default variants or their "
+                         "one-CTA-per-SM twins, by ctas_per_sm_for (one CTA per SM when the working W1 CTAs fit the "
+                         "SMs), and those with K split (grouped_gemm.k_splits_for) where the working CTAs leave SMs "
+                         "idle")
     ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
                          "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
@@ -472,6 +474,13 @@ def main() -> int:
     auto_splits = {(w1, w2): {(dict(v.params)["role"], dict(v.params)["block_n"]): jit.load_kernel(v, "sm_90a")
                               for v in gg.variant_set(**{**knobs, "ctas_per_sm": 1}, k_splits=w1, w2_k_splits=w2)}
                    for w1, w2 in ((3, 1), (3, 2))} if args.auto_ctas else {}
+    # ws_auto beyond token tile 8: grouped_gemm.tile_knobs's sets, loaded beside the timed ones
+    auto_tiles = {}
+    if args.auto_ctas:
+        for bn in (16, 32, 64):
+            _, tile_set = gg.tile_knobs(bn)
+            auto_tiles[bn] = {(dict(v.params)["role"], bn): jit.load_kernel(v, "sm_90a")
+                              for v in gg.variant_set(**{**knobs, **tile_set}) if dict(v.params)["block_n"] == bn}
     occupancy_report(kernel_sets)
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
@@ -484,8 +493,8 @@ def main() -> int:
         canon = (random_mxfp4(e_loc, 2 * model["inter"], model["hidden"], gen, device),
                  random_mxfp4(e_loc, model["hidden"], model["inter"], gen, device))
         weights = {"lane": wsm90.transform(*canon)}
-        if any(k.entry.variant.params and dict(k.entry.variant.params).get("table_decode")
-               for ks in kernel_sets.values() if ks for k in ks.values()):
+        if auto_tiles or any(dict(k.entry.variant.params).get("table_decode")
+                             for ks in kernel_sets.values() if ks for k in ks.values()):
             lane = weights["lane"]
             weights["table"] = wsm90.Sm90Weights(l1=wsm90.with_nibble_order(lane.l1, "table"),
                                                  l2=wsm90.with_nibble_order(lane.l2, "table"))
@@ -495,18 +504,24 @@ def main() -> int:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device, args.max_block_n)
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
+                max_bn = set_max_block_n.get(tag)
                 if set_kernels is None:  # ws_auto
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
-                    bn = block_n_for(pt.capacity, args.max_block_n)
-                    one = ctas_per_sm_for(pt.counts.tolist(), bn, model["inter"], sms) == 1
-                    set_kernels = kernel_sets["ws1" if one else base_tag]
-                    if one:
-                        tiles = sum(-(-int(c) // bn) for c in pt.counts.tolist())
-                        splits = gg.k_splits_for(tiles * (2 * model["inter"] // 256),
-                                                 tiles * (model["hidden"] // 256), sms)
-                        set_kernels = auto_splits.get(splits, set_kernels)
-                        row_note = {"k_splits": list(splits)}
-                pt.use(set_kernels, set_max_block_n.get(tag))
+                    bn, tile_set = gg.tile_knobs(pt.capacity)
+                    max_bn = bn
+                    if bn > 8:
+                        set_kernels = auto_tiles[bn]
+                        row_note = {"knobs": tile_set}
+                    else:
+                        one = ctas_per_sm_for(pt.counts.tolist(), bn, model["inter"], sms) == 1
+                        set_kernels = kernel_sets["ws1" if one else base_tag]
+                        if one:
+                            tiles = sum(-(-int(c) // bn) for c in pt.counts.tolist())
+                            splits = gg.k_splits_for(tiles * (2 * model["inter"] // 256),
+                                                     tiles * (model["hidden"] // 256), sms)
+                            set_kernels = auto_splits.get(splits, set_kernels)
+                            row_note = {"k_splits": list(splits)}
+                pt.use(set_kernels, max_bn)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)

@@ -78,6 +78,19 @@ def test_k_splits_for_follows_the_measured_points():
         gg.k_splits_for(0, 10, 132)
 
 
+def test_tile_knobs_follow_the_measured_points():
+    assert gg.tile_knobs(0) == (8, {}) and gg.tile_knobs(8) == (8, {})
+    table = {"fold_scales": True, "table_decode": True}
+    assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
+    assert gg.tile_knobs(17) == (32, table) and gg.tile_knobs(32) == (32, table)
+    assert gg.tile_knobs(33) == (64, table) and gg.tile_knobs(500) == (64, table)
+    for cap in (9, 16, 17, 33, 80):  # every choice is a buildable variant of both roles
+        bn, knobs = gg.tile_knobs(cap)
+        assert all(gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params)).table_decode for role in ("w1", "w2"))
+    with pytest.raises(ValueError, match="allowed >= 0"):
+        gg.tile_knobs(-1)
+
+
 def test_shared_memory_plan_fits_the_sm():
     for bn in gg.BLOCK_N_CHOICES:
         for ws in (False, True) if bn <= gg.WS_MAX_BLOCK_N else (False,):
