@@ -479,8 +479,8 @@ def main() -> int:
     if args.auto_ctas:
         for bn in (16, 32, 64):
             _, tile_set = gg.tile_knobs(bn)
-            auto_tiles[bn] = {(dict(v.params)["role"], bn): jit.load_kernel(v, "sm_90a")
-                              for v in gg.variant_set(**{**knobs, **tile_set}) if dict(v.params)["block_n"] == bn}
+            auto_tiles[bn] = {(role, bn): jit.load_kernel(gg.variant(role, bn, **{**knobs, **tile_set}), "sm_90a")
+                              for role in ("w1", "w2")}
     occupancy_report(kernel_sets)
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")

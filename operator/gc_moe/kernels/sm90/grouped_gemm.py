@@ -1689,7 +1689,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         consumer_registers = None
     if block_n > K_SPLIT_MAX_BLOCK_N or not ws_default:
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
-    if table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None:
+    if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
+            and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
         # registers, so the consumers take 112 from a producer warpgroup (W2 likewise, one shape for both roles)
         producer_warps, consumer_registers = 4, max(CONSUMER_REGISTER_CHOICES)
