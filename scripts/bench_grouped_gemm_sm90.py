@@ -393,7 +393,7 @@ def main() -> int:
                     help="also run the folded-scale variants (K32 scale in the decode) at every point")
     ap.add_argument("--table-decode", action="store_true",
                     help="also the folded scales' byte-permute decode: sets `tab` (token tiles up to 32) and `tab64` "
-                         "(up to 64), and their persistent variants `tabp` / `tabp64` (GemmConfig.persistent)")
+                         "(up to 64)")
     ap.add_argument("--profile", action="store_true",
                     help="launch W1 and W2 twice per point, eager, nothing else (for a profiler: skip the first two)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
@@ -423,8 +423,7 @@ def main() -> int:
                 {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1},
                 {"k_splits": 3, "w2_k_splits": 2}, {"k_splits": 3, "w2_k_splits": 2, "ctas_per_sm": 1},
                 {"k_splits": 4, "w2_k_splits": 2}, {"fold_scales": True, "table_decode": True},
-                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16},
-                {"fold_scales": True, "table_decode": True, "persistent": True}]
+                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -455,9 +454,6 @@ def main() -> int:
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
         kernel_sets["tab64"] = {**knobs, "fold_scales": True, "table_decode": True, "max_block_n": 64}
-        kernel_sets["tabp"] = {**knobs, "fold_scales": True, "table_decode": True, "persistent": True}
-        kernel_sets["tabp64"] = {**knobs, "fold_scales": True, "table_decode": True, "persistent": True,
-                                 "max_block_n": 64}
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
     set_max_block_n = {}  # per set: its largest token tile (a pseudo-knob, not a GemmConfig one)

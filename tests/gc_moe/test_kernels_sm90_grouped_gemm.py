@@ -353,30 +353,6 @@ def test_table_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
     assert torch.equal(got, wsm90.dequantize_matrix(mat))
 
 
-def test_persistent_knob_grid_and_parameters():
-    with pytest.raises(ValueError, match="persistent is a knob of the table decode"):
-        gg.GemmConfig("w1", 16, persistent=True)
-    with pytest.raises(ValueError, match="persistent is a knob"):
-        gg.GemmConfig("w2", 16, fold_scales=True, table_decode=True, persistent=True, ring_consumer=True)
-    cfg = gg.GemmConfig("w2", 32, fold_scales=True, table_decode=True, persistent=True)
-    assert cfg.params[-1] == ("local_experts", "s32") and cfg.name.endswith("_pers_ws")
-    assert cfg.smem_bytes <= gg.SMEM_LIMIT and cfg.ticket_offset + cfg.persistent_bytes == cfg.smem_bytes
-    # one CTA per SM, or fewer when the call has fewer units; rows // 256 weight-row CTAs per expert
-    assert gg.grid(cfg, 6144, 32, 70, sms=132) == (132, 1, 1)  # 3 tiles x 24 x 32 units
-    assert gg.grid(cfg, 512, 2, 5, sms=132) == (4, 1, 1)
-    assert gg.grid(gg.GemmConfig("w2", 8, fold_scales=True, table_decode=True, persistent=True), 6144, 32, 70,
-                   sms=132) == (264, 1, 1)  # tile 8: two CTAs per SM
-    with pytest.raises(ValueError, match="SM count"):
-        gg.grid(cfg, 6144, 32, 70)
-    with pytest.raises(ValueError, match="allowed <= 256"):
-        gg.grid(cfg, 6144, 300, 70, sms=132)
-    # the knob is dropped where it does not apply: without the table decode, at tile 8, W1 at tile 64 (spills)
-    assert "persistent" not in dict(gg.variant("w1", 16, persistent=True).params)
-    assert "persistent" not in dict(gg.variant("w2", 8, fold_scales=True, table_decode=True, persistent=True).params)
-    assert "persistent" not in dict(gg.variant("w1", 64, fold_scales=True, table_decode=True, persistent=True).params)
-    assert dict(gg.variant("w2", 64, fold_scales=True, table_decode=True, persistent=True).params)["persistent"]
-
-
 def test_table_decode_knob_and_the_nibble_order_it_needs():
     with pytest.raises(ValueError, match="fold_scales=True"):
         gg.GemmConfig("w1", 16, table_decode=True)
@@ -415,7 +391,7 @@ def built(tmp_path_factory):
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 5  # + persistent (tiles 16-64, not W1 at 64)
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -441,8 +417,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert [size for _, size in res["params"]] == expected  # folding changes no parameter, the ring appends
         assert len(expected) == len(gg.PARAMS_W1 if params["role"] == "w1" else gg.PARAMS_W2) + (
             len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0) + (
-            len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0) + (
-            len(gg.PERSISTENT_PARAMS) if params.get("persistent") else 0)
+            len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
@@ -470,8 +445,7 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
-    # the folded decode, the table decode (+ bn 16 at 2 per SM, + persistent)
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 5
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2  # the folded decode, the table decode (+ bn 16 at 2 per SM)
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -493,8 +467,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
-    # the table decode at bn 8..64, at bn 16 with two CTAs per SM, persistent
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 5
+    # the table decode at bn 8..64 and at bn 16 with two CTAs per SM
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -504,10 +478,7 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
         # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read
         split = 3 if params.get("k_splits", 1) > 1 else 0
-        # a persistent CTA's consumers meet once more per unit (the next unit's epilogue reuses the amax region)
-        persistent = 1 if params.get("persistent") else 0
-        assert ptx.count("bar.sync 1, 512;") == split + persistent + (1 if params["role"] == "w1" else 0), \
-            variant.describe()
+        assert ptx.count("bar.sync 1, 512;") == split + (1 if params["role"] == "w1" else 0), variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
             str(cfg.full_arrivals), "16"] * cfg.stages
@@ -820,20 +791,6 @@ def test_table_decode_model_shapes(hidden, inter, topk, block_n):
     assert torch.isfinite(got).all()
     cos, diff = _cos_diff(got, ref)
     assert cos >= 0.999 and diff <= 0.002, (cos, diff)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [16, 32, 64])
-@pytest.mark.parametrize("hidden,inter,experts,tokens", [(1024, 512, 6, 3), (512, 384, 40, 24)])
-def test_persistent_writes_the_one_cta_per_unit_bytes(block_n, hidden, inter, experts, tokens):
-    """A persistent CTA runs the same units with the same arithmetic, several per CTA when there are more units
-    than CTAs (40 experts: W2 odd step counts too): W1 and W2 must write what one CTA per unit writes."""
-    runs = [_run_case(hidden, inter, experts, 4, tokens * block_n // 8, block_n, seed=19 + block_n, return_raw=True,
-                      fold_scales=True, table_decode=True, **kn) for kn in ({"persistent": True}, {})]
-    (mid_p, sf_p, out_p), (mid_1, sf_1, out_1) = runs
-    assert torch.isfinite(sf_p).all() and torch.isfinite(out_p.float()).all()
-    assert torch.equal(mid_p.view(torch.uint8), mid_1.view(torch.uint8))
-    assert torch.equal(sf_p, sf_1) and torch.equal(out_p.view(torch.int16), out_1.view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -115,9 +115,6 @@ RING_PARAMS_W2 = (("ring_source", "u64"), ("peers", "u64"), ("source_rows", "s32
 # arrival counter per unit (token tile x weight-row CTA x expert; zero before the first launch, the last split
 # of a unit sets it back to zero)
 SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
-# persistent appends this: the launch's local experts (the grid is one or two CTAs per SM, not one per unit)
-PERSISTENT_PARAMS = (("local_experts", "s32"),)
-PERSISTENT_MAX_LOCAL_EXPERTS = 256  # the experts' token-tile prefix lives in shared memory
 K_SPLIT_CHOICES = (1, 2, 3, 4)
 K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
@@ -198,22 +195,12 @@ class GemmConfig:
     # in weights.sm90's "table" nibble order. The FP32 scale work left is one FMA per accumulator per K128 step,
     # and no partial buffers: room for token tiles of 64 on the warp-specialized pipeline
     table_decode: bool = False
-    # the table decode's stand-alone W1 / W2 on a grid of one CTA per SM slot that walks the (expert, weight-row
-    # CTA, token tile) units with tokens in order (CTA b takes units b, b + grid, ...): the producer streams the
-    # next unit's stages while the consumers finish the current one (its epilogue), where a grid of one CTA per
-    # unit stops the SM's stream for every CTA's fill and finish (~15% at tiles 32 / 64: docs, step 12c)
-    persistent: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
             raise ValueError(f"role must be 'w1' or 'w2', got {self.role!r}")
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
-        if self.persistent and not (self.table_decode and self.warp_specialized is not False and not self.ring_consumer
-                                    and not self.fused_role2 and not self.compact_grid and self.k_splits == 1
-                                    and self.token_tiles_fastest):
-            raise ValueError("persistent is a knob of the table decode's stand-alone W1 / W2 (fold_scales=True, "
-                             "table_decode=True; no ring, no fused half, no compact grid, no K split)")
         if self.table_decode and not self.fold_scales:
             raise ValueError("table_decode is a way of folding the K32 scales into the decode: pass fold_scales=True")
         if self.warp_specialized is None:
@@ -294,14 +281,9 @@ class GemmConfig:
         return (640 * WS_ENTRY_REGISTERS - THREADS * self.consumer_registers) // (32 * self.producer_warps)
 
     @property
-    def persistent_bytes(self) -> int:
-        """persistent: the experts' token-tile prefix (PERSISTENT_MAX_LOCAL_EXPERTS + 1 words)."""
-        return -(-4 * (PERSISTENT_MAX_LOCAL_EXPERTS + 1) // 16) * 16 if self.persistent else 0
-
-    @property
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
-        fixed = 16 * self.block_n * 4 + (self.fused_bytes if self.fused_role2 else 0) + self.persistent_bytes
+        fixed = 16 * self.block_n * 4 + (self.fused_bytes if self.fused_role2 else 0)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -367,7 +349,7 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.ticket_offset + (self.fused_bytes if self.fused_role2 else 0) + self.persistent_bytes
+        return self.ticket_offset + (self.fused_bytes if self.fused_role2 else 0)
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -397,10 +379,10 @@ class GemmConfig:
 
     @property
     def params(self):
-        extra = (SPLIT_PARAMS if self.k_splits > 1 else ()) + (PERSISTENT_PARAMS if self.persistent else ())
         if self.role == "w1":
-            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + extra
-        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + extra
+            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + (
+                SPLIT_PARAMS if self.k_splits > 1 else ())
+        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + (SPLIT_PARAMS if self.k_splits > 1 else ())
 
     @property
     def name(self) -> str:
@@ -413,8 +395,6 @@ class GemmConfig:
             s += "_compact"
         if self.k_splits > 1:
             s += f"_k{self.k_splits}"
-        if self.persistent:
-            s += "_pers"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -478,19 +458,11 @@ def decode_fp4x8_table(w, table_lo, table_hi, prmt, u32=int):
     return lo, hi
 
 
-def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int | None = None) -> tuple[int, int, int]:
-    """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive; a persistent
-    variant takes ctas_per_sm CTAs per SM (`sms` of them), or fewer when the call has fewer units."""
+def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple[int, int, int]:
+    """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive."""
     if rows % ROWS_PER_CTA:
         raise ValueError(f"weight rows {rows} must be a multiple of {ROWS_PER_CTA}")
     token_tiles = max(1, -(-capacity // cfg.block_n))
-    if cfg.persistent:
-        if sms is None or sms < 1:
-            raise ValueError(f"a persistent variant's grid needs the device's SM count, got {sms}")
-        if local_experts > PERSISTENT_MAX_LOCAL_EXPERTS:
-            raise ValueError(f"{local_experts} local experts; allowed <= {PERSISTENT_MAX_LOCAL_EXPERTS} for a "
-                             f"persistent variant (the experts' prefix lives in shared memory)")
-        return max(1, min(token_tiles * (rows // ROWS_PER_CTA) * local_experts, sms * cfg.ctas_per_sm)), 1, 1
     if cfg.token_tiles_fastest:  # k_splits: the splits of a token tile are its neighbours in x
         return token_tiles * cfg.k_splits, rows // ROWS_PER_CTA, local_experts
     return rows // ROWS_PER_CTA, local_experts, token_tiles
@@ -554,7 +526,6 @@ def _make_kernel(cfg: GemmConfig):
     REUSE = cfg.ring_reuse
     KS = cfg.k_splits
     SPLIT = cfg.consumer_registers is not None
-    PERSISTENT = cfg.persistent
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -774,28 +745,6 @@ def _make_kernel(cfg: GemmConfig):
                                          x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
-
-    @cute.jit
-    def produce_persistent(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, base):
-        """A persistent CTA's producer for one unit: `produce` with the CTA's steps counted on across units
-        (step base + kb uses stage (base + kb) mod STAGES; the empty waits follow the passes over the ring), so
-        the unit's first stages go out while the consumers still finish the previous unit."""
-        weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx)
-        w_src, s_src, tile_stride, scale_stride = weights
-        b_src, b_bytes, b_dst = rows_in
-        x_src, x_bytes = scales_in
-        base = cute.arch.make_warp_uniform(base)
-        for kb in cutlass.range(k_blocks):
-            step = base + kb
-            stage = step_stage(step, STAGES)
-            full = smem + cfg.barrier_offset + stage * 8
-            sbase = smem + stage * cfg.stage_bytes
-            if step >= STAGES:
-                ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
-            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
-            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
-            copy_token_scales(sbase, kb, x_src, x_bytes, pidx)
-            ptx.cp_async_mbarrier_arrive_noinc(full)
 
     @cute.jit
     def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base):
@@ -1077,21 +1026,6 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def consume_folded_at(k_blocks, smem, wg, t, warp, g, q, acc, base):
-        """consume_folded for a persistent CTA's unit: its steps are the CTA's steps base .. base + k_blocks - 1."""
-        base = cute.arch.make_warp_uniform(base)
-        for kb in cutlass.range(k_blocks):
-            step = base + kb
-            stage = step_stage(step, STAGES)
-            full = smem + cfg.barrier_offset + stage * 8
-            ptx.mbarrier_wait(full, full_parity(step, STAGES), suspend_ns=SUSPEND)
-            ptx.fence_proxy_async_shared()
-            compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
-            ptx.warp_sync()
-            if t % 32 == 0:
-                ptx.mbarrier_arrive(full + STAGES * 8)
-
-    @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf):
         """Decode stage `stage`'s fragment and issue its four chained WGMMAs into `buf`; returns once at most this
         chain is in flight (the one before it has completed)."""
@@ -1125,11 +1059,10 @@ def _make_kernel(cfg: GemmConfig):
         return stage, phase
 
     @cute.jit
-    def consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None):
+    def consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc):
         """A table-decode consumer warpgroup with one chain in flight: step kb's chain goes into buffer kb mod 2
         (the loop runs two steps per trip so each buffer stays in its registers), and step kb - 1's FP32 scaling
-        and stage release follow its issue. base: a persistent CTA's first step of the unit (its stages and
-        phases run on across units; the unit's last stage is released too), None: stage 0, phase 0."""
+        and stage release follow its issue."""
         bufs = (cute.make_rmem_tensor((BN // 2,), Float32), cute.make_rmem_tensor((BN // 2,), Float32))
         for r in cutlass.range_constexpr(BN // 2):
             bufs[0][r] = Float32(0.0)
@@ -1140,11 +1073,7 @@ def _make_kernel(cfg: GemmConfig):
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
         phase = Int32(0)
-        if cutlass.const_expr(base is not None):
-            base = cute.arch.make_warp_uniform(base)
-            stage = step_stage(base, STAGES)
-            phase = full_parity(base, STAGES)
-        ptx.mbarrier_wait(smem + cfg.barrier_offset + stage * 8, phase, suspend_ns=SUSPEND)
+        ptx.mbarrier_wait(smem + cfg.barrier_offset, phase, suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()
         table_issue(smem, stage, a_off, s_off, desc0, bufs[0])
         for kb in cutlass.range(1, k_blocks, 2):
@@ -1160,109 +1089,6 @@ def _make_kernel(cfg: GemmConfig):
             finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[0], acc)
         else:
             finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[1], acc)
-        if cutlass.const_expr(base is not None):  # the next unit's steps reuse the last stage too
-            ptx.warp_sync()
-            if t % 32 == 0:
-                ptx.mbarrier_arrive(smem + cfg.barrier_offset + (STAGES + stage) * 8)
-
-    @cute.jit
-    def build_unit_prefix(expert_offsets, local_experts, prefix, lane):
-        """Warp 0 of a persistent CTA: prefix[e] = token tiles with rows of the experts before e (an inclusive warp
-        scan per 32 experts, carried across chunks); prefix[local_experts] = all of them."""
-        carry = Int32(0)
-        if lane == 0:
-            ptx.sts_s32(prefix, Int32(0))
-        for c in cutlass.range((local_experts + 31) // 32):
-            e = c * 32 + lane
-            tiles = Int32(0)
-            if e < local_experts:
-                rows = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-                tiles = (rows + (BN - 1)) // BN
-            incl = tiles
-            for d in cutlass.range_constexpr(5):
-                up = ptx.shfl_up_s32(incl, 1 << d)
-                if lane >= (1 << d):
-                    incl = incl + up
-            if e < local_experts:
-                ptx.sts_s32(prefix + (e + 1) * 4, carry + incl)
-            carry = carry + ptx.shfl_idx_s32(incl, Int32(31))
-
-    @cute.jit
-    def unit_at(prefix, local_experts, u, m_ctas):
-        """Unit u of the launch's units with tokens (experts in order; within one, its m_ctas x tiles units with
-        the token tile fastest, so CTAs that read the same weights run side by side) -> (expert, weight-row CTA,
-        token tile). The expert is the last e with prefix[e] <= u // m_ctas (a binary search of the prefix: an
-        expert without rows has the prefix of the next one, so the search passes over it)."""
-        j = u // m_ctas
-        lo = Int32(0)
-        hi = local_experts
-        for _ in cutlass.range_constexpr(9):  # 2^9 > PERSISTENT_MAX_LOCAL_EXPERTS: the interval is one expert
-            mid = (lo + hi) // 2
-            if hi - lo > 1:
-                if ptx.lds_s32(prefix + mid * 4) <= j:
-                    lo = mid
-                else:
-                    hi = mid
-        first = ptx.lds_s32(prefix + lo * 4)
-        tiles = ptx.lds_s32(prefix + lo * 4 + 4) - first
-        local = u - first * m_ctas
-        return lo, local // tiles, local % tiles
-
-    @cute.jit
-    def run_persistent(a, w_factor, expert_offsets, k_blocks, m_tiles, local_experts, smem, make_epilogue):
-        """A persistent CTA: CTA b runs units b, b + grid, ... (`unit_at`); the producer warps stream every unit's
-        steps into one ring whose stages and phases run on across units, the consumers run each unit's main loop
-        and its epilogue (make_epilogue(expert, weight-row CTA, first row, rows) -> (function, arguments after
-        (tid, wg, warp, g, q, factor, acc))), then meet on a consumer barrier (the next unit's epilogue reuses
-        the shared amax region)."""
-        tid = cute.arch.thread_idx()[0]
-        wg, t, warp, g, q = thread_coords(tid)
-        prefix = smem + cfg.ticket_offset
-        if tid == 0:
-            for st in cutlass.range_constexpr(STAGES):
-                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
-                ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
-            ptx.fence_mbarrier_init()
-        if tid < 32:
-            build_unit_prefix(expert_offsets, local_experts, prefix, tid)
-        ptx.gemm_barrier(cfg)
-        m_ctas = m_tiles // TILES_PER_CTA
-        units = ptx.lds_s32(prefix + local_experts * 4) * m_ctas
-        first_unit = Int32(cute.arch.block_idx()[0])
-        stride = Int32(cute.arch.grid_dim()[0])
-        if tid >= THREADS:
-            if cutlass.const_expr(SPLIT):
-                cute.arch.setmaxregister_decrease(cfg.producer_registers)
-            base = Int32(0)
-            for u in cutlass.range(first_unit, units, stride):
-                e, bx, bz = unit_at(prefix, local_experts, u, m_ctas)
-                off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-                count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
-                produce_persistent(a, e, bx, off0 + bz * BN, count, k_blocks, m_tiles, smem, tid - THREADS, base)
-                base = base + k_blocks
-            ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
-        else:
-            if cutlass.const_expr(SPLIT):
-                cute.arch.setmaxregister_increase(cfg.consumer_registers)
-            acc = cute.make_rmem_tensor((BN // 2,), Float32)
-            base = Int32(0)
-            for u in cutlass.range(first_unit, units, stride):
-                for i in cutlass.range_constexpr(BN // 2):
-                    acc[i] = Float32(0.0)
-                if cutlass.const_expr(cfg.table_pipelined):
-                    consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base)
-                else:
-                    consume_folded_at(k_blocks, smem, wg, t, warp, g, q, acc, base)
-                # the unit's place, found after its main loop (nothing of it stays live across the loop)
-                e, bx, bz = unit_at(prefix, local_experts, u, m_ctas)
-                off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-                count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
-                fn, args = make_epilogue(e, bx, off0 + bz * BN, count)
-                fn(tid, wg, warp, g, q, weight_factor(w_factor, e), acc, *args)
-                ptx.named_barrier_sync(1, THREADS)
-                base = base + k_blocks
-            if cutlass.const_expr(SPLIT):
-                cute.arch.setmaxregister_decrease(WS_ENTRY_REGISTERS)
 
     @cute.jit
     def thread_coords(tid):
@@ -1607,20 +1433,10 @@ def _make_kernel(cfg: GemmConfig):
     if W1:
         @cute.jit
         def w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
-                    k_blocks, m_tiles, ring, fused=None, split=None, local_experts=None):
+                    k_blocks, m_tiles, ring, fused=None, split=None):
             """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, side,
             base) of the fused role2 kernel's unit (it waited for RING_READY already): `fused_unit`'s side and
-            first K128 step. split (k_splits > 1): (split_partials, split_counts). local_experts: persistent."""
-            if cutlass.const_expr(PERSISTENT):
-                unit_smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
-
-                def w1_unit_epilogue(e, bx, row0, count):
-                    return w1_epilogue, (unit_smem, row0, count, count, bx, m_tiles, routing_weight, out, out_scale,
-                                         None, None)
-
-                run_persistent((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles,
-                               local_experts, unit_smem, w1_unit_epilogue)
-                return
+            first K128 step. split (k_splits > 1): (split_partials, split_counts)."""
             if cutlass.const_expr(FUSED):
                 ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 e, bx, bz, started, done_mask, side, base = fused
@@ -1676,14 +1492,7 @@ def _make_kernel(cfg: GemmConfig):
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
                                    m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(PERSISTENT):
-            @cute.kernel
-            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
-                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
-                       k_blocks: Int32, m_tiles: Int32, local_experts: Int32):
-                w1_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, routing_weight, out, out_scale,
-                        k_blocks, m_tiles, None, local_experts=local_experts)
-        elif cutlass.const_expr(KS > 1):
+        if cutlass.const_expr(KS > 1):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
@@ -1709,20 +1518,11 @@ def _make_kernel(cfg: GemmConfig):
     else:
         @cute.jit
         def w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks, m_tiles,
-                    ring, fused=None, split=None, local_experts=None):
+                    ring, fused=None, split=None):
             """fused: (expert, weight-row CTA, token tile, started, the token tile's W1-completion word, the
             bound on waits, side, base) of the fused role2 kernel's unit: role1 and W1 write what this reads while
             it runs, so every such read is coherent, and the producer waits for all I/128 bits of the word.
-            split (k_splits > 1): (split_partials, split_counts). local_experts: persistent."""
-            if cutlass.const_expr(PERSISTENT):
-                unit_smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
-
-                def w2_unit_epilogue(e, bx, row0, count):
-                    return w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, None)
-
-                run_persistent((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles,
-                               local_experts, unit_smem, w2_unit_epilogue)
-                return
+            split (k_splits > 1): (split_partials, split_counts)."""
             ready = None
             if cutlass.const_expr(FUSED and REUSE):  # and the ring rows of W1's output
                 e, bx, bz, started, done_mask, timeout_ns, side, base, l2_rows = fused
@@ -1761,14 +1561,7 @@ def _make_kernel(cfg: GemmConfig):
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
                                    m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(PERSISTENT):
-            @cute.kernel
-            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
-                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
-                       local_experts: Int32):
-                w2_body(w_codes, w_scales, w_factor, act, act_scale, expert_offsets, dest_row, out, k_blocks,
-                        m_tiles, None, local_experts=local_experts)
-        elif cutlass.const_expr(KS > 1):
+        if cutlass.const_expr(KS > 1):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
@@ -1819,16 +1612,6 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1).launch(**launch)
-    elif cfg.role == "w1" and cfg.persistent:
-        @cute.jit
-        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
-                 a8: Int64, k_blocks: Int32, m_tiles: Int32, experts: Int32):
-            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, experts).launch(**launch)
-    elif cfg.role == "w2" and cfg.persistent:
-        @cute.jit
-        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
-                 k_blocks: Int32, m_tiles: Int32, experts: Int32):
-            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, experts).launch(**launch)
     elif cfg.role == "w1" and cfg.ring_consumer:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -1866,8 +1649,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
-               consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               persistent: bool = False):
+               consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1878,8 +1660,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
-                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     persistent=persistent)
+                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1891,7 +1672,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False, persistent: bool = False):
+            table_decode: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1899,9 +1680,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     from gc_moe.runtime.jit import KernelVariant
 
     table_decode = table_decode and fold_scales  # a way of folding: sets may name it with the fold off
-    # a knob of the table decode at tiles 16-64 (sets may name it anywhere): W1 at tile 64 (its epilogue in the unit
-    # loop spills even in 112 registers) and tile 8 (two CTAs per SM: 56 registers) stay one CTA per unit
-    persistent = persistent and table_decode and block_n > 8 and not (role == "w1" and block_n > WS_MAX_BLOCK_N)
     ws_default = GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
                             warp_specialized=warp_specialized, fold_scales=fold_scales,
                             table_decode=table_decode).warp_specialized
@@ -1919,8 +1697,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
-                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     persistent=persistent)
+                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1941,8 +1718,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["fold_scales"] = True
     if table_decode:
         params["table_decode"] = True
-    if persistent:
-        params["persistent"] = True
     if compact_grid:
         params["compact_grid"] = True
     if consumer_registers is not None:
@@ -1992,8 +1767,7 @@ def all_variants():
               + variant_set(warp_specialized=False) + compact_ring + split_k
               + variant_set(fold_scales=True, table_decode=True)
               # the table decode fits two CTAs per SM up to token tile 16 (bn 8 is at two by default)
-              + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]
-              + variant_set(fold_scales=True, table_decode=True, persistent=True)):
+              + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -2039,13 +1813,6 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
     if not cfg.ring_consumer and ring_args:
         raise ValueError(f"{kernel.name} is not a ring consumer: ring_args must be empty")
     return list(ring_args)
-
-
-def _sm_count(device) -> int:
-    """SMs of the launch's device (a persistent variant's grid)."""
-    import torch
-
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
@@ -2155,8 +1922,8 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
     _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
-    g = grid(cfg, mat.rows, mat.num_experts, capacity, _sm_count(act.device) if cfg.persistent else None)
-    extra = extra + _split_args(cfg, kernel, g, hidden, split) + ([i32(mat.num_experts)] if cfg.persistent else [])
+    g = grid(cfg, mat.rows, mat.num_experts, capacity)
+    extra = extra + _split_args(cfg, kernel, g, hidden, split)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
@@ -2199,8 +1966,8 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
         raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
     _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
-    g = grid(cfg, mat.rows, mat.num_experts, capacity, _sm_count(act.device) if cfg.persistent else None)
-    extra = extra + _split_args(cfg, kernel, g, inter, split) + ([i32(mat.num_experts)] if cfg.persistent else [])
+    g = grid(cfg, mat.rows, mat.num_experts, capacity)
+    extra = extra + _split_args(cfg, kernel, g, inter, split)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra

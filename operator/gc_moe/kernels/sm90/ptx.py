@@ -78,14 +78,6 @@ def lds_f32x2(addr: Int32) -> list:
     return asm("ld.shared.v2.f32 {$0, $1}, [$2];", [Float32] * 2, [addr])
 
 
-def lds_s32(addr: Int32) -> Int32:
-    return asm("ld.shared.b32 $0, [$1];", [Int32], [addr])
-
-
-def sts_s32(addr: Int32, v: Int32) -> None:
-    asm("st.shared.b32 [$0], $1;", [], [addr, v])
-
-
 def sts_f32(addr: Int32, v: Float32) -> None:
     asm("st.shared.f32 [$0], $1;", [], [addr, v])
 
