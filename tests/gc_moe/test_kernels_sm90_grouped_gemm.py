@@ -225,45 +225,6 @@ def test_folded_decode_needs_the_window():
     assert float(_e4m3(got)[0, 0]) != 6.0 * 2.0 ** (12 - gg.FOLD_EXPONENT)
 
 
-@pytest.mark.parametrize("gate_up", [False, True])
-def test_folded_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
-    """Per thread as the kernel does (two 16-byte loads, row g / g+8 scale words, K32 block j): E4M3(decode) *
-    2^5 * factor equals formats.dequantize_fp4_ue8m0 of the canonical weights, every element, every d."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    e, m, k = 2, 128, 512
-    codes = torch.randint(0, 16, (e, m, k), dtype=torch.uint8, generator=gen)
-    codes[:, :, :16] = torch.arange(16, dtype=torch.uint8)  # every code in every row
-    exps = torch.randint(113, 125, (e, m, k // 32), dtype=torch.uint8, generator=gen)
-    exps[:, 0, :12] = torch.arange(113, 125, dtype=torch.uint8)  # span exactly 12 values: d = 0..11 all occur
-    packed, sf = pack_fp4(codes), pack_ue8m0(exps)
-    mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up)
-    d_seen = set((mat.scales.flatten().long() - gg.SCALE_BYTE_OFFSET).tolist())
-    assert d_seen == set(range(12))
-    words = _words(mat.codes.view(*mat.codes.shape[:3], 128, 8, 4))  # [E, mt, kt, thread T, word 2j+h]
-    scale_words = _words(mat.scales)  # [E, mt, kt, tile row]: byte j = K32 block j
-    t = torch.arange(128)
-    warp, g, q = t // 32, (t % 32) // 4, t % 4
-    row_lo = 16 * warp + g
-    dense = torch.zeros(e, m // 64, k // 128, 64, 128)
-    for j in range(4):
-        step_lo = gg.fold_exponent_step(scale_words[..., row_lo], j)  # [E, mt, kt, T]
-        step_hi = gg.fold_exponent_step(scale_words[..., row_lo + 8], j)
-        for h in range(2):
-            w = words[..., 2 * j + h]
-            lo = _e4m3(_word_bytes(gg.decode_fp4x4_folded(w, step_lo, False)))  # [E, mt, kt, T, 4]
-            hi = _e4m3(_word_bytes(gg.decode_fp4x4_folded(w, step_hi, True)))
-            for b in range(4):
-                col = 32 * j + 16 * h + 4 * q + b
-                dense[..., row_lo, col] = lo[..., b]
-                dense[..., row_lo + 8, col] = hi[..., b]
-    got = dense.transpose(2, 3).reshape(e, m, k) * 2.0**gg.FOLD_EXPONENT * mat.factor.view(e, 1, 1)
-    ref = dequantize_fp4_ue8m0(packed, sf)
-    if gate_up:
-        ref = ref[:, wsm90.w1_row_order(m // 2)]
-    assert torch.equal(got, ref)
-    assert torch.equal(got, wsm90.dequantize_matrix(mat))
-
-
 # --------------------------------------------------------------------------------------------- table decode
 # CPU proof of table_decode: gg.decode_table / gg.decode_fp4x8_table are the kernel's expressions; the byte
 # permute they take is PTX prmt.b32 in its default mode, modelled here from the ISA's definition.
@@ -314,33 +275,51 @@ def test_table_decode_every_code_at_every_window_step():
             assert torch.equal(other, want)
 
 
+def _thread_words(mat):
+    """The 8 code words each thread of a 64x128 tile loads, as the kernel issues its two 16-byte loads: lane order
+    bytes [32 T, +32), table order [16 T, +16) and [2048 + 16 T, +16). int64 [E, mt, kt, T, word 2j+h]."""
+    if mat.nibble_order == "lane":
+        return _words(mat.codes.view(*mat.codes.shape[:3], 128, 8, 4))
+    halves = mat.codes.view(*mat.codes.shape[:3], 2, 128, 4, 4)
+    return _words(torch.cat((halves[..., 0, :, :, :], halves[..., 1, :, :, :]), dim=-2))
+
+
+def _decode_block(decode, scale_words, row_lo, j, w):
+    """K32 block j of word w, both rows (g, g + 8), through the kernel's folded or table decode: E4M3 values
+    [E, mt, kt, T, 4] each."""
+    if decode == "folded":
+        lo = gg.decode_fp4x4_folded(w, gg.fold_exponent_step(scale_words[..., row_lo], j), False)
+        hi = gg.decode_fp4x4_folded(w, gg.fold_exponent_step(scale_words[..., row_lo + 8], j), True)
+    else:
+        lo, hi = gg.decode_fp4x8_table(w, gg.decode_table(scale_words[..., row_lo], j),
+                                       gg.decode_table(scale_words[..., row_lo + 8], j), _prmt)
+    return _e4m3(_word_bytes(lo)), _e4m3(_word_bytes(hi))
+
+
+@pytest.mark.parametrize("decode", ["folded", "table"])
 @pytest.mark.parametrize("gate_up", [False, True])
-def test_table_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
-    """Per thread as the kernel does, on weights repacked in the table nibble order: E4M3(decode) * 2^5 * factor
-    equals formats.dequantize_fp4_ue8m0 of the canonical weights, every element, every d."""
+def test_folded_decodes_of_whole_tiles_equal_the_dequantized_weights(gate_up, decode):
+    """Per thread as the kernel does (two 16-byte loads, row g / g+8 scale words, K32 block j), on weights
+    repacked in the decode's nibble order: E4M3(decode) * 2^5 * factor equals formats.dequantize_fp4_ue8m0 of the
+    canonical weights, every element, every d."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     e, m, k = 2, 128, 512
     codes = torch.randint(0, 16, (e, m, k), dtype=torch.uint8, generator=gen)
-    codes[:, :, :16] = torch.arange(16, dtype=torch.uint8)
+    codes[:, :, :16] = torch.arange(16, dtype=torch.uint8)  # every code in every row
     exps = torch.randint(113, 125, (e, m, k // 32), dtype=torch.uint8, generator=gen)
-    exps[:, 0, :12] = torch.arange(113, 125, dtype=torch.uint8)
+    exps[:, 0, :12] = torch.arange(113, 125, dtype=torch.uint8)  # span exactly 12 values: d = 0..11 all occur
     packed, sf = pack_fp4(codes), pack_ue8m0(exps)
-    mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up, nibble_order="table")
-    assert mat.nibble_order == "table"
-    # thread T's two 16-byte loads, as the kernel issues them: bytes [16 T, +16) and [2048 + 16 T, +16)
-    halves = mat.codes.view(*mat.codes.shape[:3], 2, 128, 4, 4)
-    words = _words(torch.cat((halves[..., 0, :, :, :], halves[..., 1, :, :, :]), dim=-2))  # [E, mt, kt, T, 8]
-    scale_words = _words(mat.scales)
+    mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up, nibble_order="lane" if decode == "folded" else "table")
+    assert set((mat.scales.flatten().long() - gg.SCALE_BYTE_OFFSET).tolist()) == set(range(12))
+    words = _thread_words(mat)
+    scale_words = _words(mat.scales)  # [E, mt, kt, tile row]: byte j = K32 block j
     t = torch.arange(128)
     warp, g, q = t // 32, (t % 32) // 4, t % 4
     row_lo = 16 * warp + g
     dense = torch.zeros(e, m // 64, k // 128, 64, 128)
     for j in range(4):
-        table_lo = gg.decode_table(scale_words[..., row_lo], j)
-        table_hi = gg.decode_table(scale_words[..., row_lo + 8], j)
         for h in range(2):
-            lo, hi = gg.decode_fp4x8_table(words[..., 2 * j + h], table_lo, table_hi, _prmt)
-            lo, hi = _e4m3(_word_bytes(lo)), _e4m3(_word_bytes(hi))
+            lo, hi = _decode_block(decode, scale_words, row_lo, j, words[..., 2 * j + h])
             for b in range(4):
                 col = 32 * j + 16 * h + 4 * q + b
                 dense[..., row_lo, col] = lo[..., b]
