@@ -673,6 +673,22 @@ def _cos_diff(y, r):
 PIPELINES = [None, False]  # the default (warp-specialized up to bn 32) and the cp.async pipeline
 
 
+def _assert_matches_reference(got_mid, ref_mid, got, ref):
+    """Every W1 and W2 output element written, both within cosine 0.999 / difference 0.002 of float32."""
+    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
+    for y, r in ((got_mid, ref_mid), (got, ref)):
+        cos, diff = _cos_diff(y, r)
+        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+
+
+def _assert_same_bytes(run, reference_run):
+    """Two raw `_run_case` results (W1 rows, their scales, W2 rows): the first all written, both byte for byte equal."""
+    (mid, sf, out), (mid_ref, sf_ref, out_ref) = run, reference_run
+    assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
+    assert torch.equal(mid.view(torch.uint8), mid_ref.view(torch.uint8))
+    assert torch.equal(sf, sf_ref) and torch.equal(out.view(torch.int16), out_ref.view(torch.int16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("warp_specialized", PIPELINES, ids=["default", "cpasync"])
 @pytest.mark.parametrize("fold_scales", [False, True], ids=["unfolded", "folded"])
@@ -681,10 +697,7 @@ PIPELINES = [None, False]  # the default (warp-specialized up to bn 32) and the 
 def test_grouped_gemm_matches_float32_reference(block_n, topk, tokens, fold_scales, warp_specialized):
     got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 100 + tokens,
                                            fold_scales=fold_scales, warp_specialized=warp_specialized)
-    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
-    for y, r in ((got_mid, ref_mid), (got, ref)):
-        cos, diff = _cos_diff(y, r)
-        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu
@@ -714,10 +727,7 @@ def test_split_k_matches_float32_reference(block_n, split_roles, k_splits, hidde
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, max(10, topk + 2), topk, tokens, block_n,
                                            seed=block_n * 10 + k_splits + tokens, k_splits=w1_splits,
                                            w2_k_splits=w2_splits)
-    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
-    for y, r in ((got_mid, ref_mid), (got, ref)):
-        cos, diff = _cos_diff(y, r)
-        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu
@@ -728,10 +738,7 @@ def test_folded_pipelines_write_the_same_bytes(block_n):
     need several token tiles (rows past an expert's count zero-filled) and an empty expert."""
     runs = [_run_case(1024, 512, 6, 4, 3 * block_n, block_n, seed=7 + block_n, fold_scales=True,
                       warp_specialized=ws, return_raw=True) for ws in (True, False)]
-    (mid_ws, sf_ws, out_ws), (mid_cp, sf_cp, out_cp) = runs
-    assert torch.isfinite(sf_ws).all() and torch.isfinite(out_ws.float()).all()
-    assert torch.equal(mid_ws.view(torch.uint8), mid_cp.view(torch.uint8))
-    assert torch.equal(sf_ws, sf_cp) and torch.equal(out_ws.view(torch.int16), out_cp.view(torch.int16))
+    _assert_same_bytes(*runs)
 
 
 @pytest.mark.gpu
@@ -741,10 +748,7 @@ def test_table_decode_matches_float32_reference(block_n, topk, tokens):
     """The folded scales' table decode (weights in the table nibble order), warp-specialized at every bn."""
     got_mid, ref_mid, got, ref = _run_case(512, 256, 10, topk, tokens, block_n, seed=block_n * 1000 + tokens,
                                            fold_scales=True, table_decode=True)
-    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
-    for y, r in ((got_mid, ref_mid), (got, ref)):
-        cos, diff = _cos_diff(y, r)
-        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu
@@ -755,10 +759,7 @@ def test_table_decode_odd_and_single_k_steps(hidden, inter, block_n):
     (odd and single step counts)."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, 8, 4, 2 * block_n + 3, block_n, seed=inter + block_n,
                                            fold_scales=True, table_decode=True)
-    assert torch.isfinite(got_mid).all() and torch.isfinite(got).all(), "an output element was not written"
-    for y, r in ((got_mid, ref_mid), (got, ref)):
-        cos, diff = _cos_diff(y, r)
-        assert cos >= 0.999 and diff <= 0.002, (cos, diff)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu
@@ -777,10 +778,7 @@ def test_table_decode_two_ctas_per_sm_writes_the_same_bytes():
     """bn 16 with two CTAs per SM (half the stages each) moves the same bytes through the same arithmetic."""
     runs = [_run_case(1024, 512, 6, 4, 48, 16, seed=17, return_raw=True, fold_scales=True, table_decode=True, **kn)
             for kn in ({"ctas_per_sm": 2}, {})]
-    (mid_2, sf_2, out_2), (mid_1, sf_1, out_1) = runs
-    assert torch.isfinite(sf_2).all() and torch.isfinite(out_2.float()).all()
-    assert torch.equal(mid_2.view(torch.uint8), mid_1.view(torch.uint8))
-    assert torch.equal(sf_2, sf_1) and torch.equal(out_2.view(torch.int16), out_1.view(torch.int16))
+    _assert_same_bytes(*runs)
 
 
 @pytest.mark.gpu
@@ -792,10 +790,7 @@ def test_table_decode_writes_the_folded_bytes(block_n):
     ref_knobs = {"fold_scales": True, "warp_specialized": None if block_n <= 32 else False}
     runs = [_run_case(1024, 512, 6, 4, 3 * block_n, block_n, seed=13 + block_n, return_raw=True, **kn)
             for kn in ({"fold_scales": True, "table_decode": True}, ref_knobs)]
-    (mid_t, sf_t, out_t), (mid_f, sf_f, out_f) = runs
-    assert torch.isfinite(sf_t).all() and torch.isfinite(out_t.float()).all()
-    assert torch.equal(mid_t.view(torch.uint8), mid_f.view(torch.uint8))
-    assert torch.equal(sf_t, sf_f) and torch.equal(out_t.view(torch.int16), out_f.view(torch.int16))
+    _assert_same_bytes(*runs)
 
 
 @pytest.mark.gpu
@@ -810,10 +805,7 @@ def test_producer_and_wait_knobs_write_the_default_bytes(block_n, knobs):
     experts with several token tiles and an empty expert."""
     runs = [_run_case(1024, 512, 6, 4, 3 * block_n, block_n, seed=11 + block_n, return_raw=True, **kn)
             for kn in (knobs, {})]
-    (mid_k, sf_k, out_k), (mid_d, sf_d, out_d) = runs
-    assert torch.isfinite(sf_k).all() and torch.isfinite(out_k.float()).all()
-    assert torch.equal(mid_k.view(torch.uint8), mid_d.view(torch.uint8))
-    assert torch.equal(sf_k, sf_d) and torch.equal(out_k.view(torch.int16), out_d.view(torch.int16))
+    _assert_same_bytes(*runs)
 
 
 def test_ring_arguments_follow_the_ring_parameter_tables():
