@@ -52,7 +52,7 @@ def source(report: str, index: int, top: int) -> None:
     header, body = rows[0], rows[1:]
     col = {name: i for i, name in enumerate(header)}
     samples = next((n for n in header if n.startswith("Warp Stall Sampling (All")), None)
-    reasons = [n for n in header if n.startswith("stall_") or n.startswith("Stall ")]
+    reasons = [n for n in header if n.startswith(("stall_", "Stall "))]
     if samples is None:
         print("no stall sampling column; columns:", header[:20])
         return
