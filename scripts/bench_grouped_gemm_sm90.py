@@ -233,14 +233,39 @@ def time_graph(fn, stream, replays: int, windows: int) -> float:
     return res[len(res) // 2]
 
 
+def local_ops_in_mma_loops(lines: list[str]) -> int:
+    """LDL / STL inside the SASS loops that issue QGMMA (a backward branch's target to the branch): the main loops,
+    which the issue's SASS rule keeps free of local memory (an epilogue may spill once per CTA)."""
+    import re
+
+    ins = []
+    for line in lines:
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    total = 0
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if not m or "U.ANY" in text:
+            continue
+        target = int(m.group(1), 16)
+        if target < a and target in index:
+            body = [t for _, t in ins[index[target]:i + 1]]
+            if any("QGMMA" in t for t in body):
+                total += sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
+    return total
+
+
 def sass_report(gg, jit) -> None:
-    """Per variant: registers and stack frame (cubin), QGMMA / LDL / STL counts in the SASS."""
+    """Per variant: registers and stack frame (cubin), QGMMA / LDL / STL counts in the SASS, and LDL / STL inside
+    the QGMMA loops (must be 0)."""
     import shutil
     import subprocess
 
     tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     print(f"{'variant':100s} {'regs':>4s} {'frame':>5s} {'QGMMA':>5s} {'LDL':>4s} {'STL':>4s} {'LDS.128':>7s} "
-          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s}")
+          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s} {'loop L/S':>8s}")
     for v in gg.all_variants():
         entry = jit.get_entry(v, "sm_90a")
         lines = subprocess.run([tool, "-sass", str(entry.cubin_path)], capture_output=True, text=True,
@@ -252,7 +277,7 @@ def sass_report(gg, jit) -> None:
         res = entry.resources.get(entry.entry_name, entry.resources)
         print(f"{v.describe():100s} {res.get('registers', -1):4} {res.get('frame_bytes', -1):5} "
               f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d} "
-              f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d}", flush=True)
+              f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d} {local_ops_in_mma_loops(lines):8d}", flush=True)
 
 
 def occupancy_report(kernel_sets) -> None:
@@ -423,7 +448,9 @@ def main() -> int:
                 {"k_splits": 2}, {"k_splits": 3}, {"k_splits": 4}, {"k_splits": 3, "ctas_per_sm": 1},
                 {"k_splits": 3, "w2_k_splits": 2}, {"k_splits": 3, "w2_k_splits": 2, "ctas_per_sm": 1},
                 {"k_splits": 4, "w2_k_splits": 2}, {"fold_scales": True, "table_decode": True},
-                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16}]
+                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16},
+                {"fold_scales": True, "table_decode": True, "fit_n": True},
+                {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": 2, "max_block_n": 16}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:

@@ -358,6 +358,24 @@ def test_table_decode_knob_and_the_nibble_order_it_needs():
         wsm90.with_nibble_order(mat, "rows")
 
 
+def test_fit_n_knob_names_and_limits():
+    for knobs in ({}, {"fold_scales": True}, {"fold_scales": True, "table_decode": True, "warp_specialized": False},
+                  {"fold_scales": True, "table_decode": True, "ring_consumer": True}):
+        with pytest.raises(ValueError, match="fit_n is a knob of the stand-alone table decode"):
+            gg.GemmConfig("w1", 32, fit_n=True, **knobs)
+    cfg = gg.GemmConfig("w2", 32, fold_scales=True, table_decode=True, fit_n=True)
+    assert "_tab_fit" in cfg.name
+    params = dict(gg.variant("w1", 32, fold_scales=True, table_decode=True, fit_n=True).params)
+    assert params["fit_n"] is True
+    # named only when on, and only with the table decode (sets may name it everywhere)
+    assert "fit_n" not in dict(gg.variant("w1", 32, fold_scales=True, table_decode=True).params)
+    assert "fit_n" not in dict(gg.variant("w1", 32, fit_n=True).params)
+    # W1's epilogue at bn 64 is the one place allowed local memory (after the loop)
+    budgets = {(role, bn): gg.variant(role, bn, fold_scales=True, table_decode=True, fit_n=True).local_bytes_budget
+               for role in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES}
+    assert budgets == {**{k: 0 for k in budgets}, ("w1", 64): gg.FIT_W1_EPILOGUE_LOCAL_BYTES}
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     pytest.importorskip("cutlass")
@@ -370,7 +388,8 @@ def built(tmp_path_factory):
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2
+    # (with bn 16 at two CTAs per SM), its fitted N at bn 16 / 32 / 64
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 6
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -387,7 +406,12 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert len(mma) == 4 * steps and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
         res = entry.resources
-        assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
+        assert res["frame_bytes"] <= variant.local_bytes_budget, f"{variant.describe()} spills: {res['frame_bytes']} B"
+        if cfg.fit_n:  # one loop per N = 8, 16, ... bn, each with its four chained K32 WGMMAs
+            for n in range(8, bn, 8):
+                assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.", ptx)) == 4 * steps
+        else:
+            assert res["frame_bytes"] == 0, f"{variant.describe()} spills: {res['frame_bytes']} bytes of stack"
         # ptxas's budget: 96 per thread for one 544-thread CTA per SM, 56 for two, 128 for 512 threads
         assert res["registers"] <= ({1: 96, 2: 56}[cfg.ctas_per_sm] if cfg.warp_specialized else 128)
         assert (".minnctapersm 2" in ptx) == (cfg.ctas_per_sm == 2)
@@ -400,13 +424,14 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
+        loops = bn // 8 if cfg.fit_n else 1  # fit_n: the consumer once per N
         if cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
             groups = 4 // cfg.wgmmas_per_group
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
-            assert waits == ["1"] * 3 + ["0"], variant.describe()
+            assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
         else:
-            assert waits == ["0"] * (1 if fold else 4 // cfg.wgmmas_per_wait), variant.describe()
+            assert waits == ["0"] * (1 if fold else 4 // cfg.wgmmas_per_wait) * loops, variant.describe()
 
 
 def test_default_variants_do_not_name_the_fold_knob():
@@ -424,7 +449,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2  # the folded decode, the table decode (+ bn 16 at 2 per SM)
+    # the folded decode, the table decode (+ bn 16 at 2 per SM), its fitted N at bn 16 / 32 / 64
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 6
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -436,7 +462,7 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         assert len(mma[0][0].split(",")) == bn // 2
         assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"] * chains
         assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
-        assert entry.resources["frame_bytes"] == 0 and entry.resources["registers"] <= 128
+        assert entry.resources["frame_bytes"] <= variant.local_bytes_budget and entry.resources["registers"] <= 128
 
 
 def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
@@ -446,8 +472,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
-    # the table decode at bn 8..64 and at bn 16 with two CTAs per SM
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2
+    # the table decode at bn 8..64 and at bn 16 with two CTAs per SM, its fitted N at bn 16 / 32 / 64
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 6
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -779,6 +805,27 @@ def test_table_decode_two_ctas_per_sm_writes_the_same_bytes():
     runs = [_run_case(1024, 512, 6, 4, 48, 16, seed=17, return_raw=True, fold_scales=True, table_decode=True, **kn)
             for kn in ({"ctas_per_sm": 2}, {})]
     _assert_same_bytes(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 21, 150])
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (32, None), (64, None)])
+def test_fit_n_writes_the_table_bytes(block_n, ctas_per_sm, tokens):
+    """N fitted to each token tile's rows (rounded up to 8) computes every valid token as the whole tile does: W1
+    and W2 write the table variant's bytes, at rows per expert from a few to several tiles (tails of every size)."""
+    knobs = {"fold_scales": True, "table_decode": True, "ctas_per_sm": ctas_per_sm}
+    runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + block_n, return_raw=True, **kn)
+            for kn in ({**knobs, "fit_n": True}, knobs)]
+    _assert_same_bytes(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
+def test_fit_n_model_shapes_match_float32_reference(hidden, inter, topk, block_n):
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, 37, block_n, seed=hidden + 7 * block_n,
+                                           fold_scales=True, table_decode=True, fit_n=True)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

@@ -74,6 +74,9 @@ TABLE_STEP_HIGH = 0x08080808
 FUSED_MAX_K_BLOCKS = 32
 FUSED_MAX_LOCAL_EXPERTS = 256  # the fused role2 scheduler's per-expert token-tile prefix lives in shared memory
 FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA (16 bytes each)
+# fit_n at bn 64: W1's epilogue after the eight N branches merge spills a few words in its 112 registers (once per
+# CTA, after the K loop; the loops themselves have no local memory: the bench's --sass report checks the SASS)
+FIT_W1_EPILOGUE_LOCAL_BYTES = 64
 
 
 # The fused halves' pipeline arithmetic (host and device: plain ints or DSL values). K128 step `step` of a
@@ -195,6 +198,10 @@ class GemmConfig:
     # in weights.sm90's "table" nibble order. The FP32 scale work left is one FMA per accumulator per K128 step,
     # and no partial buffers: room for token tiles of 64 on the warp-specialized pipeline
     table_decode: bool = False
+    # table_decode: each CTA's WGMMAs take N = its token tile's rows rounded up to 8 instead of the whole tile (one
+    # consumer loop per N, chosen by the rows; the accumulators past N stay zero, as zero-filled tokens would
+    # leave them). Experts with fewer rows than the tile cost the tensor core and the scale FMAs only their share
+    fit_n: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -203,6 +210,10 @@ class GemmConfig:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
         if self.table_decode and not self.fold_scales:
             raise ValueError("table_decode is a way of folding the K32 scales into the decode: pass fold_scales=True")
+        if self.fit_n and not (self.table_decode and self.warp_specialized is not False and not self.ring_consumer
+                               and self.k_splits == 1):
+            raise ValueError("fit_n is a knob of the stand-alone table decode (table_decode=True, warp-specialized, "
+                             "no ring consumer, no K split)")
         if self.warp_specialized is None:
             object.__setattr__(self, "warp_specialized", not self.l2_evict_first and (
                 self.block_n <= WS_MAX_BLOCK_N or self.table_decode))
@@ -391,6 +402,8 @@ class GemmConfig:
             s += f"_a{self.swiglu_alpha:g}_c{self.swiglu_clamp:g}"
         if self.fold_scales:
             s += "_tab" if self.table_decode else "_fold"
+        if self.fit_n:
+            s += "_fit"
         if self.compact_grid:
             s += "_compact"
         if self.k_splits > 1:
@@ -624,7 +637,8 @@ def _make_kernel(cfg: GemmConfig):
         return a_regs
 
     @cute.jit
-    def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc):
+    def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc, n=BN):
+        """n: the WGMMAs' N (fit_n: the tile's rows rounded up to 8; the accumulators past n/2 are left alone)."""
         sbase = smem + stage * cfg.stage_bytes
         if cutlass.const_expr(cfg.table_decode):
             srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
@@ -648,9 +662,9 @@ def _make_kernel(cfg: GemmConfig):
                 ]
                 descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
         ptx.wgmma_fence()
-        part = ptx.wgmma_rs_e4m3_chain(BN, a_regs, descs)
-        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
-        for i in cutlass.range_constexpr(NSUB):
+        part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
+        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(n // 8)]
+        for i in cutlass.range_constexpr(n // 8):
             for c in cutlass.range_constexpr(4):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
@@ -933,9 +947,10 @@ def _make_kernel(cfg: GemmConfig):
                     tsum[r] = tsum[r] + buf[jj * (BN // 2) + r] * s_row
 
     @cute.jit
-    def finish_step(xs, tsum, acc):
-        """acc += tsum x the step's activation scales; xs: the thread's column pair q in the stage's scales."""
-        for i in cutlass.range_constexpr(NSUB):
+    def finish_step(xs, tsum, acc, n=BN):
+        """acc += tsum x the step's activation scales for the first n tokens; xs: the thread's column pair q in the
+        stage's scales."""
+        for i in cutlass.range_constexpr(n // 8):
             xv = ptx.lds_f32x2(xs + 8 * i * 4)
             for c in cutlass.range_constexpr(4):
                 acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xv[c % 2]
@@ -1012,34 +1027,34 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
 
     @cute.jit
-    def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc):
+    def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
         """A folded-scale consumer warpgroup: per K128 step wait for the stage, compute (one chained WGMMA
-        group, waited at once), release it (one arrival per warp)."""
+        group of N = n, waited at once), release it (one arrival per warp)."""
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             ptx.mbarrier_wait(full, (kb // STAGES) % 2, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-            compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
+            compute_stage_folded(smem, stage, wg, t, warp, g, q, acc, n)
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def table_issue(smem, stage, a_off, s_off, desc0, buf):
-        """Decode stage `stage`'s fragment and issue its four chained WGMMAs into `buf`; returns once at most this
-        chain is in flight (the one before it has completed)."""
+    def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
+        """Decode stage `stage`'s fragment and issue its four chained WGMMAs (N = n) into `buf`; returns once at
+        most this chain is in flight (the one before it has completed)."""
         sbase = smem + stage * cfg.stage_bytes
         a_regs = table_fragment(sbase, a_off, s_off)
         desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
         descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
         ptx.wgmma_fence()
-        out = ptx.wgmma_rs_e4m3_chain_issue(BN, a_regs, descs, [buf[r] for r in range(BN // 2)], 1)
-        for r in cutlass.range_constexpr(BN // 2):
+        out = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [buf[r] for r in range(n // 2)], 1)
+        for r in cutlass.range_constexpr(n // 2):
             buf[r] = out[r]
 
     @cute.jit
-    def table_step(smem, stage, phase, cur, prev, a_off, s_off, x_off, desc0, t, acc):
+    def table_step(smem, stage, phase, cur, prev, a_off, s_off, x_off, desc0, t, acc, n):
         """One K128 step of the pipelined table consumer: wait for the next stage, issue its chain into `cur`,
         then scale the previous step's chain (`prev`, complete now) into acc and release its stage. Returns the
         (stage, phase) just consumed."""
@@ -1051,20 +1066,20 @@ def _make_kernel(cfg: GemmConfig):
             phase = phase ^ 1
         ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-        table_issue(smem, stage, a_off, s_off, desc0, cur)
-        finish_step(smem + prev_stage * cfg.stage_bytes + x_off, prev, acc)
+        table_issue(smem, stage, a_off, s_off, desc0, cur, n)
+        finish_step(smem + prev_stage * cfg.stage_bytes + x_off, prev, acc, n)
         ptx.warp_sync()
         if t % 32 == 0:
             ptx.mbarrier_arrive(bar0 + (STAGES + prev_stage) * 8)
         return stage, phase
 
     @cute.jit
-    def consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc):
-        """A table-decode consumer warpgroup with one chain in flight: step kb's chain goes into buffer kb mod 2
-        (the loop runs two steps per trip so each buffer stays in its registers), and step kb - 1's FP32 scaling
-        and stage release follow its issue."""
-        bufs = (cute.make_rmem_tensor((BN // 2,), Float32), cute.make_rmem_tensor((BN // 2,), Float32))
-        for r in cutlass.range_constexpr(BN // 2):
+    def consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
+        """A table-decode consumer warpgroup with one chain (N = n) in flight: step kb's chain goes into buffer
+        kb mod 2 (the loop runs two steps per trip so each buffer stays in its registers), and step kb - 1's FP32
+        scaling and stage release follow its issue."""
+        bufs = (cute.make_rmem_tensor((n // 2,), Float32), cute.make_rmem_tensor((n // 2,), Float32))
+        for r in cutlass.range_constexpr(n // 2):
             bufs[0][r] = Float32(0.0)
             bufs[1][r] = Float32(0.0)
         a_off = wg * TILE_BYTES + t * 16
@@ -1075,20 +1090,51 @@ def _make_kernel(cfg: GemmConfig):
         phase = Int32(0)
         ptx.mbarrier_wait(smem + cfg.barrier_offset, phase, suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()
-        table_issue(smem, stage, a_off, s_off, desc0, bufs[0])
+        table_issue(smem, stage, a_off, s_off, desc0, bufs[0], n)
         for kb in cutlass.range(1, k_blocks, 2):
-            stage, phase = table_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0, t, acc)
+            stage, phase = table_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0, t, acc, n)
             if kb + 1 < k_blocks:
-                stage, phase = table_step(smem, stage, phase, bufs[0], bufs[1], a_off, s_off, x_off, desc0, t, acc)
+                stage, phase = table_step(smem, stage, phase, bufs[0], bufs[1], a_off, s_off, x_off, desc0, t, acc,
+                                          n)
         # the last chain (step k_blocks - 1, in buffer (k_blocks - 1) mod 2) completes, then its scaling
-        done = ptx.wgmma_wait_tied([bufs[0][r] for r in range(BN // 2)] + [bufs[1][r] for r in range(BN // 2)], 0)
-        for r in cutlass.range_constexpr(BN // 2):
+        done = ptx.wgmma_wait_tied([bufs[0][r] for r in range(n // 2)] + [bufs[1][r] for r in range(n // 2)], 0)
+        for r in cutlass.range_constexpr(n // 2):
             bufs[0][r] = done[r]
-            bufs[1][r] = done[BN // 2 + r]
+            bufs[1][r] = done[n // 2 + r]
         if k_blocks % 2 == 1:
-            finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[0], acc)
+            finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[0], acc, n)
         else:
-            finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[1], acc)
+            finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[1], acc, n)
+
+    @cute.jit
+    def consume_fitted(consume, k_blocks, smem, wg, t, warp, g, q, acc, count):
+        """fit_n: run `consume` with N = the tile's rows (count, capped at the tile) rounded up to 8, one compiled
+        loop per N (WGMMA's N is part of the instruction); without fit_n, N = the tile."""
+        if cutlass.const_expr(not cfg.fit_n):
+            consume(k_blocks, smem, wg, t, warp, g, q, acc)
+        else:
+            consume_n(consume, 1, (count + 7) // 8, k_blocks, smem, wg, t, warp, g, q, acc)
+
+    @cute.jit
+    def consume_n(consume, c, groups, k_blocks, smem, wg, t, warp, g, q, acc):
+        """fit_n's branches as one if / else chain: N = 8 c when groups == c, the tile's N for the last. Each
+        branch writes every accumulator (the zeros past N after its loop, the ones it sums into before), so no
+        value from before the branch lives through a loop (zeros kept from before spilled at bn 64)."""
+        if cutlass.const_expr(c == NSUB):
+            fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc)
+        else:
+            if groups == c:
+                fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc)
+            else:
+                consume_n(consume, c + 1, groups, k_blocks, smem, wg, t, warp, g, q, acc)
+
+    @cute.jit
+    def fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc):
+        for i in cutlass.range_constexpr(4 * c):
+            acc[i] = Float32(0.0)
+        consume(k_blocks, smem, wg, t, warp, g, q, acc, 8 * c)
+        for i in cutlass.range_constexpr(4 * c, BN // 2):  # the tokens past N, as zero-filled rows would give
+            acc[i] = Float32(0.0)
 
     @cute.jit
     def thread_coords(tid):
@@ -1120,9 +1166,9 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(cfg.pipelined):
                 consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc)
             elif cutlass.const_expr(cfg.table_pipelined):
-                consume_table_pipelined(k_blocks, smem, wg, t, warp, g, q, acc)
+                consume_fitted(consume_table_pipelined, k_blocks, smem, wg, t, warp, g, q, acc, count)
             else:
-                consume_folded(k_blocks, smem, wg, t, warp, g, q, acc)
+                consume_fitted(consume_folded, k_blocks, smem, wg, t, warp, g, q, acc, count)
             if cutlass.const_expr(epilogue is not None):
                 # inside the consumers' branch: ptxas allocates a region reached from both branches within the
                 # entry's 96 registers, so an epilogue after the branches merge would not get the split's
@@ -1184,8 +1230,9 @@ def _make_kernel(cfg: GemmConfig):
         epilogue: (function, its arguments after (tid, wg, warp, g, q, factor, acc)) that the consumers run
         inside their branch of the warp-specialized split (consumer_registers: in the registers they took),
         else None: the caller runs it."""
-        for i in cutlass.range_constexpr(BN // 2):
-            acc[i] = Float32(0.0)
+        if cutlass.const_expr(not cfg.fit_n):  # fit_n's branches set every accumulator themselves
+            for i in cutlass.range_constexpr(BN // 2):
+                acc[i] = Float32(0.0)
         if cutlass.const_expr(WS):
             tid, wg, warp, g, q = main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor,
                                                epilogue, ksplit)
@@ -1649,7 +1696,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                token_tiles_fastest: bool = True, fold_scales: bool = False, ring_consumer: bool = False,
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
-               consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False):
+               consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
+               fit_n: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1660,7 +1708,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
     cfg = GemmConfig(role, block_n, stages, swiglu_alpha, swiglu_clamp, l2_evict_first, token_tiles_fastest,
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
-                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode)
+                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
+                     fit_n=fit_n)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1672,7 +1721,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False):
+            table_decode: bool = False, fit_n: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1680,6 +1729,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     from gc_moe.runtime.jit import KernelVariant
 
     table_decode = table_decode and fold_scales  # a way of folding: sets may name it with the fold off
+    fit_n = fit_n and table_decode  # likewise a knob of the table decode
     ws_default = GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
                             warp_specialized=warp_specialized, fold_scales=fold_scales,
                             table_decode=table_decode).warp_specialized
@@ -1697,7 +1747,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
-                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode)
+                     consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
+                     fit_n=fit_n)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1718,6 +1769,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["fold_scales"] = True
     if table_decode:
         params["table_decode"] = True
+    if fit_n:
+        params["fit_n"] = True
     if compact_grid:
         params["compact_grid"] = True
     if consumer_registers is not None:
@@ -1740,8 +1793,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if role == "w1":
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
-        "sm90.grouped_gemm", __name__, "build_gemm", params,
-        promises=promises, local_bytes_budget=0, extra_sources=extra_sources,
+        "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
+        local_bytes_budget=FIT_W1_EPILOGUE_LOCAL_BYTES if fit_n and role == "w1" and block_n == 64 else 0,
+        extra_sources=extra_sources,
     )
 
 
@@ -1767,7 +1821,10 @@ def all_variants():
               + variant_set(warp_specialized=False) + compact_ring + split_k
               + variant_set(fold_scales=True, table_decode=True)
               # the table decode fits two CTAs per SM up to token tile 16 (bn 8 is at two by default)
-              + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]):
+              + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]
+              # N fitted to each tile's rows, at the tiles tile_knobs runs with the table decode
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, ctas_per_sm=2 if bn == 16 else None)
+                 for role in ("w1", "w2") for bn in (16, 32, 64)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
