@@ -46,13 +46,11 @@ MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
 RANKS = 8
 
 
-def block_n_for(max_rows: int, max_block_n: int = 32) -> int:
-    """Token tile: the smallest of 8/16/32/64 (up to max_block_n) that covers the busiest expert, else
-    max_block_n with more token tiles (their CTAs run side by side and share the weights through L2)."""
-    for bn in (8, 16, 32, 64):
-        if max_rows <= bn or bn == max_block_n:
-            return bn
-    return 64
+def block_n_for(max_rows: int, max_block_n: int = 32, tiles=(8, 16, 32, 64)) -> int:
+    """Token tile: the smallest of `tiles` (a set's built tiles, up to max_block_n) that covers the busiest expert,
+    else the largest with more token tiles (their CTAs run side by side and share the weights through L2)."""
+    fitting = [bn for bn in sorted(tiles) if bn <= max_block_n]
+    return next((bn for bn in fitting if max_rows <= bn), fitting[-1])
 
 
 def ctas_per_sm_for(counts, block_n: int, intermediate: int, sms: int) -> int:
@@ -133,7 +131,7 @@ class Point:
         (None: the point's), on the weights in the nibble order the kernels read."""
         from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, split_buffers
 
-        self.block_n = block_n_for(self.capacity, max_block_n or self.max_block_n)
+        self.block_n = block_n_for(self.capacity, max_block_n or self.max_block_n, {bn for _, bn in kernels})
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
         table = GemmConfig(**dict(self.k1.entry.variant.params)).table_decode
         self.weights = self.weights_by_order["table" if table else "lane"]
@@ -450,7 +448,8 @@ def main() -> int:
                 {"k_splits": 4, "w2_k_splits": 2}, {"fold_scales": True, "table_decode": True},
                 {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16},
                 {"fold_scales": True, "table_decode": True, "fit_n": True},
-                {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": 2, "max_block_n": 16}]
+                {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": 2, "max_block_n": 24},
+                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:
@@ -504,7 +503,7 @@ def main() -> int:
     # ws_auto beyond token tile 8: grouped_gemm.tile_knobs's sets, loaded beside the timed ones
     auto_tiles = {}
     if args.auto_ctas:
-        for bn in (16, 32, 64):
+        for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(9, 65)}):
             _, tile_set = gg.tile_knobs(bn)
             auto_tiles[bn] = {(role, bn): jit.load_kernel(gg.variant(role, bn, **{**knobs, **tile_set}), "sm_90a")
                               for role in ("w1", "w2")}

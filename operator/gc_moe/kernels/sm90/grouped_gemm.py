@@ -38,6 +38,8 @@ Kernel parameters (all scalars, in order): see `PARAMS_W1` / `PARAMS_W2`.
 from dataclasses import dataclass
 
 BLOCK_N_CHOICES = (8, 16, 32, 64)
+# token tiles of the table decode at two CTAs per SM only: 24 rows fit the 56 registers where 32 do not
+TABLE_TWO_CTA_BLOCK_N = (24,)
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
 PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
@@ -74,9 +76,11 @@ TABLE_STEP_HIGH = 0x08080808
 FUSED_MAX_K_BLOCKS = 32
 FUSED_MAX_LOCAL_EXPERTS = 256  # the fused role2 scheduler's per-expert token-tile prefix lives in shared memory
 FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA (16 bytes each)
-# fit_n at bn 64: W1's epilogue after the eight N branches merge spills a few words in its 112 registers (once per
-# CTA, after the K loop; the loops themselves have no local memory: the bench's --sass report checks the SASS)
+# W1's epilogue spills a few words (once per CTA, after the K loop; the loops themselves have no local memory: the
+# bench's --sass report counts LDL / STL inside QGMMA loops) at fit_n's bn 64, after its eight N branches merge in
+# 112 registers, and at bn 24 in the 56 of two CTAs per SM
 FIT_W1_EPILOGUE_LOCAL_BYTES = 64
+TWO_CTA_W1_EPILOGUE_LOCAL_BYTES = 32
 
 
 # The fused halves' pipeline arithmetic (host and device: plain ints or DSL values). K128 step `step` of a
@@ -206,8 +210,10 @@ class GemmConfig:
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
             raise ValueError(f"role must be 'w1' or 'w2', got {self.role!r}")
-        if self.block_n not in BLOCK_N_CHOICES:
-            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n}")
+        if self.block_n not in BLOCK_N_CHOICES and not (self.block_n in TABLE_TWO_CTA_BLOCK_N and self.table_decode
+                                                        and self.ctas_per_sm in (None, 2)):
+            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES} (or {TABLE_TWO_CTA_BLOCK_N} with table_decode at "
+                             f"two CTAs per SM), got {self.block_n}")
         if self.table_decode and not self.fold_scales:
             raise ValueError("table_decode is a way of folding the K32 scales into the decode: pass fold_scales=True")
         if self.fit_n and not (self.table_decode and self.warp_specialized is not False and not self.ring_consumer
@@ -224,7 +230,8 @@ class GemmConfig:
         if self.warp_specialized and self.l2_evict_first:
             raise ValueError("l2_evict_first is a knob of the cp.async pipeline: pass warp_specialized=False")
         if self.ctas_per_sm is None:
-            object.__setattr__(self, "ctas_per_sm", 2 if self.warp_specialized and self.block_n == 8 else 1)
+            object.__setattr__(self, "ctas_per_sm", 2 if self.warp_specialized and (
+                self.block_n == 8 or self.block_n in TABLE_TWO_CTA_BLOCK_N) else 1)
         if self.producer_warps not in PRODUCER_WARP_CHOICES or (self.producer_warps > 1 and not self.warp_specialized):
             raise ValueError(f"producer_warps must be 1, or one of {PRODUCER_WARP_CHOICES} with warp_specialized; "
                              f"got {self.producer_warps}")
@@ -380,13 +387,15 @@ class GemmConfig:
     @property
     def table_pipelined(self) -> bool:
         """The table decode's consumers keep one K128 step's WGMMA chain in flight while they scale the step before
-        (two accumulator buffers: up to bn 32; bn 64 waits for each chain)."""
-        return self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
+        (two accumulator buffers: up to bn 32, except bn 24, whose two CTAs per SM leave no registers for them; bn 64
+        waits for each chain)."""
+        return (self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
+                and self.block_n not in TABLE_TWO_CTA_BLOCK_N)
 
     @property
     def wgmmas_per_group(self) -> int:
         """pipelined: K32 WGMMAs per group, so that a group's fresh partials take 32 registers at every bn."""
-        return {8: 2, 16: 2, 32: 1, 64: 1}[self.block_n]
+        return 2 if self.block_n <= 16 else 1
 
     @property
     def params(self):
@@ -1794,16 +1803,33 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=FIT_W1_EPILOGUE_LOCAL_BYTES if fit_n and role == "w1" and block_n == 64 else 0,
+        local_bytes_budget=_local_bytes_budget(role, block_n, fit_n),
         extra_sources=extra_sources,
     )
 
 
+def _local_bytes_budget(role: str, block_n: int, fit_n: bool) -> int:
+    """Local memory a variant may take: W1's epilogue at the two shapes where it spills (see the constants)."""
+    if role != "w1":
+        return 0
+    if block_n in TABLE_TWO_CTA_BLOCK_N:
+        return TWO_CTA_W1_EPILOGUE_LOCAL_BYTES
+    return FIT_W1_EPILOGUE_LOCAL_BYTES if fit_n and block_n == 64 else 0
+
+
+def block_n_choices(**knobs) -> tuple[int, ...]:
+    """The token tiles a configuration is built at: BLOCK_N_CHOICES, and TABLE_TWO_CTA_BLOCK_N for the table decode
+    at two CTAs per SM."""
+    two_cta_table = knobs.get("fold_scales") and knobs.get("table_decode") and knobs.get("ctas_per_sm") == 2
+    return tuple(sorted(BLOCK_N_CHOICES + (TABLE_TWO_CTA_BLOCK_N if two_cta_table else ())))
+
+
 def variant_set(k_splits: int = 1, w2_k_splits: int = 1, max_block_n: int = max(BLOCK_N_CHOICES), **knobs):
-    """One configuration at both roles and every block_n up to max_block_n, default SwiGLU (alpha 1, clamp 10).
-    k_splits splits W1's K and w2_k_splits W2's (at the tiles that take it, `variant`)."""
+    """One configuration at both roles and every token tile it is built at (block_n_choices) up to max_block_n,
+    default SwiGLU (alpha 1, clamp 10). k_splits splits W1's K and w2_k_splits W2's (at the tiles that take it,
+    `variant`)."""
     return [variant(role, bn, k_splits=k_splits if role == "w1" else w2_k_splits, **knobs)
-            for role in ("w1", "w2") for bn in BLOCK_N_CHOICES if bn <= max_block_n]
+            for role in ("w1", "w2") for bn in block_n_choices(**knobs) if bn <= max_block_n]
 
 
 def all_variants():
@@ -1822,9 +1848,11 @@ def all_variants():
               + variant_set(fold_scales=True, table_decode=True)
               # the table decode fits two CTAs per SM up to token tile 16 (bn 8 is at two by default)
               + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]
-              # N fitted to each tile's rows, at the tiles tile_knobs runs with the table decode
+              # N fitted to each tile's rows, at the tiles tile_knobs runs with the table decode; 24-row tiles (two
+              # CTAs per SM) with and without it
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, ctas_per_sm=2 if bn == 16 else None)
-                 for role in ("w1", "w2") for bn in (16, 32, 64)]):
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64)]
+              + [variant(role, 24, fold_scales=True, table_decode=True) for role in ("w1", "w2")]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
