@@ -80,13 +80,17 @@ def test_k_splits_for_follows_the_measured_points():
 
 def test_tile_knobs_follow_the_measured_points():
     assert gg.tile_knobs(0) == (8, {}) and gg.tile_knobs(8) == (8, {})
-    table = {"fold_scales": True, "table_decode": True}
+    table = {"fold_scales": True, "table_decode": True, "fit_n": True}
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
-    assert gg.tile_knobs(17) == (32, table) and gg.tile_knobs(32) == (32, table)
+    assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24
+    assert gg.tile_knobs(25) == (32, table) and gg.tile_knobs(32) == (32, table)
     assert gg.tile_knobs(33) == (64, table) and gg.tile_knobs(500) == (64, table)
-    for cap in (9, 16, 17, 33, 80):  # every choice is a buildable variant of both roles
+    for cap in (9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
         bn, knobs = gg.tile_knobs(cap)
-        assert all(gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params)).table_decode for role in ("w1", "w2"))
+        for role in ("w1", "w2"):
+            cfg = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
+            assert cfg.table_decode and cfg.fit_n and cfg.block_n == bn
+            assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)
 
@@ -823,14 +827,22 @@ def test_table_decode_two_ctas_per_sm_writes_the_same_bytes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [5, 21, 150])
-@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (32, None), (64, None)])
-def test_fit_n_writes_the_table_bytes(block_n, ctas_per_sm, tokens):
-    """N fitted to each token tile's rows (rounded up to 8) computes every valid token as the whole tile does: W1
-    and W2 write the table variant's bytes, at rows per expert from a few to several tiles (tails of every size)."""
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (24, 2), (32, None), (64, None)])
+def test_fit_n_agrees_with_the_whole_tile(block_n, ctas_per_sm, tokens):
+    """N fitted to each token tile's rows (rounded up to 8) computes every valid token as the whole tile does, at
+    rows per expert from a few to several tiles (tails of every size): the same E4M3 bytes out of W1, its FP32
+    scales within a few ulps and W2's BF16 within one ulp. (At bn 24 / 64 every byte is equal; the pipelined bn 16 /
+    32 consumers, compiled once per N, contract a few FP32 multiply-adds differently: 1-2 ulps in up to 9% of the
+    scales, one BF16 ulp in up to 5e-5 of the outputs, measured on the H200.)"""
     knobs = {"fold_scales": True, "table_decode": True, "ctas_per_sm": ctas_per_sm}
-    runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + block_n, return_raw=True, **kn)
-            for kn in ({**knobs, "fit_n": True}, knobs)]
-    _assert_same_bytes(*runs)
+    (mid, sf, out), (mid_ref, sf_ref, out_ref) = [
+        _run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + block_n, return_raw=True, **kn)
+        for kn in ({**knobs, "fit_n": True}, knobs)]
+    assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
+    assert torch.equal(mid.view(torch.uint8), mid_ref.view(torch.uint8))
+    assert ((sf - sf_ref).abs() <= 5e-7 * sf_ref.abs()).all()
+    ulps = (out.view(torch.int16).int() - out_ref.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
 
 
 @pytest.mark.gpu

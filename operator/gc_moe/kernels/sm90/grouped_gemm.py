@@ -1925,19 +1925,22 @@ def k_splits_for(w1_ctas: int, w2_ctas: int, sms: int) -> tuple[int, int]:
 
 def tile_knobs(capacity: int) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
-    measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-14): up to 8 rows the default (tile 8,
-    unfolded, its CTAs per SM and K splits chosen by the caller: steps 10-11); up to 16 the table decode at two CTAs
-    per SM (13-16% faster than the default: twice the warps per SM to hide latency with); up to 32 the table decode
-    (15-18%); beyond, the table decode with 64-token tiles (the weights decoded once per 64 tokens: 20-35% faster
-    than the default's two or three 32-token tiles). Knobs other than the default's need weights in the table
+    measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16): up to 8 rows the default (tile 8,
+    unfolded, its CTAs per SM and K splits chosen by the caller: steps 10-11); beyond, the table decode with N fitted
+    to each tile's rows (`fit_n`: 3-11% faster than the whole tile): up to 16 rows at tile 16 and two CTAs per SM
+    (13-16% faster than one: twice the warps per SM to hide latency with), up to 24 at tile 24, two CTAs per SM (5-8%
+    faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64 tokens:
+    20-35% faster than two or three 32-token tiles). Knobs other than the default's need weights in the table
     nibble order (`weights.sm90.with_nibble_order`)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
         return 8, {}
-    table = {"fold_scales": True, "table_decode": True}
+    table = {"fold_scales": True, "table_decode": True, "fit_n": True}
     if capacity <= 16:
         return 16, {**table, "ctas_per_sm": 2}
+    if capacity <= 24:
+        return 24, {**table, "ctas_per_sm": 2}
     if capacity <= 32:
         return 32, table
     return 64, table
