@@ -78,7 +78,7 @@ FUSED_MAX_LOCAL_EXPERTS = 256  # the fused role2 scheduler's per-expert token-ti
 FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA (16 bytes each)
 # W1's epilogue spills a few words (once per CTA, after the K loop; the loops themselves have no local memory: the
 # bench's --sass report counts LDL / STL inside QGMMA loops) at fit_n's bn 64, after its eight N branches merge in
-# 112 registers, and at bn 24 / 32 in the 56 of two CTAs per SM
+# 112 registers, and at bn 24 in the 56 of two CTAs per SM
 FIT_W1_EPILOGUE_LOCAL_BYTES = 64
 TWO_CTA_W1_EPILOGUE_LOCAL_BYTES = 32
 
@@ -206,10 +206,6 @@ class GemmConfig:
     # consumer loop per N, chosen by the rows; the accumulators past N stay zero, as zero-filled tokens would
     # leave them). Experts with fewer rows than the tile cost the tensor core and the scale FMAs only their share
     fit_n: bool = False
-    # table_decode, consumer not pipelined: each K128 step in two halves of two K32 blocks (decode 8 A registers,
-    # their two WGMMAs, wait; then the other half on the same registers): half the A registers live, so a 32-token
-    # tile fits the 56 registers of two CTAs per SM. The second wait is hidden by the other CTA's warps
-    half_steps: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -224,10 +220,6 @@ class GemmConfig:
                                and self.k_splits == 1):
             raise ValueError("fit_n is a knob of the stand-alone table decode (table_decode=True, warp-specialized, "
                              "no ring consumer, no K split)")
-        if self.half_steps and not (self.table_decode and self.warp_specialized is not False
-                                    and not self.ring_consumer and self.k_splits == 1):
-            raise ValueError("half_steps is a knob of the stand-alone table decode (table_decode=True, "
-                             "warp-specialized, no ring consumer, no K split)")
         if self.warp_specialized is None:
             object.__setattr__(self, "warp_specialized", not self.l2_evict_first and (
                 self.block_n <= WS_MAX_BLOCK_N or self.table_decode))
@@ -398,7 +390,7 @@ class GemmConfig:
         (two accumulator buffers: up to bn 32, except bn 24, whose two CTAs per SM leave no registers for them; bn 64
         waits for each chain)."""
         return (self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
-                and self.block_n not in TABLE_TWO_CTA_BLOCK_N and not self.half_steps)
+                and self.block_n not in TABLE_TWO_CTA_BLOCK_N)
 
     @property
     def wgmmas_per_group(self) -> int:
@@ -421,8 +413,6 @@ class GemmConfig:
             s += "_tab" if self.table_decode else "_fold"
         if self.fit_n:
             s += "_fit"
-        if self.half_steps:
-            s += "_half"
         if self.compact_grid:
             s += "_compact"
         if self.k_splits > 1:
@@ -656,37 +646,10 @@ def _make_kernel(cfg: GemmConfig):
         return a_regs
 
     @cute.jit
-    def half_step_chain(sbase, wg, t, warp, g, n):
-        """half_steps: a K128 step's chain (N = n) in two halves: K32 blocks 0, 1 from the thread's first 16 bytes
-        (table order), their WGMMAs, wait; then blocks 2, 3 from the second 16 bytes into the same A registers."""
-        srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
-        sc_lo = ptx.lds32(srow)
-        sc_hi = ptx.lds32(srow + 32)
-        part = []
-        for h in cutlass.range_constexpr(2):
-            words = ptx.lds128(sbase + wg * TILE_BYTES + t * 16 + h * (TILE_BYTES // 2))
-            a_regs = []
-            for jj in cutlass.range_constexpr(2):
-                j = 2 * h + jj
-                table_lo = ptx.decode_table(sc_lo, j)
-                table_hi = ptx.decode_table(sc_hi, j)
-                a_regs += [*ptx.decode_fp4x8_table(words[2 * jj], table_lo, table_hi),
-                           *ptx.decode_fp4x8_table(words[2 * jj + 1], table_lo, table_hi)]
-            descs = [ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024) for j in (2 * h, 2 * h + 1)]
-            ptx.wgmma_fence()
-            if cutlass.const_expr(h == 0):
-                part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
-            else:
-                part = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, part, 0, accumulate=True)
-        return part
-
-    @cute.jit
     def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc, n=BN):
         """n: the WGMMAs' N (fit_n: the tile's rows rounded up to 8; the accumulators past n/2 are left alone)."""
         sbase = smem + stage * cfg.stage_bytes
-        if cutlass.const_expr(cfg.half_steps):
-            part = half_step_chain(sbase, wg, t, warp, g, n)
-        elif cutlass.const_expr(cfg.table_decode):
+        if cutlass.const_expr(cfg.table_decode):
             srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
             a_regs = table_fragment(sbase, wg * TILE_BYTES + t * 16, srow - sbase)
             descs = [ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024) for j in range(4)]
@@ -707,9 +670,8 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.decode_fp4x4_folded(w_k16, step_lo, False), ptx.decode_fp4x4_folded(w_k16, step_hi, True),
                 ]
                 descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
-        if cutlass.const_expr(not cfg.half_steps):
-            ptx.wgmma_fence()
-            part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
+        ptx.wgmma_fence()
+        part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
         xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(n // 8)]
         for i in cutlass.range_constexpr(n // 8):
             for c in cutlass.range_constexpr(4):
@@ -1744,7 +1706,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, half_steps: bool = False):
+               fit_n: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1756,7 +1718,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, half_steps=half_steps)
+                     fit_n=fit_n)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1768,7 +1730,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False, fit_n: bool = False, half_steps: bool = False):
+            table_decode: bool = False, fit_n: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1776,8 +1738,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     from gc_moe.runtime.jit import KernelVariant
 
     table_decode = table_decode and fold_scales  # a way of folding: sets may name it with the fold off
-    fit_n = fit_n and table_decode  # likewise knobs of the table decode
-    half_steps = half_steps and table_decode
+    fit_n = fit_n and table_decode  # likewise a knob of the table decode
     ws_default = GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
                             warp_specialized=warp_specialized, fold_scales=fold_scales,
                             table_decode=table_decode).warp_specialized
@@ -1796,7 +1757,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, half_steps=half_steps)
+                     fit_n=fit_n)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1819,8 +1780,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["table_decode"] = True
     if fit_n:
         params["fit_n"] = True
-    if half_steps:
-        params["half_steps"] = True
     if compact_grid:
         params["compact_grid"] = True
     if consumer_registers is not None:
@@ -1844,16 +1803,16 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=_local_bytes_budget(role, block_n, fit_n, cfg.ctas_per_sm),
+        local_bytes_budget=_local_bytes_budget(role, block_n, fit_n),
         extra_sources=extra_sources,
     )
 
 
-def _local_bytes_budget(role: str, block_n: int, fit_n: bool, ctas_per_sm: int | None) -> int:
-    """Local memory a variant may take: W1's epilogue at the shapes where it spills (see the constants)."""
+def _local_bytes_budget(role: str, block_n: int, fit_n: bool) -> int:
+    """Local memory a variant may take: W1's epilogue at the two shapes where it spills (see the constants)."""
     if role != "w1":
         return 0
-    if block_n in TABLE_TWO_CTA_BLOCK_N or (ctas_per_sm == 2 and block_n == 32):
+    if block_n in TABLE_TWO_CTA_BLOCK_N:
         return TWO_CTA_W1_EPILOGUE_LOCAL_BYTES
     return FIT_W1_EPILOGUE_LOCAL_BYTES if fit_n and block_n == 64 else 0
 

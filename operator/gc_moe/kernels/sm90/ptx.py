@@ -401,12 +401,10 @@ def wgmma_rs_e4m3_issue(n: int, a_regs: list, descs: list, acc: list, pending: i
     return _asm_tied("\n".join(lines), per * count, list(a_regs) + list(descs), list(acc))
 
 
-def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pending: int,
-                              accumulate: bool = False) -> list:
+def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pending: int) -> list:
     """len(descs) register-A `m64n{n}k32` E4M3 WGMMAs chained into `acc` (n/2 floats, in/out operands; the first
-    starts fresh, or adds to `acc` too with accumulate=True), committed as one group, then wait until at most
-    `pending` groups are in flight: the folded scales' pipelined consumer keeps one K128 step's chain running while
-    it scales the step before."""
+    starts fresh), committed as one group, then wait until at most `pending` groups are in flight: the folded
+    scales' pipelined consumer keeps one K128 step's chain running while it scales the step before."""
     per = n // 2
     count = len(descs)
     lines = ["{", ".reg .pred fresh, chain;", "setp.ne.b32 fresh, 0, 0;", "setp.eq.b32 chain, 0, 0;"]
@@ -414,7 +412,7 @@ def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pend
     for i in range(count):
         a = ", ".join(f"${per + 4 * i + r}" for r in range(4))
         desc = f"${per + 4 * count + i}"
-        pred = "fresh" if i == 0 and not accumulate else "chain"
+        pred = "fresh" if i == 0 else "chain"
         lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, {desc}, {pred}, 1, 1;")
     lines += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {pending};", "}"]
     return _asm_tied("\n".join(lines), per, list(a_regs) + list(descs), list(acc))
