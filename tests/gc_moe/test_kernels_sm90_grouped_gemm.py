@@ -374,10 +374,10 @@ def test_fit_n_knob_names_and_limits():
     # named only when on, and only with the table decode (sets may name it everywhere)
     assert "fit_n" not in dict(gg.variant("w1", 32, fold_scales=True, table_decode=True).params)
     assert "fit_n" not in dict(gg.variant("w1", 32, fit_n=True).params)
-    # W1's epilogue at bn 64 is the one place allowed local memory (after the loop)
+    # W1's epilogue at bn 24 / 64 is the one place allowed local memory (after the loop)
     budgets = {(role, bn): gg.variant(role, bn, fold_scales=True, table_decode=True, fit_n=True).local_bytes_budget
                for role in ("w1", "w2") for bn in gg.BLOCK_N_CHOICES + gg.TABLE_TWO_CTA_BLOCK_N}
-    assert budgets == {**{k: 0 for k in budgets}, ("w1", 64): gg.FIT_W1_EPILOGUE_LOCAL_BYTES,
+    assert budgets == {**{k: 0 for k in budgets}, ("w1", 64): gg.TABLE64_W1_EPILOGUE_LOCAL_BYTES,
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 

@@ -77,9 +77,9 @@ FUSED_MAX_K_BLOCKS = 32
 FUSED_MAX_LOCAL_EXPERTS = 256  # the fused role2 scheduler's per-expert token-tile prefix lives in shared memory
 FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA (16 bytes each)
 # W1's epilogue spills a few words (once per CTA, after the K loop; the loops themselves have no local memory: the
-# bench's --sass report counts LDL / STL inside QGMMA loops) at fit_n's bn 64, after its eight N branches merge in
-# 112 registers, and at bn 24 in the 56 of two CTAs per SM
-FIT_W1_EPILOGUE_LOCAL_BYTES = 64
+# bench's --sass report counts LDL / STL inside QGMMA loops) at the table decode's bn 64 in 112 registers (fit_n's
+# eight N branches, or the waited consumer's carried stage and descriptor), and at bn 24 in the 56 of two CTAs per SM
+TABLE64_W1_EPILOGUE_LOCAL_BYTES = 64
 TWO_CTA_W1_EPILOGUE_LOCAL_BYTES = 32
 
 
@@ -1050,6 +1050,39 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
+    def consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
+        """The table decode's consumer that waits for each step's chain (N = n; tiles 24 and 64 have no registers for a
+        second chain buffer), with the pipelined consumers' bookkeeping: stage and parity carried (no division per
+        step), the token tile's descriptor advanced by the stage stride, the thread's offsets computed once."""
+        bar0 = smem + cfg.barrier_offset
+        a_off = wg * TILE_BYTES + t * 16
+        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
+        x_off = cfg.xs_offset + 2 * q * 4
+        desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
+        stage = Int32(0)
+        phase = Int32(0)
+        for kb in cutlass.range(k_blocks):
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+            sbase = smem + stage * cfg.stage_bytes
+            a_regs = table_fragment(sbase, a_off, s_off)
+            desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+            descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+            ptx.wgmma_fence()
+            part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
+            for i in cutlass.range_constexpr(n // 8):
+                xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
+                for c in cutlass.range_constexpr(4):
+                    acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xv[c % 2]
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
+            stage = stage + 1
+            if stage == STAGES:
+                stage = Int32(0)
+                phase = phase ^ 1
+
+    @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
         """Decode stage `stage`'s fragment and issue its four chained WGMMAs (N = n) into `buf`; returns once at
         most this chain is in flight (the one before it has completed)."""
@@ -1176,6 +1209,8 @@ def _make_kernel(cfg: GemmConfig):
                 consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc)
             elif cutlass.const_expr(cfg.table_pipelined):
                 consume_fitted(consume_table_pipelined, k_blocks, smem, wg, t, warp, g, q, acc, count)
+            elif cutlass.const_expr(cfg.table_decode):
+                consume_fitted(consume_table_waited, k_blocks, smem, wg, t, warp, g, q, acc, count)
             else:
                 consume_fitted(consume_folded, k_blocks, smem, wg, t, warp, g, q, acc, count)
             if cutlass.const_expr(epilogue is not None):
@@ -1803,18 +1838,18 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=_local_bytes_budget(role, block_n, fit_n),
+        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode),
         extra_sources=extra_sources,
     )
 
 
-def _local_bytes_budget(role: str, block_n: int, fit_n: bool) -> int:
+def _local_bytes_budget(role: str, block_n: int, table_decode: bool) -> int:
     """Local memory a variant may take: W1's epilogue at the two shapes where it spills (see the constants)."""
     if role != "w1":
         return 0
     if block_n in TABLE_TWO_CTA_BLOCK_N:
         return TWO_CTA_W1_EPILOGUE_LOCAL_BYTES
-    return FIT_W1_EPILOGUE_LOCAL_BYTES if fit_n and block_n == 64 else 0
+    return TABLE64_W1_EPILOGUE_LOCAL_BYTES if table_decode and block_n == 64 else 0
 
 
 def block_n_choices(**knobs) -> tuple[int, ...]:
