@@ -25,15 +25,21 @@ def ncu_csv(args: list[str]) -> list[list[str]]:
 
 def summary(report: str, top: int) -> None:
     rows = ncu_csv(["-i", report, "--page", "raw", "--csv"])
-    header, rows = rows[0], rows[2:]
+    header, units, rows = rows[0], rows[1], rows[2:]
     col = {name: i for i, name in enumerate(header)}
     stall = [n for n in header if n.startswith("smsp__average_warps_issue_stalled_") and n.endswith(
         "_per_issue_active.ratio")]
+    # the first of these a report has: the share of cycles a scheduler issued an instruction
+    issue = next((n for n in ("smsp__issue_active.avg.pct_of_peak_sustained_active",
+                              "sm__inst_issued.avg.pct_of_peak_sustained_active",
+                              "smsp__inst_issued.avg.pct_of_peak_sustained_active") if n in col), None)
     for k, r in enumerate(rows):
         def get(name, r=r):
             return r[col[name]] if name in col else "?"
+        duration = "gpu__time_duration.sum"
+        unit = units[col[duration]] if duration in col else ""
         print(f"[{k}] {get('Kernel Name')[:40]} grid {get('Grid Size')} block {get('Block Size')} "
-              f"dur {get('gpu__time_duration.sum')} ns, issue busy {get('sm__inst_issued.avg.pct_of_peak_sustained_active')}%, "
+              f"dur {get(duration)} {unit}, issue active {get(issue) if issue else '?'}%, "
               f"DRAM {get('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed')}%")
         vals = []
         for n in stall:
