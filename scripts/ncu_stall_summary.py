@@ -55,7 +55,9 @@ def summary(report: str, top: int) -> None:
 def source(report: str, index: int, top: int) -> None:
     rows = ncu_csv(["-i", report, "--page", "source", "--csv", "--print-source", "sass",
                     "--launch-skip", str(index), "--launch-count", "1"])
-    header, body = rows[0], rows[1:]
+    # the page opens with a ("Kernel Name", name) row, then the column header
+    start = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), 0)
+    header, body = rows[start], rows[start + 1:]
     col = {name: i for i, name in enumerate(header)}
     samples = next((n for n in header if n.startswith("Warp Stall Sampling (All")), None)
     reasons = [n for n in header if n.startswith(("stall_", "Stall "))]
