@@ -449,8 +449,7 @@ def main() -> int:
                 {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16},
                 {"fold_scales": True, "table_decode": True, "fit_n": True},
                 {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": 2, "max_block_n": 24},
-                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24},
-                {"fold_scales": True, "table_decode": True, "fit_n": True, "producer_tables": True, "max_block_n": 64}]
+                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:

@@ -381,21 +381,6 @@ def test_fit_n_knob_names_and_limits():
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 
-def test_producer_tables_knob_and_stage_plan():
-    cfg = gg.GemmConfig("w1", 64, fold_scales=True, table_decode=True, producer_warps=4, consumer_registers=112,
-                        producer_tables=True)
-    assert "_ptab" in cfg.name and cfg.full_arrivals == 2 * 128 + 1 and cfg.stage_tx_bytes == 4 * 4096
-    assert cfg.b_offset == 4 * 4096 + 4 * gg.TILE_TABLE_BYTES and cfg.smem_bytes <= cfg.smem_limit
-    for knobs in ({"fold_scales": True, "table_decode": True}, {"producer_warps": 4}):
-        with pytest.raises(ValueError, match="producer_tables is a knob"):
-            gg.GemmConfig("w2", 64 if knobs.get("table_decode") else 16, producer_tables=True, **knobs)
-    # sets may name it at every tile: only the producer warpgroup's tile 64 takes it
-    assert dict(gg.variant("w1", 64, fold_scales=True, table_decode=True, producer_tables=True).params)[
-        "producer_tables"] is True
-    assert "producer_tables" not in dict(gg.variant("w1", 32, fold_scales=True, table_decode=True,
-                                                    producer_tables=True).params)
-
-
 def test_tile_24_is_the_two_cta_table_decodes_only():
     cfg = gg.GemmConfig("w1", 24, fold_scales=True, table_decode=True)
     assert cfg.ctas_per_sm == 2 and not cfg.table_pipelined and cfg.smem_bytes <= cfg.smem_limit
@@ -421,9 +406,8 @@ def built(tmp_path_factory):
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
-    # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64 (and at 64 with the
-    # producer's tables)
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8 + 2
+    # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -483,9 +467,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
-    # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64 (+ 64
-    # with the producer's tables)
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 2
+    # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -507,9 +490,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
-    # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64 (+ 64
-    # with the producer's tables)
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8 + 2
+    # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -525,10 +507,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
             str(cfg.full_arrivals), "16"] * cfg.stages
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
-        # the scale bytes are bulk-copied unless the producer builds the K32 tables itself
-        assert sorted(set(bulk)) == (["4096"] if cfg.producer_tables else ["256", "4096"]), variant.describe()
-        assert "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {cfg.stage_tx_bytes};" in ptx
-        assert cfg.stage_tx_bytes == (4 * 4096 if cfg.producer_tables else gg.STAGE_TX_BYTES)
+        assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
+        assert "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {gg.STAGE_TX_BYTES};" in ptx
         assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
         assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") >= 2  # consumers' full, producer's empty
         assert "fence.proxy.async.shared::cta;" in ptx and "mbarrier.arrive.shared::cta.b64 _," in ptx
@@ -863,18 +843,6 @@ def test_fit_n_agrees_with_the_whole_tile(block_n, ctas_per_sm, tokens):
     assert ((sf - sf_ref).abs() <= 5e-7 * sf_ref.abs()).all()
     ulps = (out.view(torch.int16).int() - out_ref.view(torch.int16).int()).abs()
     assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fit_n", [False, True])
-@pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 150), (512, 384, 70), (256, 128, 40)])
-def test_producer_tables_write_the_table_bytes(hidden, inter, tokens, fit_n):
-    """The tile-64 K32 tables built by the producer warpgroup are the consumers' own tables bit for bit: W1 and W2
-    write the table variant's bytes (several token tiles, odd and single K128 step counts)."""
-    knobs = {"fold_scales": True, "table_decode": True, "fit_n": fit_n}
-    runs = [_run_case(hidden, inter, 7, 4, tokens, 64, seed=tokens + inter, return_raw=True, **kn)
-            for kn in ({**knobs, "producer_tables": True}, knobs)]
-    _assert_same_bytes(*runs)
 
 
 @pytest.mark.gpu

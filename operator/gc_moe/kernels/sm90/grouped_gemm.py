@@ -45,8 +45,7 @@ PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp af
 PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
 SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per CTA on the H200 once the DSL's 1 KiB static is taken
 SMEM_PER_SM = 228 * 1024  # of which the driver reserves 1 KiB per resident CTA
-STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes (the
-# tables built by the producer: the weight tiles only, GemmConfig.stage_tx_bytes)
+STAGE_TX_BYTES = 4 * 4096 + 4 * 256  # bulk-copied per K128 step: 4 weight tiles and their K32 scale bytes
 # ptxas budgets a 544-thread CTA as 640 threads (whole warpgroups): 96 registers per thread, enough up to bn 32
 WS_MAX_BLOCK_N = 32
 WS_ENTRY_REGISTERS = 96  # what every thread of a 544..640-thread CTA gets at launch (the CTA's register pool / 640)
@@ -60,7 +59,6 @@ TILES_PER_CTA = 4
 ROWS_PER_CTA = 64 * TILES_PER_CTA
 TILE_BYTES = 4096  # 64 x 128 FP4 codes
 TILE_SCALE_BYTES = 256  # 64 rows x 4 K32 scale bytes
-TILE_TABLE_BYTES = 2048  # producer_tables: 64 rows x 4 K32 blocks x the two table words
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # formats.quantize_fp8_k128: scale = max(amax, 1e-4) / 448
 # fold_scales: the A operand is value * 2^(d - FOLD_EXPONENT): the smallest code (0.5 at d = 0) is E4M3's
@@ -208,11 +206,6 @@ class GemmConfig:
     # consumer loop per N, chosen by the rows; the accumulators past N stay zero, as zero-filled tokens would
     # leave them). Experts with fewer rows than the tile cost the tensor core and the scale FMAs only their share
     fit_n: bool = False
-    # table_decode with a producer warpgroup (producer_warps=4): the producer builds each stage's K32 tables (two words
-    # per row and K32 block, from the scale bytes it reads itself, one step ahead) into the stage instead of the
-    # scale bytes, and the consumers load them: ~28 integer ops per consumer thread and K128 step become 4 shared
-    # loads. One more arrival per producer thread on the full barrier publishes the tables
-    producer_tables: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -227,10 +220,6 @@ class GemmConfig:
                                and self.k_splits == 1):
             raise ValueError("fit_n is a knob of the stand-alone table decode (table_decode=True, warp-specialized, "
                              "no ring consumer, no K split)")
-        if self.producer_tables and not (self.table_decode and self.producer_warps == 4 and not self.ring_consumer
-                                         and not self.fused_role2 and self.k_splits == 1):
-            raise ValueError("producer_tables is a knob of the stand-alone table decode with a producer warpgroup "
-                             "(table_decode=True, producer_warps=4; no ring consumer, no K split)")
         if self.warp_specialized is None:
             object.__setattr__(self, "warp_specialized", not self.l2_evict_first and (
                 self.block_n <= WS_MAX_BLOCK_N or self.table_decode))
@@ -317,24 +306,13 @@ class GemmConfig:
         return min(16, (self.smem_limit - fixed) // per_stage)
 
     # shared-memory plan of one stage: [weights 4 x 4096][scales 4 x 256][B block_n x 128][act scales]
-    # (producer_tables: the K32 tables, 4 x 2048, where the scales were)
     @property
     def scale_offset(self) -> int:
         return TILES_PER_CTA * TILE_BYTES
 
     @property
-    def scale_bytes_per_tile(self) -> int:
-        return TILE_TABLE_BYTES if self.producer_tables else TILE_SCALE_BYTES
-
-    @property
-    def stage_tx_bytes(self) -> int:
-        """Bulk-copied per K128 step: the 4 weight tiles, and their K32 scale bytes unless the producer builds
-        the tables."""
-        return TILES_PER_CTA * TILE_BYTES + (0 if self.producer_tables else TILES_PER_CTA * TILE_SCALE_BYTES)
-
-    @property
     def b_offset(self) -> int:
-        return self.scale_offset + TILES_PER_CTA * self.scale_bytes_per_tile
+        return self.scale_offset + TILES_PER_CTA * TILE_SCALE_BYTES
 
     @property
     def xs_offset(self) -> int:
@@ -385,7 +363,7 @@ class GemmConfig:
     def full_arrivals(self) -> int:
         """Arrivals that complete a stage's full barrier: the byte announcement, each producer thread's copies,
         and in a fused half producer thread 0's plain arrival (the W2 half publishes its scale stores with it)."""
-        return self.producer_threads * (2 if self.producer_tables else 1) + 1 + (1 if self.fused_role2 else 0)
+        return self.producer_threads + 1 + (1 if self.fused_role2 else 0)
 
     @property
     def smem_bytes(self) -> int:
@@ -435,8 +413,6 @@ class GemmConfig:
             s += "_tab" if self.table_decode else "_fold"
         if self.fit_n:
             s += "_fit"
-        if self.producer_tables:
-            s += "_ptab"
         if self.compact_grid:
             s += "_compact"
         if self.k_splits > 1:
@@ -659,20 +635,12 @@ def _make_kernel(cfg: GemmConfig):
         scale words (row g at s_off, row g + 8 32 bytes on) and per K32 block the two rows' tables."""
         wa = sbase + a_off
         words = ptx.lds128(wa) + ptx.lds128(wa + TILE_BYTES // 2)
-        if cutlass.const_expr(cfg.producer_tables):  # the producer's tables: row g at s_off, row g + 8 256 bytes on
-            t_g = ptx.lds128(sbase + s_off) + ptx.lds128(sbase + s_off + 16)
-            t_g8 = ptx.lds128(sbase + s_off + 256) + ptx.lds128(sbase + s_off + 272)
-        else:
-            sc_lo = ptx.lds32(sbase + s_off)
-            sc_hi = ptx.lds32(sbase + s_off + 32)
+        sc_lo = ptx.lds32(sbase + s_off)
+        sc_hi = ptx.lds32(sbase + s_off + 32)
         a_regs = []
         for j in cutlass.range_constexpr(4):
-            if cutlass.const_expr(cfg.producer_tables):
-                table_lo = (t_g[2 * j], t_g[2 * j + 1])
-                table_hi = (t_g8[2 * j], t_g8[2 * j + 1])
-            else:
-                table_lo = ptx.decode_table(sc_lo, j)
-                table_hi = ptx.decode_table(sc_hi, j)
+            table_lo = ptx.decode_table(sc_lo, j)
+            table_hi = ptx.decode_table(sc_hi, j)
             a_regs += [*ptx.decode_fp4x8_table(words[2 * j], table_lo, table_hi),
                        *ptx.decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
         return a_regs
@@ -786,11 +754,6 @@ def _make_kernel(cfg: GemmConfig):
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        if cutlass.const_expr(cfg.producer_tables):
-            # thread pidx builds rows 2 (pidx mod 32) and + 1 of tile pidx / 32: their scale words, one step ahead
-            t_src = s_src + Int64(pidx // 32) * scale_stride + Int64((pidx % 32) * 8)
-            t_dst = cfg.scale_offset + (pidx // 32) * TILE_TABLE_BYTES + (pidx % 32) * 64
-            scale_words = ptx.ldg_u32x2(t_src)
         for kb in cutlass.range(k_steps):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
@@ -804,24 +767,7 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
                                          x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
-            if cutlass.const_expr(cfg.producer_tables):
-                words = scale_words
-                if kb + 1 < k_steps:
-                    scale_words = ptx.ldg_u32x2(t_src + Int64((kb + 1) * TILE_SCALE_BYTES))
-                write_tables(sbase + t_dst, words)
-                ptx.mbarrier_arrive(full)  # release: the consumers' wait on full sees the tables
         ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
-
-    @cute.jit
-    def write_tables(dst, words):
-        """producer_tables: two rows' K32 tables (row r's 4 blocks x (low, high) words at dst + 32 r)."""
-        for rr in cutlass.range_constexpr(2):
-            row = []
-            for j in cutlass.range_constexpr(4):
-                low, high = ptx.decode_table(words[rr], j)
-                row += [low, high]
-            ptx.sts128(dst + 32 * rr, row[:4])
-            ptx.sts128(dst + 32 * rr + 16, row[4:])
 
     @cute.jit
     def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base):
@@ -954,15 +900,14 @@ def _make_kernel(cfg: GemmConfig):
         if pidx == 0:
             # the stage's bytes announced once; another warp's copies may land first (the tx count goes
             # negative until then, and the phase still waits for this arrival)
-            ptx.mbarrier_arrive_expect_tx(full, cfg.stage_tx_bytes)
+            ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
         w_k = w_src + Int64(kb) * TILE_BYTES
         s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
         for i in cutlass.range_constexpr(TILES_PER_CTA):
             if pidx == 32 * (i % PW):  # lane 0 of warp i mod PW: addresses stay warp-uniform
                 ptx.bulk_copy_g2s(sbase + i * TILE_BYTES, w_k + Int64(i) * tile_stride, TILE_BYTES, full)
-                if cutlass.const_expr(not cfg.producer_tables):
-                    ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
-                                      TILE_SCALE_BYTES, full)
+                ptx.bulk_copy_g2s(sbase + cfg.scale_offset + i * TILE_SCALE_BYTES, s_k + Int64(i) * scale_stride,
+                                  TILE_SCALE_BYTES, full)
 
     # pipelined consumer (warp_specialized, unfolded): the K32 blocks of a step go out in groups of PNP
     # WGMMAs whose fresh partials (32 registers per group at every bn) alternate between two buffers; group i
@@ -1105,20 +1050,13 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def table_row_offset(wg, warp, g):
-        """The stage offset of the thread's row g K32 data: its scale word, or with producer_tables its tables."""
-        if cutlass.const_expr(cfg.producer_tables):
-            return cfg.scale_offset + wg * TILE_TABLE_BYTES + (16 * warp + g) * 32
-        return cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
-
-    @cute.jit
     def consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
         """The table decode's consumer that waits for each step's chain (N = n; tiles 24 and 64 have no registers for a
         second chain buffer), with the pipelined consumers' bookkeeping: stage and parity carried (no division per
         step), the token tile's descriptor advanced by the stage stride, the thread's offsets computed once."""
         bar0 = smem + cfg.barrier_offset
         a_off = wg * TILE_BYTES + t * 16
-        s_off = table_row_offset(wg, warp, g)
+        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
         x_off = cfg.xs_offset + 2 * q * 4
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
@@ -1187,7 +1125,7 @@ def _make_kernel(cfg: GemmConfig):
             bufs[0][r] = Float32(0.0)
             bufs[1][r] = Float32(0.0)
         a_off = wg * TILE_BYTES + t * 16
-        s_off = table_row_offset(wg, warp, g)
+        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
         x_off = cfg.xs_offset + 2 * q * 4
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
@@ -1803,7 +1741,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, producer_tables: bool = False):
+               fit_n: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1815,7 +1753,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, producer_tables=producer_tables)
+                     fit_n=fit_n)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1827,7 +1765,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False, fit_n: bool = False, producer_tables: bool = False):
+            table_decode: bool = False, fit_n: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1835,7 +1773,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     from gc_moe.runtime.jit import KernelVariant
 
     table_decode = table_decode and fold_scales  # a way of folding: sets may name it with the fold off
-    fit_n = fit_n and table_decode  # likewise knobs of the table decode
+    fit_n = fit_n and table_decode  # likewise a knob of the table decode
     ws_default = GemmConfig(role, block_n, l2_evict_first=l2_evict_first, ring_consumer=ring_consumer,
                             warp_specialized=warp_specialized, fold_scales=fold_scales,
                             table_decode=table_decode).warp_specialized
@@ -1850,13 +1788,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
         # registers, so the consumers take 112 from a producer warpgroup (W2 likewise, one shape for both roles)
         producer_warps, consumer_registers = 4, max(CONSUMER_REGISTER_CHOICES)
-    # a knob of the table decode's producer warpgroup: sets may name it at every tile
-    producer_tables = producer_tables and table_decode and producer_warps == 4
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, producer_tables=producer_tables)
+                     fit_n=fit_n)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1879,8 +1815,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["table_decode"] = True
     if fit_n:
         params["fit_n"] = True
-    if producer_tables:
-        params["producer_tables"] = True
     if compact_grid:
         params["compact_grid"] = True
     if consumer_registers is not None:
@@ -1953,9 +1887,6 @@ def all_variants():
               # CTAs per SM) with and without it
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, ctas_per_sm=2 if bn == 16 else None)
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64)]
-              # the tile-64 tables built by the producer warpgroup, with fitted N
-              + [variant(role, 64, fold_scales=True, table_decode=True, fit_n=True, producer_tables=True)
-                 for role in ("w1", "w2")]
               + [variant(role, 24, fold_scales=True, table_decode=True) for role in ("w1", "w2")]):
         if v.describe() not in seen:
             seen.add(v.describe())

@@ -70,15 +70,6 @@ def lds128(addr: Int32) -> list:
     return asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", [Uint32] * 4, [addr])
 
 
-def sts128(addr: Int32, words: list) -> None:
-    asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [], [addr] + list(words))
-
-
-def ldg_u32x2(addr: Int64) -> list:
-    """Two 32-bit words through the read-only path (8-byte aligned)."""
-    return asm("ld.global.nc.v2.b32 {$0, $1}, [$2];", [Uint32] * 2, [addr])
-
-
 def lds32(addr: Int32) -> Uint32:
     return asm("ld.shared.b32 $0, [$1];", [Uint32], [addr])
 
