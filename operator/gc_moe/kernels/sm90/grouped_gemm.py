@@ -646,8 +646,7 @@ def _make_kernel(cfg: GemmConfig):
         return a_regs
 
     @cute.jit
-    def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc, n=BN):
-        """n: the WGMMAs' N (fit_n: the tile's rows rounded up to 8; the accumulators past n/2 are left alone)."""
+    def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc):
         sbase = smem + stage * cfg.stage_bytes
         if cutlass.const_expr(cfg.table_decode):
             srow = sbase + cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
@@ -671,9 +670,9 @@ def _make_kernel(cfg: GemmConfig):
                 ]
                 descs.append(ptx.smem_desc_kmajor(sbase + cfg.b_offset + j * 256, 128, 1024))
         ptx.wgmma_fence()
-        part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
-        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(n // 8)]
-        for i in cutlass.range_constexpr(n // 8):
+        part = ptx.wgmma_rs_e4m3_chain(BN, a_regs, descs)
+        xs = [ptx.lds_f32x2(sbase + cfg.xs_offset + (8 * i + 2 * q) * 4) for i in range(NSUB)]
+        for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(4):
                 acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xs[i][c % 2]
 
@@ -1036,15 +1035,15 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
 
     @cute.jit
-    def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
+    def consume_folded(k_blocks, smem, wg, t, warp, g, q, acc):
         """A folded-scale consumer warpgroup: per K128 step wait for the stage, compute (one chained WGMMA
-        group of N = n, waited at once), release it (one arrival per warp)."""
+        group, waited at once), release it (one arrival per warp)."""
         for kb in cutlass.range(k_blocks):
             stage = kb % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             ptx.mbarrier_wait(full, (kb // STAGES) % 2, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-            compute_stage_folded(smem, stage, wg, t, warp, g, q, acc, n)
+            compute_stage_folded(smem, stage, wg, t, warp, g, q, acc)
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(full + STAGES * 8)
