@@ -964,6 +964,22 @@ def _make_kernel(cfg: GemmConfig):
                 acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xv[c % 2]
 
     @cute.jit
+    def next_stage(stage, phase):
+        """The ring position after (stage, phase): an add and a compare at the wrap, no division."""
+        stage = stage + 1
+        if stage == STAGES:
+            stage = Int32(0)
+            phase = phase ^ 1
+        return stage, phase
+
+    @cute.jit
+    def table_offsets(wg, t, warp, g, q):
+        """A table-decode consumer thread's stage offsets, computed once: its codes (table nibble order), its row g
+        scale word, its activation-scale column pair."""
+        return (wg * TILE_BYTES + t * 16, cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4,
+                cfg.xs_offset + 2 * q * 4)
+
+    @cute.jit
     def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None):
         """base: the fused halves' first step of the unit (their stages and phases run on across units); None:
         the unit's steps start at stage 0, phase 0.
@@ -1003,10 +1019,7 @@ def _make_kernel(cfg: GemmConfig):
         for kb in cutlass.range(1, k_blocks):
             prev = stage
             pbase = sbase
-            stage = stage + 1
-            if stage == STAGES:
-                stage = Int32(0)
-                phase = phase ^ 1
+            stage, phase = next_stage(stage, phase)
             sbase = smem + stage * cfg.stage_bytes
             desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
             ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
@@ -1054,9 +1067,7 @@ def _make_kernel(cfg: GemmConfig):
         second chain buffer), with the pipelined consumers' bookkeeping: stage and parity carried (no division per
         step), the token tile's descriptor advanced by the stage stride, the thread's offsets computed once."""
         bar0 = smem + cfg.barrier_offset
-        a_off = wg * TILE_BYTES + t * 16
-        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
-        x_off = cfg.xs_offset + 2 * q * 4
+        a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
         phase = Int32(0)
@@ -1076,10 +1087,7 @@ def _make_kernel(cfg: GemmConfig):
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
-            stage = stage + 1
-            if stage == STAGES:
-                stage = Int32(0)
-                phase = phase ^ 1
+            stage, phase = next_stage(stage, phase)
 
     @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
@@ -1101,10 +1109,7 @@ def _make_kernel(cfg: GemmConfig):
         (stage, phase) just consumed."""
         bar0 = smem + cfg.barrier_offset
         prev_stage = stage
-        stage = stage + 1
-        if stage == STAGES:
-            stage = Int32(0)
-            phase = phase ^ 1
+        stage, phase = next_stage(stage, phase)
         ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         table_issue(smem, stage, a_off, s_off, desc0, cur, n)
@@ -1123,9 +1128,7 @@ def _make_kernel(cfg: GemmConfig):
         for r in cutlass.range_constexpr(n // 2):
             bufs[0][r] = Float32(0.0)
             bufs[1][r] = Float32(0.0)
-        a_off = wg * TILE_BYTES + t * 16
-        s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
-        x_off = cfg.xs_offset + 2 * q * 4
+        a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
         phase = Int32(0)
