@@ -381,6 +381,29 @@ def test_fit_n_knob_names_and_limits():
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 
+def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
+    """The bench's `loop L/S` column (the SASS rule: no LDL / STL in the main loop): local accesses count only inside
+    a backward branch's body that issues QGMMA; the epilogue's and a per-lane copy loop's (BRA.U.ANY) do not."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_grouped_gemm_sm90.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_gemm_sm90", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    listing = [f"        /*{a:04x}*/ {text} ;" for a, text in [
+        (0x0100, "LDL R2, [R1]"),                                   # before the loop
+        (0x0110, "QGMMA.64x32x32.F32.E4M3.E4M3 R24, R40, gdesc[UR8], R24"),
+        (0x0120, "STL [R1+0x4], R3"),
+        (0x0130, "@P0 BRA 0x110"),                                  # the main loop: 0x110 .. 0x130
+        (0x0140, "STL [R1+0x8], R4"),                               # the epilogue
+        (0x0150, "LDL R5, [R1+0x8]"),
+        (0x0160, "@P1 BRA.U.ANY 0x140"),                            # a per-lane loop without QGMMA
+        (0x0170, "EXIT")]]
+    assert bench.local_ops_in_mma_loops(listing) == 1
+    assert bench.local_ops_in_mma_loops(listing[:2] + listing[3:]) == 0
+
+
 def test_tile_24_is_the_two_cta_table_decodes_only():
     cfg = gg.GemmConfig("w1", 24, fold_scales=True, table_decode=True)
     assert cfg.ctas_per_sm == 2 and not cfg.table_pipelined and cfg.smem_bytes <= cfg.smem_limit
