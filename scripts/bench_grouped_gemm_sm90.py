@@ -145,11 +145,18 @@ class Point:
         self.mid_scale.fill_(float("nan"))
         self.out.fill_(float("nan"))
 
-    def launch(self, stream, sync_each: bool = False):
+    def launch(self, stream, sync_each: bool = False, roles=("w1", "w2")):
+        """roles: the kernels to launch (the per-role times launch one; W2 then reads the last W1's output)."""
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
+        if "w1" not in roles:
+            launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
+                      self.capacity, stream, split=self.split2)
+            return
         launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
                   self.mid_scale, self.capacity, stream, split=self.split1)
+        if "w2" not in roles:
+            return
         if sync_each:
             torch.cuda.synchronize()
             print("# w1 ran", flush=True)
@@ -324,10 +331,10 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
 
         flushes = {"read": lambda: torch.amax(flush.view(torch.float16)), "write": flush.zero_}
 
-        def cold_us(method, pt=pt):
+        def cold_us(method, pt=pt, roles=("w1", "w2")):
             def flush_then_gemm():
                 flushes[method]()
-                pt.launch(stream)
+                pt.launch(stream, roles=roles)
 
             flush_only = time_graph(flushes[method], stream, args.replays, args.windows)
             return time_graph(flush_then_gemm, stream, args.replays, args.windows) - flush_only
@@ -341,6 +348,8 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
                    tflops=pt.flops() / (cold * 1e-6) / 1e12, flush=methods[0])
         if "write" in colds and len(colds) > 1:
             row["cold_write_flush_us"] = colds["write"]
+        if args.per_role:  # each kernel alone after the same flush: where the time over the floor goes
+            row.update(w1_cold_us=cold_us(methods[0], roles=("w1",)), w2_cold_us=cold_us(methods[0], roles=("w2",)))
     return ok
 
 
@@ -423,6 +432,8 @@ def main() -> int:
     ap.add_argument("--flush", default="read", choices=("read", "write", "both"),
                     help="the cold timing's L2 flush: read 256 MB (default), write them (the earlier method), or "
                          "both (cold_us from the read flush, cold_write_flush_us beside it)")
+    ap.add_argument("--per-role", action="store_true",
+                    help="also time W1 alone and W2 alone (cold, same flush): columns w1 / w2")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -560,13 +571,15 @@ def main() -> int:
         json.dump({"read_bw_bytes_per_s": bw, "rows": rows_out}, f, indent=1)
     print(f"\nread bandwidth (amax, 4 GiB): {bw / 1e12:.2f} TB/s")
     print(f"{'variant':12s} {'model':22s} {'T':>4s} {'rows':>5s} {'act':>4s} {'bn':>3s} {'MB':>7s} {'floor':>7s} {'cold':>7s} "
-          f"{'warm':>7s} {'%bw':>5s} {'TF':>5s} {'cos':>8s} {'diff':>8s} ok {'cold(write flush)':>17s}")
+          f"{'warm':>7s} {'%bw':>5s} {'TF':>5s} {'cos':>8s} {'diff':>8s} ok {'cold(write flush)':>17s}"
+          f"{' w1 / w2' if args.per_role else ''}")
     for r in rows_out:
         print(f"{r['tag']:12s} {r['model']:22s} {r['tokens']:4d} {r['rows']:5d} {r['active']:4d} {r['block_n']:3d} "
               f"{r['bytes'] / 1e6:7.1f} {r.get('floor_us', math.nan):7.1f} {r.get('cold_us', math.nan):7.1f} "
               f"{r.get('warm_us', math.nan):7.1f} {r.get('bw_pct', math.nan):5.1f} {r.get('tflops', math.nan):5.2f} "
               f"{r.get('cos_out', math.nan):8.5f} {r.get('diff_out', math.nan):8.5f} {r.get('ok', '-')} "
-              f"{r.get('cold_write_flush_us', math.nan):17.1f}")
+              f"{r.get('cold_write_flush_us', math.nan):17.1f}"
+              + (f" {r.get('w1_cold_us', math.nan):.1f} / {r.get('w2_cold_us', math.nan):.1f}" if args.per_role else ""))
     return 0 if all_ok else 1
 
 
