@@ -460,7 +460,8 @@ def main() -> int:
                 {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 16},
                 {"fold_scales": True, "table_decode": True, "fit_n": True},
                 {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": 2, "max_block_n": 24},
-                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24}]
+                {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24},
+                {"stream_k": True}, {"stream_k": True, "ctas_per_sm": 1}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:

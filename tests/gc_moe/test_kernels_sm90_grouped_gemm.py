@@ -67,6 +67,66 @@ def test_split_k_knob_its_grid_parameters_and_buffers():
     assert counts.shape == (2 * 24 * 32,) and partials.shape == (2 * 24 * 32 * 2 * gg.THREADS * 8,)
 
 
+@pytest.mark.parametrize("units,k_blocks,ctas", [(1, 4, 264), (162, 40, 264), (36, 32, 132), (7, 3, 5),
+                                                  (1000, 18, 132), (3, 48, 2)])
+def test_stream_k_partition_covers_every_step_once(units, k_blocks, ctas):
+    """The stream-K CTAs' segments (as the kernel walks them) cover every (unit, K128 step) once, in order; piece
+    numbers unit + CTA are unique and below units + CTAs (stream_sizes' bound); a unit's pieces are exactly the
+    CTAs from the owner of its first step to the owner of its last (the kernel's count of arrivals and its order
+    of summation), also with more CTAs than steps."""
+    work = units * k_blocks
+    ctas = gg.stream_ctas(ctas, work)  # the launch's other CTAs exit
+    steps_seen, pieces = [], []
+    for cta in range(ctas):
+        s, end = gg.stream_range(cta, ctas, work)
+        while s < end:
+            unit = s // k_blocks
+            k_end = min(end - unit * k_blocks, k_blocks)
+            steps = k_end - (s - unit * k_blocks)
+            steps_seen += range(s, s + steps)
+            pieces.append((unit, cta))
+            s += steps
+    assert steps_seen == list(range(work))
+    ids = [u + c for u, c in pieces]
+    assert len(set(ids)) == len(ids) and max(ids) < units + ctas
+    for unit in range(units):
+        first, last = (gg.stream_owner(unit * k_blocks, ctas, work),
+                       gg.stream_owner((unit + 1) * k_blocks - 1, ctas, work))
+        assert [c for u, c in pieces if u == unit] == list(range(first, last + 1))
+
+
+def test_stream_k_knob_its_grid_parameters_and_buffers():
+    cfg = gg.GemmConfig("w1", 8, stream_k=True)
+    assert gg.grid(cfg, 4096, 32, 5, sms=132) == (264, 1, 1)  # two CTAs per SM at tile 8 by default
+    assert gg.grid(gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1), 6144, 32, 5, sms=66) == (66, 1, 1)
+    with pytest.raises(ValueError, match="pass sms >= 1"):
+        gg.grid(cfg, 4096, 32, 5)
+    assert [n for n, _ in cfg.params] == [n for n, _ in gg.PARAMS_W1 + gg.STREAM_PARAMS] and "_sk_" in cfg.name
+    assert dict(gg.variant("w2", 16, stream_k=True).params)["stream_k"] is True
+    # sets may name the knob everywhere: tile 32, the cp.async pipeline and the folded scales drop it
+    for bn, knobs in ((32, {}), (64, {}), (8, {"fold_scales": True}), (16, {"fold_scales": True, "table_decode": True})):
+        assert "stream_k" not in dict(gg.variant("w1", bn, stream_k=True, **knobs).params)
+    for bad in ({"ring_consumer": True}, {"fold_scales": True}, {"block_n": 32}, {"k_splits": 2},
+                {"compact_grid": True}):
+        with pytest.raises(ValueError, match="stream_k is a knob of the stand-alone"):
+            gg.GemmConfig(**{"role": "w1", "block_n": 8, "stream_k": True, **bad})
+    built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0))
+                   for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
+    assert built == [(role, bn, ctas) for role in ("w1", "w2") for bn, ctas in ((8, 0), (8, 1), (16, 0))]
+
+    class Fake:  # split_buffers reads only the loaded kernel's variant parameters
+        def __init__(self, variant):
+            self.entry = type("E", (), {"variant": variant})()
+
+    from types import SimpleNamespace
+
+    mat = SimpleNamespace(rows=4096, num_experts=32)
+    partials, counts = gg.split_buffers(Fake(gg.variant("w1", 8, stream_k=True)), mat, 5, "cpu", sms=132)
+    units = 1 * 16 * 32  # one token tile of 8 x 16 weight-row CTAs x 32 experts
+    assert counts.shape == (units,) and partials.shape == ((units + 264) * gg.THREADS * 4,)
+    assert int(counts.abs().sum()) == 0
+
+
 def test_k_splits_for_follows_the_measured_points():
     # H200 at 1 token (docs/sm90-grouped-gemm.md, step 11): DeepSeek with 2 experts split both, GLM-5.2 with 5
     # W1 only, GLM-5.2 with 7 and every busier call none
@@ -657,7 +717,8 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False, w2_k_splits=1, **more_knobs):
+              return_raw=False, w2_k_splits=1, sms=None, **more_knobs):
+    """sms: the SMs a stream_k variant's grid spreads over (None: the device's)."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -691,24 +752,24 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     k2 = jit.load_kernel(gg.variant("w2", block_n, **{**knobs, "k_splits": w2_k_splits}), "sm_90a")
     stream = torch.cuda.current_stream()
     cap = int(counts.max())
-    split = gg.split_buffers(k1, w.l1, cap, dev)  # k_splits > 1: partials and arrival counts, else None
-    gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split)
+    split = gg.split_buffers(k1, w.l1, cap, dev, sms)  # k_splits > 1: partials and arrival counts, else None
+    gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
     if split is not None:
         # a second launch on the same buffers writes the same bytes (the last split sums in split order, whichever
         # arrives last) and leaves every arrival count at zero again
         first, first_sf = mid.clone(), mid_sf.clone()
         mid.view(torch.uint8).fill_(0x7F)
         mid_sf.fill_(float("nan"))
-        gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split)
+        gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
         torch.cuda.synchronize()
         assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf)
         assert int(split[1].abs().sum()) == 0, "a split unit's arrival count was not set back to zero"
-    split2 = gg.split_buffers(k2, w.l2, cap, dev)
-    gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2)
+    split2 = gg.split_buffers(k2, w.l2, cap, dev, sms)
+    gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
     if split2 is not None:  # as W1's above
         first = out.clone()
         out.fill_(float("nan"))
-        gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2)
+        gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
         assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
@@ -794,6 +855,24 @@ def test_split_k_matches_float32_reference(block_n, split_roles, k_splits, hidde
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, max(10, topk + 2), topk, tokens, block_n,
                                            seed=block_n * 10 + k_splits + tokens, k_splits=w1_splits,
                                            w2_k_splits=w2_splits)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(8, 1), (8, 2), (16, None)])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (512, 512, 10, 1, 5, None),      # more CTAs than steps: 1-step pieces, idle CTAs
+    (1024, 512, 10, 8, 3, None),
+    (1024, 512, 10, 6, 40, 3),       # few CTAs: many units per CTA on one continuing ring
+    (6144, 2048, 10, 8, 1, None),    # GLM-5.2's K at one token
+    (5120, 2304, 48, 6, 2, 7)])      # DeepSeek-V4.1-Flash's K, units cut at odd places
+def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter, experts, topk, tokens, sms):
+    """W1 and W2 as stream-K loops (the CTAs share the units' steps; pieces of a shared unit summed in CTA order by
+    the last to arrive): against the float32 reference, every element written; two launches on the same buffers
+    write the same bytes and leave every count at zero (`_run_case`)."""
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, block_n,
+                                           seed=hidden + tokens + block_n, stream_k=True, ctas_per_sm=ctas_per_sm,
+                                           sms=sms)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

@@ -122,6 +122,9 @@ RING_PARAMS_W2 = (("ring_source", "u64"), ("peers", "u64"), ("source_rows", "s32
 # arrival counter per unit (token tile x weight-row CTA x expert; zero before the first launch, the last split
 # of a unit sets it back to zero)
 SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
+# stream_k appends these: the split buffers (partials per piece: [unit + CTA, consumer thread, BN / 2]; counts per
+# unit) and the local experts, whose units with tokens the CTAs share (the grid holds no unit coordinates)
+STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
 K_SPLIT_CHOICES = (1, 2, 3, 4)
 K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
@@ -206,6 +209,14 @@ class GemmConfig:
     # consumer loop per N, chosen by the rows; the accumulators past N stay zero, as zero-filled tokens would
     # leave them). Experts with fewer rows than the tile cost the tensor core and the scale FMAs only their share
     fit_n: bool = False
+    # the stand-alone W1 or W2 at tiles 8 / 16 as a stream-K loop: the grid is ctas_per_sm x SMs CTAs, and CTA c
+    # runs the K128 steps [c W / G, (c + 1) W / G) of the W = units x K/128 steps of the units with tokens (ordered
+    # as compact_grid orders them), one unit's steps after the other on one continuing stage ring. A unit whose
+    # steps lie in one CTA ends with its epilogue; the pieces of a shared unit publish FP32 partials and the last
+    # to arrive sums them in CTA order (the same bits whichever arrives last) before the epilogue. Every SM gets
+    # the same steps whatever the routing: at 1-8 tokens a CTA's whole K loop on some SMs while others idle is the
+    # time over the floor (docs/sm90-grouped-gemm.md, steps 10, 11, 20)
+    stream_k: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -264,6 +275,14 @@ class GemmConfig:
             raise ValueError(f"k_splits {self.k_splits}: allowed 1, or one of {K_SPLIT_CHOICES[1:]} for the "
                              f"stand-alone W1 or W2 on the warp-specialized pipeline at token tiles up to "
                              f"{K_SPLIT_MAX_BLOCK_N} (unfolded scales, token tiles fastest, no ring, no compact grid)")
+        if self.stream_k and not (self.warp_specialized and not self.ring_consumer and not self.fused_role2
+                                  and not self.compact_grid and not self.fold_scales and self.token_tiles_fastest
+                                  and self.k_splits == 1 and self.consumer_registers is None
+                                  and self.block_n <= K_SPLIT_MAX_BLOCK_N):
+            raise ValueError(f"stream_k is a knob of the stand-alone W1 or W2 on the warp-specialized pipeline at "
+                             f"token tiles up to {K_SPLIT_MAX_BLOCK_N} (unfolded scales, token tiles fastest, no "
+                             f"ring, no compact grid, no k_splits, no consumer_registers); got block_n "
+                             f"{self.block_n}")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -399,10 +418,10 @@ class GemmConfig:
 
     @property
     def params(self):
+        tail = STREAM_PARAMS if self.stream_k else SPLIT_PARAMS if self.k_splits > 1 else ()
         if self.role == "w1":
-            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + (
-                SPLIT_PARAMS if self.k_splits > 1 else ())
-        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + (SPLIT_PARAMS if self.k_splits > 1 else ())
+            return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + tail
+        return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + tail
 
     @property
     def name(self) -> str:
@@ -417,6 +436,8 @@ class GemmConfig:
             s += "_compact"
         if self.k_splits > 1:
             s += f"_k{self.k_splits}"
+        if self.stream_k:
+            s += "_sk"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -480,10 +501,32 @@ def decode_fp4x8_table(w, table_lo, table_hi, prmt, u32=int):
     return lo, hi
 
 
-def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int) -> tuple[int, int, int]:
-    """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive."""
+def stream_ctas(ctas: int, work: int) -> int:
+    """The stream_k CTAs of a launch of `ctas` that get steps: at most one per step, so that every range is
+    nonempty and a unit's pieces are consecutive CTAs (the others exit). Host ints; the kernel computes the same."""
+    return min(ctas, work)
+
+
+def stream_range(cta, ctas, work):
+    """The K128 steps [first, end) of stream_k CTA `cta` < ctas (= stream_ctas) sharing `work` steps: at least one
+    each (host ints or DSL values)."""
+    return (cta * work) // ctas, ((cta + 1) * work) // ctas
+
+
+def stream_owner(step, ctas, work):
+    """The stream_k CTA whose steps (stream_range, same ctas) hold `step` (host ints or DSL values)."""
+    return ((step + 1) * ctas - 1) // work
+
+
+def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int | None = None) -> tuple[int, int, int]:
+    """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive; a stream_k
+    variant's: ctas_per_sm x sms CTAs (the SMs of the device or green context it runs on)."""
     if rows % ROWS_PER_CTA:
         raise ValueError(f"weight rows {rows} must be a multiple of {ROWS_PER_CTA}")
+    if cfg.stream_k:
+        if sms is None or sms < 1:
+            raise ValueError(f"a stream_k variant's grid is ctas_per_sm x SMs: pass sms >= 1, got {sms}")
+        return cfg.ctas_per_sm * sms, 1, 1
     token_tiles = max(1, -(-capacity // cfg.block_n))
     if cfg.token_tiles_fastest:  # k_splits: the splits of a token tile are its neighbours in x
         return token_tiles * cfg.k_splits, rows // ROWS_PER_CTA, local_experts
@@ -547,6 +590,7 @@ def _make_kernel(cfg: GemmConfig):
     FUSED = cfg.fused_role2
     REUSE = cfg.ring_reuse
     KS = cfg.k_splits
+    STREAM = cfg.stream_k
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -740,13 +784,14 @@ def _make_kernel(cfg: GemmConfig):
                                      x_bytes[r])
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None):
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
         (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
         pidx: the thread's index among the producer threads (one or more warps). ksplit: (first K128 step, steps)
-        of a split unit (k_splits), else None (all k_blocks)."""
+        of a split unit (k_splits, stream_k), else None (all k_blocks). base: a stream_k CTA's steps before this
+        unit (its stages and phases run on across units; the caller waits for the copies at the end), else None."""
         k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
                                                      k_first=k_first)
@@ -754,19 +799,21 @@ def _make_kernel(cfg: GemmConfig):
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         for kb in cutlass.range(k_steps):
-            stage = kb % STAGES
+            step = kb if cutlass.const_expr(base is None) else base + kb
+            stage = step % STAGES
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
-            if kb >= STAGES:
-                ptx.mbarrier_wait(full + STAGES * 8, ((kb // STAGES) + 1) % 2, suspend_ns=SUSPEND)
-            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx)
-            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx)
+            if step >= STAGES:
+                ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
+            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
             for r in cutlass.range_constexpr(-(-BN // PT)):
                 if pidx + PT * r < BN:
                     ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
                                          x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
-        ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+        if cutlass.const_expr(base is None):
+            ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
 
     @cute.jit
     def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base):
@@ -1317,12 +1364,19 @@ def _make_kernel(cfg: GemmConfig):
     @cute.jit
     def compact_unit(expert_offsets, coherent: cutlass.Constexpr):
         """(expert, weight-row tile, token tile) of this CTA under compact_grid: CTA b (linear index of the
-        (token tiles, M/256, experts) launch) takes the b-th unit with tokens, units ordered by expert, then
-        weight-row tile, then token tile. Every warp scans the experts' unit counts itself (32 per pass: an
-        inclusive warp scan, then the lane whose range holds b is found by ballot). Expert -1: no unit."""
+        (token tiles, M/256, experts) launch) takes the b-th unit with tokens (`unit_at`). Expert -1: no unit."""
         gx, gy, gz = cute.arch.grid_dim()
         tx, ty, tz = cute.arch.block_idx()
         b = Int32(tx) + Int32(gx) * (Int32(ty) + Int32(gy) * Int32(tz))
+        e, bx, bz, _ = unit_at(expert_offsets, b, gz, gy, coherent)
+        return e, bx, bz
+
+    @cute.jit
+    def unit_at(expert_offsets, b, gz, gy, coherent: cutlass.Constexpr):
+        """(expert, weight-row tile, token tile, units) of the b-th unit with tokens among gz experts of gy
+        weight-row tiles, units ordered by expert, then weight-row tile, then token tile, and the number of such
+        units. Every warp scans the experts' unit counts itself (32 per pass: an inclusive warp scan, then the
+        lane whose range holds b is found by ballot). Expert -1: no unit b (b = -1 asks for the count only)."""
         lane = cute.arch.thread_idx()[0] % 32
         carry = Int32(0)
         found_e = Int32(-1)
@@ -1355,7 +1409,7 @@ def _make_kernel(cfg: GemmConfig):
                 found_tiles = ptx.shfl_idx_s32(tiles, src)
             carry = carry + ptx.shfl_idx_s32(incl, Int32(31))
         r = b - found_start
-        return found_e, r // found_tiles, r % found_tiles
+        return found_e, r // found_tiles, r % found_tiles, carry
 
     @cute.jit
     def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
@@ -1459,6 +1513,117 @@ def _make_kernel(cfg: GemmConfig):
         return (k_first, ((ks_index + 1) * k_blocks) // KS - k_first), unit
 
     @cute.jit
+    def publish_partials(tid, acc, smem, mine, count_word, pieces):
+        """A consumer thread's FP32 partials to `mine`, then the CTA's arrival on count_word: 1.0 in the CTA whose
+        arrival is the unit's `pieces`-th (it sets the word back to zero for the next launch), else 0.0."""
+        for i in cutlass.range_constexpr(BN // 2):
+            ptx.stg_f32(mine + Int64(i * 4), acc[i])
+        ptx.fence_acq_rel_gpu()  # each thread's partials before the arrival below (cumulative through the barrier)
+        consumer_sync()
+        flag = smem + cfg.amax_offset
+        if tid == 0:
+            arrived = ptx.atom_add_acq_rel_gpu_s32(count_word, Int32(1))
+            last = Float32(0.0)
+            if arrived == pieces - 1:
+                last = Float32(1.0)
+                ptx.st_relaxed_gpu_s32(count_word, Int32(0))  # ready for the next launch
+            ptx.sts_f32(flag, last)
+        consumer_sync()
+        last = ptx.lds_f32(flag)
+        consumer_sync()  # every thread read the flag before the epilogue reuses the word
+        return last
+
+    @cute.jit
+    def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, whole,
+                        *rest):
+        """A stream_k segment's consumer thread: a whole unit (whole = 1) goes to the role's epilogue (`rest`: its
+        arguments); a piece of a shared unit publishes its partials as piece unit + cta (`stream_sizes`), and the
+        CTA whose arrival completes the unit's pieces sums them in CTA order (the same bits whichever arrives
+        last) before the epilogue."""
+        split_partials, split_counts = split
+        per = BN // 2
+        last = Float32(1.0)
+        if whole == 0:
+            first_cta = stream_owner(unit * k_blocks, ctas, work)
+            pieces = stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
+            mine = split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * (per * 4)
+            last = publish_partials(tid, acc, smem, mine, split_counts + Int64(unit) * 4, pieces)
+            if last > Float32(0.5):
+                ptx.fence_acq_rel_gpu()  # the other pieces' partials, published before their arrivals
+                for i in cutlass.range_constexpr(per):
+                    acc[i] = Float32(0.0)
+                for p in cutlass.range(pieces):
+                    theirs = split_partials + ((Int64(unit) + Int64(first_cta + p)) * THREADS + Int64(tid)) * (per * 4)
+                    for i in cutlass.range_constexpr(per):
+                        acc[i] = acc[i] + ptx.ld_relaxed_gpu_f32(theirs + Int64(i * 4))
+        if last > Float32(0.5):
+            if cutlass.const_expr(W1):
+                w1_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
+            else:
+                w2_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
+
+    @cute.jit
+    def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args):
+        """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
+        on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
+        warpgroups walk the same segments (unit, first step, steps), each side on its own. role_args: W1's
+        (routing_weight, out, out_scale), W2's (dest_row, out)."""
+        tid = cute.arch.thread_idx()[0]
+        wg, t, warp, g, q = thread_coords(tid)
+        smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        if tid == 0:
+            for st in cutlass.range_constexpr(STAGES):
+                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
+                ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
+            ptx.fence_mbarrier_init()
+        ptx.gemm_barrier(cfg)
+        wtiles = m_tiles // TILES_PER_CTA
+        _, _, _, units = unit_at(expert_offsets, Int32(-1), experts, wtiles, False)
+        ctas = Int32(cute.arch.grid_dim()[0])
+        cta = Int32(cute.arch.block_idx()[0])
+        work = units * k_blocks
+        if work < ctas:  # stream_ctas: one step at least per working CTA
+            ctas = work
+        s = Int32(0)
+        end = Int32(0)
+        if cta < ctas:
+            s, end = stream_range(cta, ctas, work)
+        base = Int32(0)
+        acc = cute.make_rmem_tensor((BN // 2,), Float32)
+        while s < end:
+            unit = s // k_blocks
+            k_first = s - unit * k_blocks
+            k_end = end - unit * k_blocks
+            if k_end > k_blocks:
+                k_end = k_blocks
+            steps = k_end - k_first
+            e, bx, bz, _ = unit_at(expert_offsets, unit, experts, wtiles, False)
+            off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+            count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
+            row0 = off0 + bz * BN
+            if tid >= THREADS:
+                produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base)
+            else:
+                for i in cutlass.range_constexpr(BN // 2):
+                    acc[i] = Float32(0.0)
+                consume_pipelined(steps, smem, wg, t, warp, g, q, acc, base)
+                whole = Int32(0)
+                if steps == k_blocks:  # a unit's steps are consecutive: all of them means its first too
+                    whole = Int32(1)
+                if cutlass.const_expr(W1):
+                    routing_weight, out, out_scale = role_args
+                    rest = (smem, row0, count, count, bx, m_tiles, routing_weight, out, out_scale, None, None)
+                else:
+                    dest_row, out = role_args
+                    rest = (row0, count, bx, m_tiles, dest_row, out, None)
+                stream_epilogue(tid, wg, warp, g, q, weight_factor(w_factor, e), acc, smem, split, unit, cta, ctas,
+                                work, k_blocks, whole, *rest)
+            base = base + steps
+            s = s + steps
+        if tid >= THREADS:
+            ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+
+    @cute.jit
     def split_epilogue(tid, wg, warp, g, q, factor, acc, smem, split_partials, split_counts, unit, ks_index, *rest):
         """A split unit's consumer thread (k_splits): its FP32 partials to split_partials[unit, ks_index, tid]; the
         CTA whose arrival completes the unit's count sums every split's partials in split order (the same bits
@@ -1466,21 +1631,7 @@ def _make_kernel(cfg: GemmConfig):
         arguments)."""
         per = BN // 2
         mine = split_partials + ((Int64(unit) * KS + Int64(ks_index)) * THREADS + Int64(tid)) * (per * 4)
-        for i in cutlass.range_constexpr(per):
-            ptx.stg_f32(mine + Int64(i * 4), acc[i])
-        ptx.fence_acq_rel_gpu()  # each thread's partials before the arrival below (cumulative through the barrier)
-        consumer_sync()
-        flag = smem + cfg.amax_offset
-        if tid == 0:
-            arrived = ptx.atom_add_acq_rel_gpu_s32(split_counts + Int64(unit) * 4, Int32(1))
-            last = Float32(0.0)
-            if arrived == KS - 1:
-                last = Float32(1.0)
-                ptx.st_relaxed_gpu_s32(split_counts + Int64(unit) * 4, Int32(0))  # ready for the next launch
-            ptx.sts_f32(flag, last)
-        consumer_sync()
-        last = ptx.lds_f32(flag)
-        consumer_sync()  # every thread read the flag before the epilogue reuses the word
+        last = publish_partials(tid, acc, smem, mine, split_counts + Int64(unit) * 4, KS)
         if last > Float32(0.5):
             ptx.fence_acq_rel_gpu()  # the other splits' partials, published before their arrivals
             for i in cutlass.range_constexpr(per):
@@ -1585,7 +1736,14 @@ def _make_kernel(cfg: GemmConfig):
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
                                    m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(KS > 1):
+        if cutlass.const_expr(STREAM):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32, split_partials: Int64, split_counts: Int64, experts: Int32):
+                stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
+                            (split_partials, split_counts), (routing_weight, out, out_scale))
+        elif cutlass.const_expr(KS > 1):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
@@ -1654,7 +1812,14 @@ def _make_kernel(cfg: GemmConfig):
                 tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
                                    m_tiles, smem, epilogue, fused_args, ksplit)
 
-        if cutlass.const_expr(KS > 1):
+        if cutlass.const_expr(STREAM):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
+                       split_partials: Int64, split_counts: Int64, experts: Int32):
+                stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
+                            (split_partials, split_counts), (dest_row, out))
+        elif cutlass.const_expr(KS > 1):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
@@ -1700,7 +1865,12 @@ def _host_launcher(cfg: GemmConfig, kernel):
 
     launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
     launch.update(launch_register_bounds(cfg))
-    if cfg.role == "w1" and cfg.k_splits > 1:
+    if cfg.role == "w1" and cfg.stream_k:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1, experts).launch(**launch)
+    elif cfg.role == "w1" and cfg.k_splits > 1:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64):
@@ -1718,6 +1888,11 @@ def _host_launcher(cfg: GemmConfig, kernel):
                  a8: Int64, k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles).launch(
                 **launch)
+    elif cfg.stream_k:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, p0, p1, experts).launch(**launch)
     elif cfg.k_splits > 1:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -1743,7 +1918,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False):
+               fit_n: bool = False, stream_k: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1755,7 +1930,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n)
+                     fit_n=fit_n, stream_k=stream_k)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1767,7 +1942,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False, fit_n: bool = False):
+            table_decode: bool = False, fit_n: bool = False, stream_k: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -1785,6 +1960,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         consumer_registers = None
     if block_n > K_SPLIT_MAX_BLOCK_N or not ws_default:
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
+        stream_k = False  # likewise
+    stream_k = stream_k and not fold_scales and k_splits == 1
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
@@ -1794,7 +1971,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n)
+                     fit_n=fit_n, stream_k=stream_k)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -1823,12 +2000,14 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["consumer_registers"] = consumer_registers
     if cfg.k_splits > 1:
         params["k_splits"] = cfg.k_splits
+    if stream_k:
+        params["stream_k"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
     if cfg.table_decode:
         promises += ("prmt.b32",)
-    if cfg.k_splits > 1:  # the partials' publication and the last split's acquire
+    if cfg.k_splits > 1 or stream_k:  # the partials' publication and the last piece's acquire
         promises += ("fence.acq_rel.gpu", "atom.acq_rel.gpu.global.add", "ld.relaxed.gpu.global")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
@@ -1873,15 +2052,20 @@ def all_variants():
     """Every variant CI builds (the registry's list), each once: the default set (warp-specialized up to bn 32,
     the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
     pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference), the
-    compact ring consumer at bn 8, the K splits and the folded scales' table decode (warp-specialized at every bn)."""
+    compact ring consumer at bn 8, the K splits, the stream-K loops and the folded scales' table decode
+    (warp-specialized at every bn)."""
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
     # W1 and W2 with K split over 2-4 CTAs at tiles 8 / 16 (opt-in: for calls whose working CTAs leave SMs idle)
     split_k = [variant(role, bn, k_splits=ks) for role in ("w1", "w2") for ks in K_SPLIT_CHOICES[1:]
                for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
+    # the stream-K loops at tiles 8 / 16 (opt-in: the small calls' balance, step 21); tile 8 at one and two CTAs
+    # per SM, 16 at its default one
+    stream_k = [variant(role, bn, stream_k=True, ctas_per_sm=ctas) for role in ("w1", "w2")
+                for bn, ctas in ((8, 1), (8, 2), (16, None))]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
-              + variant_set(warp_specialized=False) + compact_ring + split_k
+              + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)
               # the table decode fits two CTAs per SM up to token tile 16 (bn 8 is at two by default)
               + [variant(role, 16, fold_scales=True, table_decode=True, ctas_per_sm=2) for role in ("w1", "w2")]
@@ -1990,26 +2174,56 @@ def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:
     return units * cfg.k_splits * THREADS * (cfg.block_n // 2), units
 
 
-def split_buffers(kernel, mat, capacity: int, device):
-    """(split_partials, split_counts) for a kernel with k_splits > 1 at this matrix and capacity: FP32
-    partials [unit, split, consumer thread, block_n / 2] and int32 counts [unit], zeroed (the kernel keeps them
-    zero between launches). None for a kernel without splits."""
+def stream_sizes(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int) -> tuple[int, int]:
+    """(FP32 partials, arrival counts) a stream_k launch needs: one piece per (unit, CTA) sharing steps, numbered
+    unit + CTA (a CTA's units are consecutive and the CTAs' ranges ordered, so the number is unique and below
+    units + CTAs), of block_n / 2 partials per consumer thread; one count per unit that may have tokens."""
+    units = max(1, -(-capacity // cfg.block_n)) * (rows // ROWS_PER_CTA) * local_experts
+    ctas = grid(cfg, rows, local_experts, capacity, sms)[0]
+    return (units + ctas) * THREADS * (cfg.block_n // 2), units
+
+
+def device_sms(device) -> int:
+    """The SM count of a CUDA device (a stream_k grid's size when the caller names none)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_buffers(kernel, mat, capacity: int, device, sms: int | None = None):
+    """(split_partials, split_counts) for a kernel with k_splits > 1 or stream_k at this matrix and capacity
+    (stream_k: and `sms`, default the device's SMs, as its launches must use): FP32 partials (k_splits: [unit,
+    split, consumer thread, block_n / 2]; stream_k: `stream_sizes`) and int32 counts [unit], zeroed (the kernel
+    keeps them zero between launches). None for a kernel without splits."""
     import torch
 
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
-    if cfg.k_splits == 1:
+    if cfg.stream_k:
+        partials, units = stream_sizes(cfg, mat.rows, mat.num_experts, capacity, sms or device_sms(device))
+    elif cfg.k_splits == 1:
         return None
-    partials, units = split_sizes(cfg, grid(cfg, mat.rows, mat.num_experts, capacity))
+    else:
+        partials, units = split_sizes(cfg, grid(cfg, mat.rows, mat.num_experts, capacity))
     return (torch.zeros(partials, dtype=torch.float32, device=device),
             torch.zeros(units, dtype=torch.int32, device=device))
 
 
-def _split_args(cfg: GemmConfig, kernel, launch_grid, k: int, split) -> list:
-    """The split launch's extra arguments (`SPLIT_PARAMS`) after checking `split` against the grid and K."""
+def _split_args(cfg: GemmConfig, kernel, mat, capacity: int, sms: int, k: int, split) -> list:
+    """The split launch's extra arguments (`SPLIT_PARAMS`, or `STREAM_PARAMS` for stream_k) after checking `split`
+    against the grid and K."""
     import torch
 
-    from gc_moe.runtime.launch import ptr
+    from gc_moe.runtime.launch import i32, ptr
 
+    if cfg.stream_k:
+        need, units = stream_sizes(cfg, mat.rows, mat.num_experts, capacity, sms)
+        if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
+                or split[1].dtype != torch.int32 or split[1].numel() < units or not split[1].is_cuda:
+            raise ValueError(f"{kernel.name} is a stream-K loop over {sms} SMs: pass split=split_buffers(kernel, "
+                             f"mat, capacity, device, sms) (float32 partials >= {need}, int32 counts >= {units}, "
+                             f"zeroed)")
+        return [ptr(split[0]), ptr(split[1]), i32(mat.num_experts)]
+    launch_grid = grid(cfg, mat.rows, mat.num_experts, capacity)
     if cfg.k_splits > k // 128:
         raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}, but K = {k} has {k // 128} K128 steps; "
                          f"allowed: at least one step per split")
@@ -2026,9 +2240,9 @@ def _split_args(cfg: GemmConfig, kernel, launch_grid, k: int, split) -> list:
 
 
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-              ring_args=(), split=None):
+              ring_args=(), split=None, sms=None):
     """(grid, arguments) of one W1 launch or graph node; see `launch_w1`. split: `split_buffers(...)` for a
-    kernel with k_splits > 1."""
+    kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's)."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -2047,33 +2261,35 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
     _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
-    g = grid(cfg, mat.rows, mat.num_experts, capacity)
-    extra = extra + _split_args(cfg, kernel, g, hidden, split)
+    sms = sms or (device_sms(act.device) if cfg.stream_k else None)
+    g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
+    extra = extra + _split_args(cfg, kernel, mat, capacity, sms, hidden, split)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
 
 
 def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream,
-              ring_args=(), split=None):
+              ring_args=(), split=None, sms=None):
     """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
 
     mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
     expert_offsets int32 [E+1] (rows of expert e: [off[e], off[e+1])); routing_weight f32 [R];
     out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold;
     ring_args: `ring_args_w1(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
-    variant with k_splits > 1, else None.
+    variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
     """
     from gc_moe.runtime.launch import launch
 
     g, args = w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-                        ring_args, split)
+                        ring_args, split, sms)
     return launch(kernel, g, args, stream)
 
 
-def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args=(), split=None):
+def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args=(), split=None,
+              sms=None):
     """(grid, arguments) of one W2 launch or graph node; see `launch_w2`. split: `split_buffers(...)` for a
-    kernel with k_splits > 1."""
+    kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's)."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -2091,23 +2307,25 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
         raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
     _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
-    g = grid(cfg, mat.rows, mat.num_experts, capacity)
-    extra = extra + _split_args(cfg, kernel, g, inter, split)
+    sms = sms or (device_sms(act.device) if cfg.stream_k else None)
+    g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
+    extra = extra + _split_args(cfg, kernel, mat, capacity, sms, inter, split)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra
 
 
 def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=(),
-              split=None):
+              split=None, sms=None):
     """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
 
     act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H]
     (a ring consumer: the local combine buffer, rows go to peers[ring_source div C k] + it);
     ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
-    variant with k_splits > 1, else None.
+    variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
     """
     from gc_moe.runtime.launch import launch
 
-    g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split)
+    g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split,
+                        sms)
     return launch(kernel, g, args, stream)
