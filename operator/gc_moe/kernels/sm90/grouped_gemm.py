@@ -125,6 +125,8 @@ SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 # stream_k appends these: the split buffers (partials per piece: [unit + CTA, consumer thread, BN / 2]; counts per
 # unit) and the local experts, whose units with tokens the CTAs share (the grid holds no unit coordinates)
 STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
+# a stream_k CTA keeps each warp's scan of the experts' units in registers (two lanes' worth of experts per lane)
+STREAM_MAX_EXPERTS = 64
 K_SPLIT_CHOICES = (1, 2, 3, 4)
 K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
@@ -209,7 +211,7 @@ class GemmConfig:
     # consumer loop per N, chosen by the rows; the accumulators past N stay zero, as zero-filled tokens would
     # leave them). Experts with fewer rows than the tile cost the tensor core and the scale FMAs only their share
     fit_n: bool = False
-    # the stand-alone W1 or W2 at tiles 8 / 16 as a stream-K loop: the grid is ctas_per_sm x SMs CTAs, and CTA c
+    # the stand-alone W1 or W2 at token tile 8 as a stream-K loop: the grid is ctas_per_sm x SMs CTAs, and CTA c
     # runs the K128 steps [c W / G, (c + 1) W / G) of the W = units x K/128 steps of the units with tokens (ordered
     # as compact_grid orders them), one unit's steps after the other on one continuing stage ring. A unit whose
     # steps lie in one CTA ends with its epilogue; the pieces of a shared unit publish FP32 partials and the last
@@ -278,10 +280,10 @@ class GemmConfig:
         if self.stream_k and not (self.warp_specialized and not self.ring_consumer and not self.fused_role2
                                   and not self.compact_grid and not self.fold_scales and self.token_tiles_fastest
                                   and self.k_splits == 1 and self.consumer_registers is None
-                                  and self.block_n <= K_SPLIT_MAX_BLOCK_N):
+                                  and self.block_n == 8):
             raise ValueError(f"stream_k is a knob of the stand-alone W1 or W2 on the warp-specialized pipeline at "
-                             f"token tiles up to {K_SPLIT_MAX_BLOCK_N} (unfolded scales, token tiles fastest, no "
-                             f"ring, no compact grid, no k_splits, no consumer_registers); got block_n "
+                             f"token tile 8 (unfolded scales, token tiles fastest, no ring, no compact grid, no "
+                             f"k_splits, no consumer_registers; tile 16's W1 spills there); got block_n "
                              f"{self.block_n}")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
@@ -1412,6 +1414,57 @@ def _make_kernel(cfg: GemmConfig):
         return found_e, r // found_tiles, r % found_tiles, carry
 
     @cute.jit
+    def unit_table(expert_offsets, experts, gy):
+        """A stream_k warp's scan of the units with tokens, read once per CTA and kept in registers: per pass of 32
+        experts (lane + 32 c) the inclusive unit prefix, the expert's units, first row and rows; and the units in
+        all. Looking a unit up (`unit_lookup`) then needs no memory access: the producer's switch to its next unit
+        does not wait for a global load round trip with the ring drained (step 21)."""
+        lane = cute.arch.thread_idx()[0] % 32
+        carry = Int32(0)
+        table = []
+        for c in cutlass.range_constexpr(STREAM_MAX_EXPERTS // 32):
+            e = c * 32 + lane
+            first = Int32(0)
+            rows = Int32(0)
+            if e < experts:
+                first = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+                rows = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - first
+            units = ((rows + (BN - 1)) // BN) * gy
+            incl = units
+            for d in cutlass.range_constexpr(5):
+                up = ptx.shfl_up_s32(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            table.append((carry + incl, units, first, rows))
+            carry = carry + ptx.shfl_idx_s32(incl, Int32(31))
+        return table, carry
+
+    @cute.jit
+    def unit_lookup(table, b):
+        """(expert, weight-row tile, token tile, the tile's first row, its rows from there) of unit b (`unit_table`;
+        units ordered by expert, then weight-row tile, then token tile)."""
+        found_e = Int32(0)
+        found_start = Int32(0)
+        found_first = Int32(0)
+        found_rows = Int32(0)
+        found_tiles = Int32(1)
+        for c in cutlass.range_constexpr(STREAM_MAX_EXPERTS // 32):
+            incl, units, first, rows = table[c]
+            hit = Int32(0)
+            if b >= incl - units and b < incl:
+                hit = Int32(1)
+            src = ptx.highest_bit(ptx.ballot(hit))
+            if src >= 0:
+                found_e = c * 32 + src
+                found_start = ptx.shfl_idx_s32(incl - units, src)
+                found_first = ptx.shfl_idx_s32(first, src)
+                found_rows = ptx.shfl_idx_s32(rows, src)
+                found_tiles = (found_rows + (BN - 1)) // BN
+        r = b - found_start
+        bz = r % found_tiles
+        return found_e, r // found_tiles, bz, found_first + bz * BN, found_rows - bz * BN
+
+    @cute.jit
     def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
                     out_scale, ring, done_mask):
         """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
@@ -1577,8 +1630,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             ptx.fence_mbarrier_init()
         ptx.gemm_barrier(cfg)
-        wtiles = m_tiles // TILES_PER_CTA
-        _, _, _, units = unit_at(expert_offsets, Int32(-1), experts, wtiles, False)
+        table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
         ctas = Int32(cute.arch.grid_dim()[0])
         cta = Int32(cute.arch.block_idx()[0])
         work = units * k_blocks
@@ -1597,10 +1649,7 @@ def _make_kernel(cfg: GemmConfig):
             if k_end > k_blocks:
                 k_end = k_blocks
             steps = k_end - k_first
-            e, bx, bz, _ = unit_at(expert_offsets, unit, experts, wtiles, False)
-            off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
-            count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
-            row0 = off0 + bz * BN
+            e, bx, bz, row0, count = unit_lookup(table, unit)
             if tid >= THREADS:
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base)
             else:
@@ -1960,7 +2009,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         consumer_registers = None
     if block_n > K_SPLIT_MAX_BLOCK_N or not ws_default:
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
-        stream_k = False  # likewise
+    stream_k = stream_k and block_n == 8 and ws_default  # likewise, at tile 8
     stream_k = stream_k and not fold_scales and k_splits == 1
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
@@ -2060,10 +2109,8 @@ def all_variants():
     # W1 and W2 with K split over 2-4 CTAs at tiles 8 / 16 (opt-in: for calls whose working CTAs leave SMs idle)
     split_k = [variant(role, bn, k_splits=ks) for role in ("w1", "w2") for ks in K_SPLIT_CHOICES[1:]
                for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
-    # the stream-K loops at tiles 8 / 16 (opt-in: the small calls' balance, step 21); tile 8 at one and two CTAs
-    # per SM, 16 at its default one
-    stream_k = [variant(role, bn, stream_k=True, ctas_per_sm=ctas) for role in ("w1", "w2")
-                for bn, ctas in ((8, 1), (8, 2), (16, None))]
+    # the stream-K loops at token tile 8, one and two CTAs per SM (opt-in: the small calls' balance, step 21)
+    stream_k = [variant(role, 8, stream_k=True, ctas_per_sm=ctas) for role in ("w1", "w2") for ctas in (1, 2)]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)
@@ -2216,6 +2263,9 @@ def _split_args(cfg: GemmConfig, kernel, mat, capacity: int, sms: int, k: int, s
     from gc_moe.runtime.launch import i32, ptr
 
     if cfg.stream_k:
+        if mat.num_experts > STREAM_MAX_EXPERTS:
+            raise ValueError(f"{kernel.name} is a stream-K loop for at most {STREAM_MAX_EXPERTS} local experts, "
+                             f"got {mat.num_experts}: use a variant without stream_k")
         need, units = stream_sizes(cfg, mat.rows, mat.num_experts, capacity, sms)
         if split is None or split[0].dtype != torch.float32 or split[0].numel() < need or not split[0].is_cuda \
                 or split[1].dtype != torch.int32 or split[1].numel() < units or not split[1].is_cuda:
