@@ -512,6 +512,10 @@ def main() -> int:
     auto_splits = {(w1, w2): {(dict(v.params)["role"], dict(v.params)["block_n"]): jit.load_kernel(v, "sm_90a")
                               for v in gg.variant_set(**{**knobs, "ctas_per_sm": 1}, k_splits=w1, w2_k_splits=w2)}
                    for w1, w2 in ((3, 1), (3, 2))} if args.auto_ctas else {}
+    # ws_auto's stream-K loops at token tile 8 (stream_k_for), one CTA per SM
+    auto_stream = {(role, 8): jit.load_kernel(gg.variant(role, 8, **{**knobs, "stream_k": True, "ctas_per_sm": 1}),
+                                              "sm_90a")
+                   for role in ("w1", "w2")} if args.auto_ctas else {}
     # ws_auto beyond token tile 8: grouped_gemm.tile_knobs's sets, loaded beside the timed ones
     auto_tiles = {}
     if args.auto_ctas:
@@ -559,6 +563,14 @@ def main() -> int:
                                                      tiles * (model["hidden"] // 256), sms)
                             set_kernels = auto_splits.get(splits, set_kernels)
                             row_note = {"k_splits": list(splits)}
+                        tiles = sum(-(-int(c) // bn) for c in pt.counts.tolist())
+                        streamed = gg.stream_k_for(tiles * (2 * model["inter"] // 256),
+                                                   tiles * (model["hidden"] // 256), sms)
+                        if any(streamed):  # the stream-K loops replace the split or plain kernel of their role
+                            set_kernels = {**set_kernels, **{(role, bn): auto_stream[(role, bn)]
+                                                             for role, on in zip(("w1", "w2"), streamed) if on}}
+                            row_note = {"stream_k": list(streamed),
+                                        "k_splits": [1, row_note.get("k_splits", [1, 1])[1] if not streamed[1] else 1]}
                 pt.use(set_kernels, max_bn)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(), **row_note}

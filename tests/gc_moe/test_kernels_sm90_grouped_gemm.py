@@ -139,6 +139,18 @@ def test_k_splits_for_follows_the_measured_points():
         gg.k_splits_for(0, 10, 132)
 
 
+def test_stream_k_for_follows_the_measured_points():
+    # H200 at 1 token (docs/sm90-grouped-gemm.md, step 21): W1 streamed up to 1.25 waves of units, W2 only when its
+    # units fit half the SMs
+    assert gg.stream_k_for(162, 180, 132) == (True, False) and gg.stream_k_for(144, 216, 132) == (True, False)
+    assert gg.stream_k_for(36, 40, 132) == (True, True) and gg.stream_k_for(96, 144, 132) == (True, False)
+    assert gg.stream_k_for(208, 312, 132) == (False, False) and gg.stream_k_for(234, 20, 132) == (False, False)
+    assert gg.stream_k_for(165, 66, 132) == (True, True) and gg.stream_k_for(166, 66, 132) == (False, False)
+    assert gg.stream_k_for(0, 0, 132) == (False, False)
+    with pytest.raises(ValueError, match="allowed: units >= 0, sms >= 1"):
+        gg.stream_k_for(10, 10, 0)
+
+
 def test_tile_knobs_follow_the_measured_points():
     assert gg.tile_knobs(0) == (8, {}) and gg.tile_knobs(8) == (8, {})
     table = {"fold_scales": True, "table_decode": True, "fit_n": True}

@@ -2191,6 +2191,19 @@ def k_splits_for(w1_ctas: int, w2_ctas: int, sms: int) -> tuple[int, int]:
     return 3, 2 if 2 * w2_ctas <= sms else 1
 
 
+def stream_k_for(w1_units: int, w2_units: int, sms: int) -> tuple[bool, bool]:
+    """(W1, W2) as stream-K loops at one CTA per SM for a token-tile-8 call whose units with tokens (token tiles x
+    weight-row CTAs) are known: W1 when its units fit 1.25 waves of the SMs (one CTA's K loop per SM, some SMs with
+    two, is then the time over the floor), W2 besides when its units fit half the SMs. Measured on the H200 at 1
+    token (docs/sm90-grouped-gemm.md, step 21): W1 45.6 -> 39.6 us (DeepSeek, 162 units), 52.5 -> 39.5 (GLM-5.2,
+    144), 33.0 -> 32.3 (96); both at 36 / 40 units: 33.9 -> 30.5 against the K splits; W2 with 144-216 units and
+    W1 from 208 units on were as fast or 5-20% slower as stream-K loops (a unit switch costs ~3 us)."""
+    if w1_units < 0 or w2_units < 0 or sms < 1:
+        raise ValueError(f"w1_units {w1_units}, w2_units {w2_units}, sms {sms}; allowed: units >= 0, sms >= 1")
+    w1 = 0 < w1_units <= 1.25 * sms
+    return w1, w1 and w2_units <= sms // 2
+
+
 def tile_knobs(capacity: int) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
     measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16): up to 8 rows the default (tile 8,
