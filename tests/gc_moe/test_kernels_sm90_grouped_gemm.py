@@ -502,8 +502,9 @@ def built(tmp_path_factory):
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
-    # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8
+    # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
+    # bn 8 (one and two CTAs per SM, both roles)
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -534,7 +535,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert [size for _, size in res["params"]] == expected  # folding changes no parameter, the ring appends
         assert len(expected) == len(gg.PARAMS_W1 if params["role"] == "w1" else gg.PARAMS_W2) + (
             len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0) + (
-            len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0)
+            len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0) + (
+            len(gg.STREAM_PARAMS) if params.get("stream_k") else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
@@ -586,8 +588,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
-    # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8
+    # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
+    # stream-K loops at bn 8
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -595,8 +598,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # the ring consumer's W1 adds two before the main loop: after the RING_READY wait and the acquire
         ring_w1 = params.get("ring_consumer", False) and params["role"] == "w1"
         assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
-        # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read
-        split = 3 if params.get("k_splits", 1) > 1 else 0
+        # a split unit (or a stream-K piece) meets three times before the epilogue: partials stored, the arrival's
+        # flag, flag read
+        split = 3 if params.get("k_splits", 1) > 1 or params.get("stream_k") else 0
         assert ptx.count("bar.sync 1, 512;") == split + (1 if params["role"] == "w1" else 0), variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
