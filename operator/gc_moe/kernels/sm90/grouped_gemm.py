@@ -1568,13 +1568,16 @@ def _make_kernel(cfg: GemmConfig):
     @cute.jit
     def publish_partials(tid, acc, smem, mine, count_word, pieces):
         """A consumer thread's FP32 partials to `mine`, then the CTA's arrival on count_word: 1.0 in the CTA whose
-        arrival is the unit's `pieces`-th (it sets the word back to zero for the next launch), else 0.0."""
+        arrival is the unit's `pieces`-th (it sets the word back to zero for the next launch), else 0.0. One thread
+        publishes and acquires for the CTA (the barriers order the others' stores before its release and their
+        loads after its acquire): a fence in each of the 512 threads (a membar and an L1 invalidation each) was a
+        fifth of the stream-K W2's stall samples (step 22)."""
         for i in cutlass.range_constexpr(BN // 2):
             ptx.stg_f32(mine + Int64(i * 4), acc[i])
-        ptx.fence_acq_rel_gpu()  # each thread's partials before the arrival below (cumulative through the barrier)
         consumer_sync()
         flag = smem + cfg.amax_offset
         if tid == 0:
+            ptx.fence_acq_rel_gpu()  # the CTA's partials (ordered before it by the barrier) before the arrival
             arrived = ptx.atom_add_acq_rel_gpu_s32(count_word, Int32(1))
             last = Float32(0.0)
             if arrived == pieces - 1:
@@ -1601,8 +1604,7 @@ def _make_kernel(cfg: GemmConfig):
             pieces = stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
             mine = split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * (per * 4)
             last = publish_partials(tid, acc, smem, mine, split_counts + Int64(unit) * 4, pieces)
-            if last > Float32(0.5):
-                ptx.fence_acq_rel_gpu()  # the other pieces' partials, published before their arrivals
+            if last > Float32(0.5):  # the other pieces' partials: thread 0's acquire, then the barrier, before
                 for i in cutlass.range_constexpr(per):
                     acc[i] = Float32(0.0)
                 for p in cutlass.range(pieces):
@@ -1682,7 +1684,7 @@ def _make_kernel(cfg: GemmConfig):
         mine = split_partials + ((Int64(unit) * KS + Int64(ks_index)) * THREADS + Int64(tid)) * (per * 4)
         last = publish_partials(tid, acc, smem, mine, split_counts + Int64(unit) * 4, KS)
         if last > Float32(0.5):
-            ptx.fence_acq_rel_gpu()  # the other splits' partials, published before their arrivals
+            # the other splits' partials: published before their arrivals, acquired by thread 0 before the barrier
             for i in cutlass.range_constexpr(per):
                 acc[i] = Float32(0.0)
             for sp in cutlass.range_constexpr(KS):
