@@ -163,6 +163,10 @@ class Point:
         launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
                   self.capacity, stream, split=self.split2)
 
+    def token_tiles(self) -> dict:
+        """{tile: the experts' token tiles at that tile}: what a tile rule weighs (experts above a tile take more)."""
+        return {bn: sum(-(-int(c) // bn) for c in self.counts.tolist()) for bn in (8, 16, 24, 32, 64)}
+
     def weight_bytes(self) -> int:
         """Active experts' repacked W1 + W2 codes and scale bytes, each read once."""
         per = sum(m.codes[0].numel() + m.scales[0].numel() for m in (self.weights.l1, self.weights.l2))
@@ -573,7 +577,8 @@ def main() -> int:
                                         "k_splits": [1, row_note.get("k_splits", [1, 1])[1] if not streamed[1] else 1]}
                 pt.use(set_kernels, max_bn)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
-                       "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(), **row_note}
+                       "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
+                       "tiles": pt.token_tiles(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
