@@ -598,9 +598,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # the ring consumer's W1 adds two before the main loop: after the RING_READY wait and the acquire
         ring_w1 = params.get("ring_consumer", False) and params["role"] == "w1"
         assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
-        # a split unit (or a stream-K piece) meets three times before the epilogue: partials stored, the arrival's
-        # flag, flag read
-        split = 3 if params.get("k_splits", 1) > 1 or params.get("stream_k") else 0
+        # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read; a
+        # stream-K piece once (partials stored before the release; the owner: its acquire before the loads)
+        split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
         assert ptx.count("bar.sync 1, 512;") == split + (1 if params["role"] == "w1" else 0), variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
@@ -885,8 +885,8 @@ def test_split_k_matches_float32_reference(block_n, split_roles, k_splits, hidde
     (5120, 2304, 48, 6, 2, 7),       # DeepSeek-V4.1-Flash's K, units cut at odd places
     (512, 256, 64, 8, 12, None)])    # the most local experts a stream-K loop takes (two passes of the scan)
 def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter, experts, topk, tokens, sms):
-    """W1 and W2 as stream-K loops (the CTAs share the units' steps; pieces of a shared unit summed in CTA order by
-    the last to arrive): against the float32 reference, every element written; two launches on the same buffers
+    """W1 and W2 as stream-K loops (the CTAs share the units' steps; the other pieces of a shared unit added in CTA
+    order by its owner): against the float32 reference, every element written; two launches on the same buffers
     write the same bytes and leave every count at zero (`_run_case`)."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, block_n,
                                            seed=hidden + tokens + block_n, stream_k=True, ctas_per_sm=ctas_per_sm,

@@ -214,8 +214,10 @@ class GemmConfig:
     # the stand-alone W1 or W2 at token tile 8 as a stream-K loop: the grid is ctas_per_sm x SMs CTAs, and CTA c
     # runs the K128 steps [c W / G, (c + 1) W / G) of the W = units x K/128 steps of the units with tokens (ordered
     # as compact_grid orders them), one unit's steps after the other on one continuing stage ring. A unit whose
-    # steps lie in one CTA ends with its epilogue; the pieces of a shared unit publish FP32 partials and the last
-    # to arrive sums them in CTA order (the same bits whichever arrives last) before the epilogue. Every SM gets
+    # steps lie in one CTA ends with its epilogue; the other pieces of a shared unit publish FP32 partials and go
+    # on, and the unit's owner (the CTA with its first steps, at the end of its range) waits for them (bounded) and
+    # adds them in CTA order (the same bits whichever arrives last) before the epilogue: the grid must be resident
+    # at once (ctas_per_sm x the SMs it runs on, nothing else on them). Every SM gets
     # the same steps whatever the routing: at 1-8 tokens a CTA's whole K loop on some SMs while others idle is the
     # time over the floor (docs/sm90-grouped-gemm.md, steps 10, 11, 20)
     stream_k: bool = False
@@ -1590,24 +1592,36 @@ def _make_kernel(cfg: GemmConfig):
         return last
 
     @cute.jit
-    def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, whole,
-                        *rest):
+    def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, k_first,
+                        whole, *rest):
         """A stream_k segment's consumer thread: a whole unit (whole = 1) goes to the role's epilogue (`rest`: its
-        arguments); a piece of a shared unit publishes its partials as piece unit + cta (`stream_sizes`), and the
-        CTA whose arrival completes the unit's pieces sums them in CTA order (the same bits whichever arrives
-        last) before the epilogue."""
+        arguments). A shared unit is finished by its owner, the CTA with its first steps (k_first = 0: the last
+        segment of that CTA's range, while the other pieces are the first segments of the CTAs after it). The
+        others publish their partials as piece unit + cta (`stream_sizes`) and go on without waiting (one thread's
+        release after the consumers' barrier); the owner waits for their arrivals (bounded), adds their partials in
+        CTA order to its own (the same bits whichever arrives last) and runs the epilogue. Needs every CTA of the
+        grid resident at once (the launch's ctas_per_sm x SMs)."""
         split_partials, split_counts = split
         per = BN // 2
         last = Float32(1.0)
         if whole == 0:
             first_cta = stream_owner(unit * k_blocks, ctas, work)
             pieces = stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
-            mine = split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * (per * 4)
-            last = publish_partials(tid, acc, smem, mine, split_counts + Int64(unit) * 4, pieces)
-            if last > Float32(0.5):  # the other pieces' partials: thread 0's acquire, then the barrier, before
+            count_word = split_counts + Int64(unit) * 4
+            if k_first != 0:
+                mine = split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * (per * 4)
                 for i in cutlass.range_constexpr(per):
-                    acc[i] = Float32(0.0)
-                for p in cutlass.range(pieces):
+                    ptx.stg_f32(mine + Int64(i * 4), acc[i])
+                consumer_sync()
+                if tid == 0:
+                    ptx.red_add_release_gpu_s32(count_word, Int32(1))
+                last = Float32(0.0)
+            else:
+                if tid == 0:
+                    ptx.wait_at_least_acquire_gpu(count_word, pieces - 1)
+                    ptx.st_relaxed_gpu_s32(count_word, Int32(0))  # ready for the next launch
+                consumer_sync()  # thread 0's acquire before every thread's loads of the partials
+                for p in cutlass.range(1, pieces):
                     theirs = split_partials + ((Int64(unit) + Int64(first_cta + p)) * THREADS + Int64(tid)) * (per * 4)
                     for i in cutlass.range_constexpr(per):
                         acc[i] = acc[i] + ptx.ld_relaxed_gpu_f32(theirs + Int64(i * 4))
@@ -1668,7 +1682,7 @@ def _make_kernel(cfg: GemmConfig):
                     dest_row, out = role_args
                     rest = (row0, count, bx, m_tiles, dest_row, out, None)
                 stream_epilogue(tid, wg, warp, g, q, weight_factor(w_factor, e), acc, smem, split, unit, cta, ctas,
-                                work, k_blocks, whole, *rest)
+                                work, k_blocks, k_first, whole, *rest)
             base = base + steps
             s = s + steps
         if tid >= THREADS:
@@ -2058,8 +2072,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
     if cfg.table_decode:
         promises += ("prmt.b32",)
-    if cfg.k_splits > 1 or stream_k:  # the partials' publication and the last piece's acquire
+    if cfg.k_splits > 1:  # the partials' publication and the last split's acquire
         promises += ("fence.acq_rel.gpu", "atom.acq_rel.gpu.global.add", "ld.relaxed.gpu.global")
+    if stream_k:  # the pieces' release, the owner's bounded acquire, its loads of the partials
+        promises += ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True

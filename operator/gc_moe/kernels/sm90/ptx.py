@@ -496,6 +496,28 @@ def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_
     )
 
 
+def red_add_release_gpu_s32(addr: Int64, v: Int32) -> None:
+    """Add `v` with release semantics (the writes this thread observed, e.g. through a CTA barrier, happen
+    before); no value comes back, so the thread does not wait for the round trip."""
+    asm("red.release.gpu.global.add.s32 [$0], $1;", [], [addr, v])
+
+
+def wait_at_least_acquire_gpu(addr: Int64, target: Int32, limit_ns: int = 10_000_000_000) -> None:
+    """Acquire-poll the 32-bit word at `addr` until it is >= target (a 64 ns back-off between polls); trap once
+    `limit_ns` of %globaltimer passed since the first failed poll instead of hanging."""
+    asm(
+        "{\n.reg .pred done, late;\n.reg .b32 seen;\n.reg .b64 t0, t1;\n"
+        "ld.acquire.gpu.global.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n@done bra.uni DONE;\n"
+        "mov.u64 t0, %globaltimer;\n"
+        "WAIT:\nnanosleep.u32 64;\nld.acquire.gpu.global.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n"
+        "@done bra.uni DONE;\n"
+        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n@!late bra.uni WAIT;\n"
+        "trap;\nDONE:\n}",
+        [],
+        [addr, target],
+    )
+
+
 def mbarrier_inval(addr: Int32) -> None:
     """Invalidate a barrier with no pending operations, so that the same shared memory may be initialized again."""
     asm("mbarrier.inval.shared::cta.b64 [$0];", [], [addr])
