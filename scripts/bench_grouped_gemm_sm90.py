@@ -53,16 +53,6 @@ def block_n_for(max_rows: int, max_block_n: int = 32, tiles=(8, 16, 32, 64)) -> 
     return next((bn for bn in fitting if max_rows <= bn), fitting[-1])
 
 
-def ctas_per_sm_for(counts, block_n: int, intermediate: int, sms: int) -> int:
-    """CTAs per SM for a point's token tile 8: one when every W1 CTA with rows (token tiles x 2I/256 per expert)
-    fits the SMs at once (two per SM would pair working CTAs on some SMs while others idle: GLM-5.2 at 1 token,
-    80 working CTAs, 70 us at two per SM, 48 at one), else two (more weight streams per SM). Other tiles: one."""
-    if block_n != 8:
-        return 1
-    units = sum(-(-int(c) // block_n) for c in counts) * (2 * intermediate // 256)
-    return 1 if units <= sms else 2
-
-
 def random_mxfp4(e: int, rows: int, cols: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random MXFP4 weights: uniform codes, UE8M0 exponents spread over 2^-9..2^-4 (weights ~ 1e-2)."""
     packed = torch.randint(-128, 128, (e, rows, cols // 2), dtype=torch.int8, generator=gen, device=device)
@@ -414,11 +404,9 @@ def main() -> int:
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--auto-ctas", action="store_true",
-                    help="also a set `ws_auto`: per point the token tile and knobs of grouped_gemm.tile_knobs (the "
-                         "table decode from 9 rows on); at token tile 8 the default variants or their "
-                         "one-CTA-per-SM twins, by ctas_per_sm_for (one CTA per SM when the working W1 CTAs fit the "
-                         "SMs), and those with K split (grouped_gemm.k_splits_for) where the working CTAs leave SMs "
-                         "idle")
+                    help="also a set `ws_auto`: per point the token tile and knobs of grouped_gemm.tile_knobs "
+                         "(stream-K loops at tile 8, the table decode from 9 rows on), and the default variants at "
+                         "one CTA per SM (`ws1`)")
     ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
                          "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
@@ -492,7 +480,7 @@ def main() -> int:
     if args.one_cta or args.auto_ctas:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
     if args.auto_ctas:
-        kernel_sets["ws_auto"] = None  # per point: the default set's kernels or ws1's (ctas_per_sm_for), split or not
+        kernel_sets["ws_auto"] = None  # per point: grouped_gemm.tile_knobs's tile and knobs
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
         kernel_sets["tab64"] = {**knobs, "fold_scales": True, "table_decode": True, "max_block_n": 64}
@@ -512,18 +500,10 @@ def main() -> int:
             loaded[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
         kernel_sets[tag] = loaded
     kernels = kernel_sets[base_tag]
-    # ws_auto's split choices (k_splits_for), loaded beside the timed sets
-    auto_splits = {(w1, w2): {(dict(v.params)["role"], dict(v.params)["block_n"]): jit.load_kernel(v, "sm_90a")
-                              for v in gg.variant_set(**{**knobs, "ctas_per_sm": 1}, k_splits=w1, w2_k_splits=w2)}
-                   for w1, w2 in ((3, 1), (3, 2))} if args.auto_ctas else {}
-    # ws_auto's stream-K loops at token tile 8 (stream_k_for), one CTA per SM
-    auto_stream = {(role, 8): jit.load_kernel(gg.variant(role, 8, **{**knobs, "stream_k": True, "ctas_per_sm": 1}),
-                                              "sm_90a")
-                   for role in ("w1", "w2")} if args.auto_ctas else {}
-    # ws_auto beyond token tile 8: grouped_gemm.tile_knobs's sets, loaded beside the timed ones
+    # ws_auto: grouped_gemm.tile_knobs's sets, loaded beside the timed ones
     auto_tiles = {}
     if args.auto_ctas:
-        for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(9, 65)}):
+        for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
             _, tile_set = gg.tile_knobs(bn)
             auto_tiles[bn] = {(role, bn): jit.load_kernel(gg.variant(role, bn, **{**knobs, **tile_set}), "sm_90a")
                               for role in ("w1", "w2")}
@@ -552,29 +532,9 @@ def main() -> int:
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)
                 if set_kernels is None:  # ws_auto
-                    sms = torch.cuda.get_device_properties(device).multi_processor_count
-                    bn, tile_set = gg.tile_knobs(pt.capacity)
-                    max_bn = bn
-                    if bn > 8:
-                        set_kernels = auto_tiles[bn]
-                        row_note = {"knobs": tile_set}
-                    else:
-                        one = ctas_per_sm_for(pt.counts.tolist(), bn, model["inter"], sms) == 1
-                        set_kernels = kernel_sets["ws1" if one else base_tag]
-                        if one:
-                            tiles = sum(-(-int(c) // bn) for c in pt.counts.tolist())
-                            splits = gg.k_splits_for(tiles * (2 * model["inter"] // 256),
-                                                     tiles * (model["hidden"] // 256), sms)
-                            set_kernels = auto_splits.get(splits, set_kernels)
-                            row_note = {"k_splits": list(splits)}
-                        tiles = sum(-(-int(c) // bn) for c in pt.counts.tolist())
-                        streamed = gg.stream_k_for(tiles * (2 * model["inter"] // 256),
-                                                   tiles * (model["hidden"] // 256), sms)
-                        if any(streamed):  # the stream-K loops replace the split or plain kernel of their role
-                            set_kernels = {**set_kernels, **{(role, bn): auto_stream[(role, bn)]
-                                                             for role, on in zip(("w1", "w2"), streamed) if on}}
-                            row_note = {"stream_k": list(streamed),
-                                        "k_splits": [1, row_note.get("k_splits", [1, 1])[1] if not streamed[1] else 1]}
+                    max_bn, tile_set = gg.tile_knobs(pt.capacity)
+                    set_kernels = auto_tiles[max_bn]
+                    row_note = {"knobs": tile_set}
                 pt.use(set_kernels, max_bn)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),

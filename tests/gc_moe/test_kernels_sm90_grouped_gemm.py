@@ -128,41 +128,19 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     assert int(counts.abs().sum()) == 0
 
 
-def test_k_splits_for_follows_the_measured_points():
-    # H200 at 1 token (docs/sm90-grouped-gemm.md, step 11): DeepSeek with 2 experts split both, GLM-5.2 with 5
-    # W1 only, GLM-5.2 with 7 and every busier call none
-    assert gg.k_splits_for(36, 40, 132) == (3, 2)
-    assert gg.k_splits_for(80, 120, 132) == (3, 1)
-    assert gg.k_splits_for(112, 168, 132) == (1, 1)
-    assert gg.k_splits_for(88, 66, 132) == (3, 2) and gg.k_splits_for(89, 66, 132) == (1, 1)  # the edges
-    with pytest.raises(ValueError, match="allowed: w1_ctas >= 1"):
-        gg.k_splits_for(0, 10, 132)
-
-
-def test_stream_k_for_follows_the_measured_points():
-    # H200 at 1 token (docs/sm90-grouped-gemm.md, step 21): W1 streamed up to 1.25 waves of units, W2 only when its
-    # units fit half the SMs
-    assert gg.stream_k_for(162, 180, 132) == (True, False) and gg.stream_k_for(144, 216, 132) == (True, False)
-    assert gg.stream_k_for(36, 40, 132) == (True, True) and gg.stream_k_for(96, 144, 132) == (True, False)
-    assert gg.stream_k_for(208, 312, 132) == (False, False) and gg.stream_k_for(234, 20, 132) == (False, False)
-    assert gg.stream_k_for(165, 66, 132) == (True, True) and gg.stream_k_for(166, 66, 132) == (False, False)
-    assert gg.stream_k_for(0, 0, 132) == (False, False)
-    with pytest.raises(ValueError, match="allowed: units >= 0, sms >= 1"):
-        gg.stream_k_for(10, 10, 0)
-
-
 def test_tile_knobs_follow_the_measured_points():
-    assert gg.tile_knobs(0) == (8, {}) and gg.tile_knobs(8) == (8, {})
+    stream = {"stream_k": True, "ctas_per_sm": 1}
+    assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
     table = {"fold_scales": True, "table_decode": True, "fit_n": True}
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
     assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24
     assert gg.tile_knobs(25) == (32, table) and gg.tile_knobs(32) == (32, table)
     assert gg.tile_knobs(33) == (64, table) and gg.tile_knobs(500) == (64, table)
-    for cap in (9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
+    for cap in (1, 9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
         bn, knobs = gg.tile_knobs(cap)
         for role in ("w1", "w2"):
             cfg = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
-            assert cfg.table_decode and cfg.fit_n and cfg.block_n == bn
+            assert (cfg.stream_k if bn == 8 else cfg.table_decode and cfg.fit_n) and cfg.block_n == bn
             assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)

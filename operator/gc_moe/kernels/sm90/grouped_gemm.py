@@ -2195,46 +2195,20 @@ def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
                          f"weights.sm90.with_nibble_order(mat, {want!r})")
 
 
-def k_splits_for(w1_ctas: int, w2_ctas: int, sms: int) -> tuple[int, int]:
-    """(W1, W2) K splits for a call whose working CTAs (token tiles with rows x weight-row CTAs) are known, at one
-    CTA per SM: W1 in 3 when the split CTAs fit two waves (3 w1 <= 2 SMs), W2 in 2 besides when its split CTAs
-    fit one (2 w2 <= SMs); else none. Measured on the H200 at 1 token (docs/sm90-grouped-gemm.md, step 11):
-    DeepSeek with 2 experts (36 / 40 CTAs) 43 -> 34 us, GLM-5.2 with 5 (80 / 120) 48 -> 45, with 7 (112) no
-    gain, and at 2-8 tokens every split was 5-20% slower."""
-    if w1_ctas < 1 or w2_ctas < 0 or sms < 1:
-        raise ValueError(f"w1_ctas {w1_ctas}, w2_ctas {w2_ctas}, sms {sms}; allowed: w1_ctas >= 1, w2_ctas >= 0, "
-                         f"sms >= 1")
-    if 3 * w1_ctas > 2 * sms:
-        return 1, 1
-    return 3, 2 if 2 * w2_ctas <= sms else 1
-
-
-def stream_k_for(w1_units: int, w2_units: int, sms: int) -> tuple[bool, bool]:
-    """(W1, W2) as stream-K loops at one CTA per SM for a token-tile-8 call whose units with tokens (token tiles x
-    weight-row CTAs) are known: W1 when its units fit 1.25 waves of the SMs (one CTA's K loop per SM, some SMs with
-    two, is then the time over the floor), W2 besides when its units fit half the SMs. Measured on the H200 at 1
-    token (docs/sm90-grouped-gemm.md, step 21): W1 45.6 -> 39.6 us (DeepSeek, 162 units), 52.5 -> 39.5 (GLM-5.2,
-    144), 33.0 -> 32.3 (96); both at 36 / 40 units: 33.9 -> 30.5 against the K splits; W2 with 144-216 units and
-    W1 from 208 units on were as fast or 5-20% slower as stream-K loops (a unit switch costs ~3 us)."""
-    if w1_units < 0 or w2_units < 0 or sms < 1:
-        raise ValueError(f"w1_units {w1_units}, w2_units {w2_units}, sms {sms}; allowed: units >= 0, sms >= 1")
-    w1 = 0 < w1_units <= 1.25 * sms
-    return w1, w1 and w2_units <= sms // 2
-
-
 def tile_knobs(capacity: int) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
-    measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16): up to 8 rows the default (tile 8,
-    unfolded, its CTAs per SM and K splits chosen by the caller: steps 10-11); beyond, the table decode with N fitted
-    to each tile's rows (`fit_n`: 3-11% faster than the whole tile): up to 16 rows at tile 16 and two CTAs per SM
-    (13-16% faster than one: twice the warps per SM to hide latency with), up to 24 at tile 24, two CTAs per SM (5-8%
-    faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64 tokens:
-    20-35% faster than two or three 32-token tiles). Knobs other than the default's need weights in the table
-    nibble order (`weights.sm90.with_nibble_order`)."""
+    measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16, 24): up to 8 rows tile 8 as stream-K
+    loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; 0-21% faster than the grid of units
+    with its CTAs per SM and K splits chosen per call, which it replaces); beyond, the table decode with N fitted to
+    each tile's rows (`fit_n`: 3-11% faster than the whole tile): up to 16 rows at tile 16 and two CTAs per SM
+    (13-16% faster than one: twice the warps per SM to hide latency with), up to 24 at tile 24, two CTAs per SM
+    (5-8% faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64
+    tokens: 20-35% faster than two or three 32-token tiles). Knobs past tile 8 need weights in the table nibble
+    order (`weights.sm90.with_nibble_order`); stream_k needs its grid resident at once (`GemmConfig.stream_k`)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
-        return 8, {}
+        return 8, {"stream_k": True, "ctas_per_sm": 1}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True}
     if capacity <= 16:
         return 16, {**table, "ctas_per_sm": 2}
