@@ -496,6 +496,18 @@ def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_
     )
 
 
+def griddep_launch_dependents() -> None:
+    """Let a kernel launched after this one with programmatic stream serialization start its CTAs once every CTA of
+    this grid has run this (or exited); they still wait for this grid's memory with `griddep_wait`."""
+    asm("griddepcontrol.launch_dependents;", [], [])
+
+
+def griddep_wait() -> None:
+    """Wait until the grids this kernel depends on programmatically have completed and their writes are visible
+    (returns at once for a kernel launched without that dependence)."""
+    asm("griddepcontrol.wait;", [], [])
+
+
 def red_add_release_gpu_s32(addr: Int64, v: Int32) -> None:
     """Add `v` with release semantics (the writes this thread observed, e.g. through a CTA barrier, happen
     before); no value comes back, so the thread does not wait for the round trip."""
