@@ -302,8 +302,8 @@ class GemmConfig:
     @property
     def follows_programmatically(self) -> bool:
         """The stand-alone W2 on the warp-specialized pipeline may be launched with programmatic stream
-        serialization after W1 (`launch_w2(programmatic=True)`): its producer issues the weights of its first stages,
-        then waits for W1's grid (`griddepcontrol.wait`) before it copies W1's output rows. Stand-alone W1s let it
+        serialization after W1 (`launch_w2(programmatic=True)`): its producer prefetches the weights of its first
+        stages into L2, then waits for W1's grid (`griddepcontrol.wait`) before any copy. Stand-alone W1s let it
         start (`griddepcontrol.launch_dependents` first thing)."""
         return self.role == "w2" and bool(self.warp_specialized) and not self.ring_consumer and not self.fused_role2
 
@@ -812,18 +812,20 @@ def _make_kernel(cfg: GemmConfig):
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        early = Int32(0)  # FOLLOWS: the weight stages issued before the wait for W1's grid
         if cutlass.const_expr(FOLLOWS):
             first = Int32(1)
             if cutlass.const_expr(base is not None):  # a stream-K CTA: its first unit only
                 if base != 0:
                     first = Int32(0)
             if first == 1:
+                # the first stages' weights into L2 while W1 finishes: copied into the stages they would arrive
+                # ahead of the token rows (the SM's ingress is shared) and hold back the first step by a ring
                 early = k_steps
                 if early > STAGES:
                     early = Int32(STAGES)
-                for kb in cutlass.range(early):  # steps 0 .. early - 1 of the CTA: stages kb, no empty wait
-                    issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, kb)
+                if pidx < TILES_PER_CTA:
+                    for kb in cutlass.range(early):
+                        ptx.bulk_prefetch_l2(w_src + Int64(kb) * TILE_BYTES + Int64(pidx) * tile_stride, TILE_BYTES)
                 ptx.griddep_wait()  # W1's rows and scales are complete and visible past this point
         for kb in cutlass.range(k_steps):
             step = kb if cutlass.const_expr(base is None) else base + kb
@@ -832,8 +834,7 @@ def _make_kernel(cfg: GemmConfig):
             sbase = smem + stage * cfg.stage_bytes
             if step >= STAGES:
                 ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
-            if kb >= early:
-                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
             copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
             for r in cutlass.range_constexpr(-(-BN // PT)):
                 if pidx + PT * r < BN:

@@ -334,6 +334,12 @@ def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
         [dst, src, mbar])
 
 
+def bulk_prefetch_l2(src: Int64, size: int) -> None:
+    """cp.async.bulk.prefetch of `size` bytes (multiple of 16, 16-byte aligned) into L2: nothing comes back to the
+    SM, so it does not queue ahead of the SM's own copies."""
+    asm(f"cp.async.bulk.prefetch.L2.global [$0], {size};", [], [src])
+
+
 def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24, suspend_ns: int = 0,
                   limit_ns: int = 10_000_000_000) -> None:
     """Wait until the phase of parity `parity` of the barrier completed; trap instead of hanging.
