@@ -114,7 +114,6 @@ class Point:
         self.rw = self.rw.float().contiguous() if self.rows else torch.ones(1, device=device)
         self.device = device
         self.splits = {}  # kernels that split K: their partials and counts, one pair per kernel
-        self.pdl = False
         self.use(kernels)
 
     def use(self, kernels, max_block_n=None):
@@ -130,8 +129,6 @@ class Point:
             if k.name not in self.splits:  # allocated before any capture
                 self.splits[k.name] = split_buffers(k, mat, self.capacity, self.device)
         self.split1, self.split2 = self.splits[self.k1.name], self.splits[self.k2.name]
-        # --pdl: W2 after W1 with programmatic stream serialization, where the W2 variant waits for W1's grid
-        self.programmatic = self.pdl and GemmConfig(**dict(self.k2.entry.variant.params)).follows_programmatically
 
     def poison(self):
         self.mid.view(torch.uint8).fill_(0x7F)  # E4M3FN NaN
@@ -154,7 +151,7 @@ class Point:
             torch.cuda.synchronize()
             print("# w1 ran", flush=True)
         launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
-                  self.capacity, stream, split=self.split2, programmatic=self.programmatic and not sync_each)
+                  self.capacity, stream, split=self.split2)
 
     def token_tiles(self) -> dict:
         """{tile: the experts' token tiles at that tile}: what a tile rule weighs (experts above a tile take more)."""
@@ -429,9 +426,6 @@ def main() -> int:
                          "both (cold_us from the read flush, cold_write_flush_us beside it)")
     ap.add_argument("--per-role", action="store_true",
                     help="also time W1 alone and W2 alone (cold, same flush): columns w1 / w2")
-    ap.add_argument("--pdl", action="store_true",
-                    help="launch W2 with programmatic stream serialization after W1 (its first weight stages load "
-                         "while W1 finishes), where the W2 variant supports it")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -534,7 +528,6 @@ def main() -> int:
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device, args.max_block_n)
-            pt.pdl = args.pdl
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)
@@ -543,7 +536,7 @@ def main() -> int:
                     set_kernels = auto_tiles[max_bn]
                     row_note = {"knobs": tile_set}
                 pt.use(set_kernels, max_bn)
-                row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows, "pdl": pt.programmatic,
+                row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
                        "tiles": pt.token_tiles(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)

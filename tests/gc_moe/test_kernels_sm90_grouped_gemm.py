@@ -712,10 +712,8 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False, w2_k_splits=1, sms=None, programmatic=False, **more_knobs):
-    """sms: the SMs a stream_k variant's grid spreads over (None: the device's); programmatic: W2 launched with
-    programmatic stream serialization after W1, eagerly and then as a captured graph replayed on poisoned outputs
-    (the same bytes both ways)."""
+              return_raw=False, w2_k_splits=1, sms=None, **more_knobs):
+    """sms: the SMs a stream_k variant's grid spreads over (None: the device's)."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -762,26 +760,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf)
         assert int(split[1].abs().sum()) == 0, "a split unit's arrival count was not set back to zero"
     split2 = gg.split_buffers(k2, w.l2, cap, dev, sms)
-    gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms,
-                 programmatic=programmatic)
-    if programmatic:
-        torch.cuda.synchronize()
-        eager = (mid.clone(), mid_sf.clone(), out.clone())
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            with torch.cuda.graph(graph, stream=side):
-                gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, side, split=split, sms=sms)
-                gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, side, split=split2, sms=sms,
-                             programmatic=True)
-        for _ in range(3):  # W2 must read this replay's W1 output: poison it in between
-            mid.view(torch.uint8).fill_(0x7F)
-            mid_sf.fill_(float("nan"))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(mid.view(torch.uint8), eager[0].view(torch.uint8)) and torch.equal(mid_sf, eager[1])
-            assert torch.equal(out.view(torch.int16), eager[2].view(torch.int16)), "a replay's W2 differs"
+    gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
     if split2 is not None:  # as W1's above
         first = out.clone()
         out.fill_(float("nan"))
@@ -891,32 +870,6 @@ def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter,
                                            seed=hidden + tokens + block_n, stream_k=True, ctas_per_sm=ctas_per_sm,
                                            sms=sms)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n,knobs", [
-    (8, {}), (8, {"stream_k": True, "ctas_per_sm": 1}), (16, {"fold_scales": True, "table_decode": True, "fit_n": True,
-                                                            "ctas_per_sm": 2}),
-    (64, {"fold_scales": True, "table_decode": True, "fit_n": True}), (16, {"k_splits": 2})])
-def test_programmatic_w2_matches_float32_reference(block_n, knobs):
-    """W2 launched with programmatic stream serialization after W1 (its first weight stages before
-    griddepcontrol.wait): against the float32 reference, and as a graph replayed on poisoned outputs."""
-    got_mid, ref_mid, got, ref = _run_case(1024, 512, 12, 6, 5 * block_n, block_n, seed=block_n + 5,
-                                           programmatic=True, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-
-
-def test_programmatic_launch_needs_a_w2_that_waits():
-    class Fake:  # launch_w2 reads the variant's parameters before anything else
-        name = "w2-cp.async"
-
-        def __init__(self, variant):
-            self.entry = type("E", (), {"variant": variant})()
-
-    for v in (gg.variant("w2", 64), gg.variant("w2", 8, ring_consumer=True)):
-        with pytest.raises(ValueError, match="does not wait for the grid before it"):
-            gg.launch_w2(Fake(v), None, None, None, None, None, None, 1, None, programmatic=True)
-    assert gg.GemmConfig("w2", 8).follows_programmatically and not gg.GemmConfig("w1", 8).follows_programmatically
 
 
 @pytest.mark.gpu

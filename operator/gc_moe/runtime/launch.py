@@ -295,12 +295,8 @@ def _dim3(value, what: str) -> tuple[int, int, int]:
 
 
 def launch(kernel: LoadedKernel, grid, args: Sequence[Any], stream: Any, dynamic_smem: int | None = None,
-           cluster=None, programmatic: bool = False) -> ParamBuffer:
+           cluster=None) -> ParamBuffer:
     """Launch into `stream` (a green context's stream, an int handle, or a torch stream).
-
-    programmatic: programmatic stream serialization after the stream's previous kernel (the kernel may start
-    once that one's CTAs ran `griddepcontrol.launch_dependents`, and must `griddepcontrol.wait` before it reads
-    what that kernel writes).
 
     Block, dynamic shared memory and cluster come from the kernel's launch shape unless given here.
     Returns the packed parameters (the caller may keep them for a graph node of the same call).
@@ -324,11 +320,6 @@ def launch(kernel: LoadedKernel, grid, args: Sequence[Any], stream: Any, dynamic
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-        attrs.append(attr)
-    if programmatic:
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)

@@ -300,14 +300,6 @@ class GemmConfig:
                              f"{self.block_n}, {self.ctas_per_sm} CTA(s) per SM)")
 
     @property
-    def follows_programmatically(self) -> bool:
-        """The stand-alone W2 on the warp-specialized pipeline may be launched with programmatic stream
-        serialization after W1 (`launch_w2(programmatic=True)`): its producer prefetches the weights of its first
-        stages into L2, then waits for W1's grid (`griddepcontrol.wait`) before any copy. Stand-alone W1s let it
-        start (`griddepcontrol.launch_dependents` first thing)."""
-        return self.role == "w2" and bool(self.warp_specialized) and not self.ring_consumer and not self.fused_role2
-
-    @property
     def smem_limit(self) -> int:
         """Dynamic shared memory one CTA may take so that ctas_per_sm of them fit an SM."""
         if self.ctas_per_sm == 1:
@@ -603,8 +595,6 @@ def _make_kernel(cfg: GemmConfig):
     REUSE = cfg.ring_reuse
     KS = cfg.k_splits
     STREAM = cfg.stream_k
-    FOLLOWS = cfg.follows_programmatically  # W2: weights first, then griddepcontrol.wait before W1's rows
-    LEADS = W1 and not RING and not FUSED  # a stand-alone W1 lets a programmatic W2 start its CTAs
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -812,21 +802,6 @@ def _make_kernel(cfg: GemmConfig):
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        if cutlass.const_expr(FOLLOWS):
-            first = Int32(1)
-            if cutlass.const_expr(base is not None):  # a stream-K CTA: its first unit only
-                if base != 0:
-                    first = Int32(0)
-            if first == 1:
-                # the first stages' weights into L2 while W1 finishes: copied into the stages they would arrive
-                # ahead of the token rows (the SM's ingress is shared) and hold back the first step by a ring
-                early = k_steps
-                if early > STAGES:
-                    early = Int32(STAGES)
-                if pidx < TILES_PER_CTA:
-                    for kb in cutlass.range(early):
-                        ptx.bulk_prefetch_l2(w_src + Int64(kb) * TILE_BYTES + Int64(pidx) * tile_stride, TILE_BYTES)
-                ptx.griddep_wait()  # W1's rows and scales are complete and visible past this point
         for kb in cutlass.range(k_steps):
             step = kb if cutlass.const_expr(base is None) else base + kb
             stage = step % STAGES
@@ -1662,8 +1637,6 @@ def _make_kernel(cfg: GemmConfig):
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
         warpgroups walk the same segments (unit, first step, steps), each side on its own. role_args: W1's
         (routing_weight, out, out_scale), W2's (dest_row, out)."""
-        if cutlass.const_expr(LEADS):
-            ptx.griddep_launch_dependents()
         tid = cute.arch.thread_idx()[0]
         wg, t, warp, g, q = thread_coords(tid)
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
@@ -1773,8 +1746,6 @@ def _make_kernel(cfg: GemmConfig):
             """fused: (expert, weight-row CTA, token tile, started, this token tile's W1-completion word, side,
             base) of the fused role2 kernel's unit (it waited for RING_READY already): `fused_unit`'s side and
             first K128 step. split (k_splits > 1): (split_partials, split_counts)."""
-            if cutlass.const_expr(LEADS):
-                ptx.griddep_launch_dependents()
             if cutlass.const_expr(FUSED):
                 ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
                 e, bx, bz, started, done_mask, side, base = fused
@@ -2400,22 +2371,16 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
 
 
 def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=(),
-              split=None, sms=None, programmatic: bool = False):
+              split=None, sms=None):
     """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
 
     act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H]
     (a ring consumer: the local combine buffer, rows go to peers[ring_source div C k] + it);
     ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
-    variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's);
-    programmatic: launch with programmatic stream serialization after the W1 before it in `stream` (its CTAs may
-    start as W1's leave and fetch their first weight stages; `GemmConfig.follows_programmatically` variants only).
+    variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
     """
     from gc_moe.runtime.launch import launch
 
-    cfg = GemmConfig(**dict(kernel.entry.variant.params))
-    if programmatic and not cfg.follows_programmatically:
-        raise ValueError(f"{kernel.name} does not wait for the grid before it: programmatic=True needs a stand-alone "
-                         f"W2 on the warp-specialized pipeline (no ring consumer, not fused)")
     g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split,
                         sms)
-    return launch(kernel, g, args, stream, programmatic=programmatic)
+    return launch(kernel, g, args, stream)

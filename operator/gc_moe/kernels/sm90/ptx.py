@@ -334,12 +334,6 @@ def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
         [dst, src, mbar])
 
 
-def bulk_prefetch_l2(src: Int64, size: int) -> None:
-    """cp.async.bulk.prefetch of `size` bytes (multiple of 16, 16-byte aligned) into L2: nothing comes back to the
-    SM, so it does not queue ahead of the SM's own copies."""
-    asm(f"cp.async.bulk.prefetch.L2.global [$0], {size};", [], [src])
-
-
 def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24, suspend_ns: int = 0,
                   limit_ns: int = 10_000_000_000) -> None:
     """Wait until the phase of parity `parity` of the barrier completed; trap instead of hanging.
@@ -500,18 +494,6 @@ def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_
         [],
         [addr, bits, started, timeout_ns],
     )
-
-
-def griddep_launch_dependents() -> None:
-    """Let a kernel launched after this one with programmatic stream serialization start its CTAs once every CTA of
-    this grid has run this (or exited); they still wait for this grid's memory with `griddep_wait`."""
-    asm("griddepcontrol.launch_dependents;", [], [])
-
-
-def griddep_wait() -> None:
-    """Wait until the grids this kernel depends on programmatically have completed and their writes are visible
-    (returns at once for a kernel launched without that dependence)."""
-    asm("griddepcontrol.wait;", [], [])
 
 
 def red_add_release_gpu_s32(addr: Int64, v: Int32) -> None:
