@@ -532,8 +532,10 @@ def main() -> int:
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)
                 if set_kernels is None:  # ws_auto
-                    max_bn, tile_set = gg.tile_knobs(pt.capacity)
-                    set_kernels = auto_tiles[max_bn]
+                    sms = torch.cuda.get_device_properties(device).multi_processor_count
+                    w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)
+                    max_bn, tile_set = gg.tile_knobs(pt.capacity, w1_units, sms)
+                    set_kernels = auto_tiles[max_bn] if tile_set else kernels  # no knobs: the default set
                     row_note = {"knobs": tile_set}
                 pt.use(set_kernels, max_bn)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,

@@ -131,6 +131,10 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
 def test_tile_knobs_follow_the_measured_points():
     stream = {"stream_k": True, "ctas_per_sm": 1}
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
+    # at tile 8 the default grid where W1's units pass 3.2 waves (step 24: 448-630 units on 132 SMs), else stream-K
+    assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 422, 132) == (8, stream)
+    assert gg.tile_knobs(4, 423, 132) == (8, {}) and gg.tile_knobs(6, 630, 132) == (8, {})
+    assert gg.tile_knobs(9, 5000, 132)[0] == 16  # the units decide at tile 8 only
     table = {"fold_scales": True, "table_decode": True, "fit_n": True}
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
     assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24

@@ -127,6 +127,9 @@ SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
 # a stream_k CTA keeps each warp's scan of the experts' units in registers (two lanes' worth of experts per lane)
 STREAM_MAX_EXPERTS = 64
+# tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
+# 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
+STREAM_K_MAX_WAVES = 3.2
 K_SPLIT_CHOICES = (1, 2, 3, 4)
 K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
@@ -2195,11 +2198,13 @@ def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
                          f"weights.sm90.with_nibble_order(mat, {want!r})")
 
 
-def tile_knobs(capacity: int) -> tuple[int, dict]:
+def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = None) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
     measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16, 24): up to 8 rows tile 8 as stream-K
     loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; against the grid of units at two CTAs per
-    SM 5-41% faster at 1 token, -4..+10% at 2-8, step 24; it replaces the per-call CTAs-per-SM and K-split rules); beyond, the table decode with N fitted to
+    SM 5-41% faster at 1 token, -4..+10% at 2-8, step 24; it replaces the per-call CTAs-per-SM and K-split rules),
+    except where W1's units with tokens (token tiles x 2I/256, `w1_units`, when the caller knows them and the
+    `sms`) exceed STREAM_K_MAX_WAVES waves of the SMs: there the default grid (two CTAs per SM) is 0.5-3.6% faster; beyond, the table decode with N fitted to
     each tile's rows (`fit_n`: 3-11% faster than the whole tile): up to 16 rows at tile 16 and two CTAs per SM
     (13-16% faster than one: twice the warps per SM to hide latency with), up to 24 at tile 24, two CTAs per SM
     (5-8% faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64
@@ -2208,6 +2213,8 @@ def tile_knobs(capacity: int) -> tuple[int, dict]:
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
+        if w1_units is not None and sms and w1_units > STREAM_K_MAX_WAVES * sms:
+            return 8, {}
         return 8, {"stream_k": True, "ctas_per_sm": 1}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True}
     if capacity <= 16:
