@@ -1242,15 +1242,20 @@ def _make_kernel(cfg: GemmConfig):
         return tid // 128, tid % 128, (tid % 128) // 32, lane // 4, lane % 4
 
     @cute.jit
-    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor, epilogue, ksplit=None):
-        tid = cute.arch.thread_idx()[0]
-        wg, t, warp, g, q = thread_coords(tid)
+    def init_stage_ring(smem, tid):
+        """Thread 0 initializes the stage ring's full and empty barriers; then the CTA meets (warp-specialized)."""
         if tid == 0:
             for st in cutlass.range_constexpr(STAGES):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             ptx.fence_mbarrier_init()
         ptx.gemm_barrier(cfg)
+
+    @cute.jit
+    def main_loop_ws(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc, w_factor, epilogue, ksplit=None):
+        tid = cute.arch.thread_idx()[0]
+        wg, t, warp, g, q = thread_coords(tid)
+        init_stage_ring(smem, tid)
         if tid >= THREADS:
             # consumer_registers: the producer's registers go to the consumers for the unit (main loop and
             # epilogue). The producer takes its back only where it has more to run (the fused role2 kernel's
@@ -1643,12 +1648,7 @@ def _make_kernel(cfg: GemmConfig):
         tid = cute.arch.thread_idx()[0]
         wg, t, warp, g, q = thread_coords(tid)
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
-        if tid == 0:
-            for st in cutlass.range_constexpr(STAGES):
-                ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
-                ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
-            ptx.fence_mbarrier_init()
-        ptx.gemm_barrier(cfg)
+        init_stage_ring(smem, tid)
         table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
         ctas = Int32(cute.arch.grid_dim()[0])
         cta = Int32(cute.arch.block_idx()[0])
