@@ -220,9 +220,9 @@ class GemmConfig:
     # steps lie in one CTA ends with its epilogue; the other pieces of a shared unit publish FP32 partials and go
     # on, and the unit's owner (the CTA with its first steps, at the end of its range) waits for them (bounded) and
     # adds them in CTA order (the same bits whichever arrives last) before the epilogue: the grid must be resident
-    # at once (ctas_per_sm x the SMs it runs on, nothing else on them). Every SM gets
-    # the same steps whatever the routing: at 1-8 tokens a CTA's whole K loop on some SMs while others idle is the
-    # time over the floor (docs/sm90-grouped-gemm.md, steps 10, 11, 20)
+    # at once (ctas_per_sm x the SMs it runs on, nothing else on them). Every SM gets the same steps whatever the
+    # routing: at 1-4 tokens a CTA's whole K loop on some SMs while others idle was the time over the floor
+    # (docs/sm90-grouped-gemm.md, steps 10, 11, 20-26)
     stream_k: bool = False
 
     def __post_init__(self):
