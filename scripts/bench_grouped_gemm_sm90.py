@@ -139,19 +139,15 @@ class Point:
         """roles: the kernels to launch (the per-role times launch one; W2 then reads the last W1's output)."""
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
-        if "w1" not in roles:
+        if "w1" in roles:
+            launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
+                      self.mid_scale, self.capacity, stream, split=self.split1)
+            if sync_each:
+                torch.cuda.synchronize()
+                print("# w1 ran", flush=True)
+        if "w2" in roles:
             launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
                       self.capacity, stream, split=self.split2)
-            return
-        launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
-                  self.mid_scale, self.capacity, stream, split=self.split1)
-        if "w2" not in roles:
-            return
-        if sync_each:
-            torch.cuda.synchronize()
-            print("# w1 ran", flush=True)
-        launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
-                  self.capacity, stream, split=self.split2)
 
     def token_tiles(self) -> dict:
         """{tile: the experts' token tiles at that tile}: what a tile rule weighs (experts above a tile take more)."""

@@ -1376,19 +1376,12 @@ def _make_kernel(cfg: GemmConfig):
     @cute.jit
     def compact_unit(expert_offsets, coherent: cutlass.Constexpr):
         """(expert, weight-row tile, token tile) of this CTA under compact_grid: CTA b (linear index of the
-        (token tiles, M/256, experts) launch) takes the b-th unit with tokens (`unit_at`). Expert -1: no unit."""
+        (token tiles, M/256, experts) launch) takes the b-th unit with tokens, units ordered by expert, then
+        weight-row tile, then token tile. Every warp scans the experts' unit counts itself (32 per pass: an
+        inclusive warp scan, then the lane whose range holds b is found by ballot). Expert -1: no unit."""
         gx, gy, gz = cute.arch.grid_dim()
         tx, ty, tz = cute.arch.block_idx()
         b = Int32(tx) + Int32(gx) * (Int32(ty) + Int32(gy) * Int32(tz))
-        e, bx, bz, _ = unit_at(expert_offsets, b, gz, gy, coherent)
-        return e, bx, bz
-
-    @cute.jit
-    def unit_at(expert_offsets, b, gz, gy, coherent: cutlass.Constexpr):
-        """(expert, weight-row tile, token tile, units) of the b-th unit with tokens among gz experts of gy
-        weight-row tiles, units ordered by expert, then weight-row tile, then token tile, and the number of such
-        units. Every warp scans the experts' unit counts itself (32 per pass: an inclusive warp scan, then the
-        lane whose range holds b is found by ballot). Expert -1: no unit b (b = -1 asks for the count only)."""
         lane = cute.arch.thread_idx()[0] % 32
         carry = Int32(0)
         found_e = Int32(-1)
@@ -1421,7 +1414,7 @@ def _make_kernel(cfg: GemmConfig):
                 found_tiles = ptx.shfl_idx_s32(tiles, src)
             carry = carry + ptx.shfl_idx_s32(incl, Int32(31))
         r = b - found_start
-        return found_e, r // found_tiles, r % found_tiles, carry
+        return found_e, r // found_tiles, r % found_tiles
 
     @cute.jit
     def unit_table(expert_offsets, experts, gy):
@@ -1576,30 +1569,6 @@ def _make_kernel(cfg: GemmConfig):
         return (k_first, ((ks_index + 1) * k_blocks) // KS - k_first), unit
 
     @cute.jit
-    def publish_partials(tid, acc, smem, mine, count_word, pieces):
-        """A consumer thread's FP32 partials to `mine`, then the CTA's arrival on count_word: 1.0 in the CTA whose
-        arrival is the unit's `pieces`-th (it sets the word back to zero for the next launch), else 0.0. One thread
-        publishes and acquires for the CTA (the barriers order the others' stores before its release and their
-        loads after its acquire): a fence in each of the 512 threads (a membar and an L1 invalidation each) was a
-        fifth of the stream-K W2's stall samples (step 22)."""
-        for i in cutlass.range_constexpr(BN // 2):
-            ptx.stg_f32(mine + Int64(i * 4), acc[i])
-        consumer_sync()
-        flag = smem + cfg.amax_offset
-        if tid == 0:
-            ptx.fence_acq_rel_gpu()  # the CTA's partials (ordered before it by the barrier) before the arrival
-            arrived = ptx.atom_add_acq_rel_gpu_s32(count_word, Int32(1))
-            last = Float32(0.0)
-            if arrived == pieces - 1:
-                last = Float32(1.0)
-                ptx.st_relaxed_gpu_s32(count_word, Int32(0))  # ready for the next launch
-            ptx.sts_f32(flag, last)
-        consumer_sync()
-        last = ptx.lds_f32(flag)
-        consumer_sync()  # every thread read the flag before the epilogue reuses the word
-        return last
-
-    @cute.jit
     def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, k_first,
                         whole, *rest):
         """A stream_k segment's consumer thread: a whole unit (whole = 1) goes to the role's epilogue (`rest`: its
@@ -1699,7 +1668,24 @@ def _make_kernel(cfg: GemmConfig):
         arguments)."""
         per = BN // 2
         mine = split_partials + ((Int64(unit) * KS + Int64(ks_index)) * THREADS + Int64(tid)) * (per * 4)
-        last = publish_partials(tid, acc, smem, mine, split_counts + Int64(unit) * 4, KS)
+        for i in cutlass.range_constexpr(per):
+            ptx.stg_f32(mine + Int64(i * 4), acc[i])
+        consumer_sync()
+        flag = smem + cfg.amax_offset
+        if tid == 0:
+            # one thread publishes and acquires for the CTA (the barriers order the others' stores before its
+            # release and their loads after its acquire); a fence in every consumer thread cost a membar and an L1
+            # invalidation each (step 22)
+            ptx.fence_acq_rel_gpu()
+            arrived = ptx.atom_add_acq_rel_gpu_s32(split_counts + Int64(unit) * 4, Int32(1))
+            last = Float32(0.0)
+            if arrived == KS - 1:
+                last = Float32(1.0)
+                ptx.st_relaxed_gpu_s32(split_counts + Int64(unit) * 4, Int32(0))  # ready for the next launch
+            ptx.sts_f32(flag, last)
+        consumer_sync()
+        last = ptx.lds_f32(flag)
+        consumer_sync()  # every thread read the flag before the epilogue reuses the word
         if last > Float32(0.5):
             # the other splits' partials: published before their arrivals, acquired by thread 0 before the barrier
             for i in cutlass.range_constexpr(per):
@@ -2028,8 +2014,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         consumer_registers = None
     if block_n > K_SPLIT_MAX_BLOCK_N or not ws_default:
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
-    stream_k = stream_k and block_n == 8 and ws_default  # likewise, at tile 8
-    stream_k = stream_k and not fold_scales and k_splits == 1
+    stream_k = stream_k and block_n == 8 and ws_default and not fold_scales and k_splits == 1  # likewise, at tile 8
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
