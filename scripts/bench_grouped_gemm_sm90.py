@@ -340,7 +340,116 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
             row["cold_write_flush_us"] = colds["write"]
         if args.per_role:  # each kernel alone after the same flush: where the time over the floor goes
             row.update(w1_cold_us=cold_us(methods[0], roles=("w1",)), w2_cold_us=cold_us(methods[0], roles=("w2",)))
+    if args.trace:
+        row["trace"] = trace_point(pt, stream, flush)
+        for role, tr in row["trace"].items():
+            print(f"# trace {row['tag']} {pt.name} T={pt.tokens} {role}: {json.dumps(tr)}", flush=True)
     return ok
+
+
+def stream_segments(pt, kernel, k_blocks: int, ctas: int) -> list:
+    """Per CTA of a stream_k launch its segments [(steps, kind)], kind "whole" / "owner" / "piece", as the kernel
+    walks them (grouped_gemm.stream_range over the units with tokens)."""
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    mat = pt.weights.l1 if dict(kernel.entry.variant.params)["role"] == "w1" else pt.weights.l2
+    units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
+    work = units * k_blocks
+    out = []
+    for cta in range(ctas):
+        segs = []
+        if cta < min(ctas, work):
+            s, end = gg.stream_range(cta, min(ctas, work), work)
+            while s < end:
+                unit, k_first = divmod(s, k_blocks)
+                steps = min(end - unit * k_blocks, k_blocks) - k_first
+                segs.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
+                s += steps
+        out.append(segs)
+    return out
+
+
+def trace_summary(words, segments, waits: bool) -> dict:
+    """Phases of one traced stream_k launch (GemmConfig.trace), in us: the CTAs' start spread, the unit scan, the
+    first full stage after it, the K loops' time per step and the waits in them (consumers for full stages,
+    producer for empty ones), the first full stage of later segments (the ring at a unit switch), the epilogues by
+    kind (an owner's includes its wait for the pieces), the CTAs' end spread and the span from the first start to
+    the last end."""
+    import statistics
+
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    w = words.view(torch.int64).reshape(-1, gg.TRACE_SLOTS, 2).cpu().tolist()
+    per = gg.TRACE_SEGMENT_SLOTS
+    tail = 3 + per * gg.TRACE_SEGMENTS
+    rows = [(c, w[c]) for c in range(len(segments)) if segments[c]]
+    starts = [r[0][0] for _, r in rows]
+    t0 = min(starts)
+    ends = [max(r[tail][0], r[tail + 1][0]) for _, r in rows]
+    ghz = statistics.median((r[tail + 1][1] - r[0][1]) / max(1, r[tail + 1][0] - r[0][0]) for _, r in rows)
+
+    def us(c1, c0):
+        return (c1 - c0) / ghz / 1e3
+    loop_us = loop_steps = full_wait_us = empty_wait_us = 0.0
+    gaps, epi = [], {"whole": [], "owner": [], "piece": []}
+    for c, r in rows:
+        if r[tail + 2][0] != len(segments[c]):
+            raise RuntimeError(f"trace: CTA {c} walked {r[tail + 2][0]} segments, the host expects "
+                               f"{len(segments[c])}")
+        for i, (steps, kind) in enumerate(segments[c][:gg.TRACE_SEGMENTS]):
+            if i == gg.TRACE_SEGMENTS - 1 and len(segments[c]) > gg.TRACE_SEGMENTS:
+                break  # the last slots hold the last of several segments
+            start, first, done, epi_end = (r[3 + per * i + j][1] for j in range(4))
+            full_wait, empty_wait = r[3 + per * i + 4]
+            loop_us += us(done, first)
+            loop_steps += steps
+            full_wait_us += us(full_wait, 0)
+            empty_wait_us += us(empty_wait, 0)
+            if i > 0:
+                gaps.append(us(first, start))
+            epi[kind].append(us(epi_end, done))
+
+    def med_max(v):
+        return (round(statistics.median(v), 2), round(max(v), 2)) if v else None
+    return {
+        "ctas": len(rows), "ghz": round(ghz, 3), "span_us": round((max(ends) - t0) / 1e3, 2),
+        "start_spread_us": round((max(starts) - t0) / 1e3, 2),
+        "scan_us": med_max([us(r[1][1], r[0][1]) for _, r in rows]),
+        "first_stage_us": med_max([us(r[4][1], r[1][1]) for _, r in rows]),
+        "us_per_step": round(loop_us / max(loop_steps, 1), 3), "steps_per_cta": round(loop_steps / len(rows), 1),
+        # per step: thread 0's wait for full stages (the data late) and the producer's for empty ones (the
+        # consumers late); the first stage's wait of each segment included; counted at one CTA per SM only
+        "full_wait_per_step_us": round(full_wait_us / max(loop_steps, 1), 3) if waits else None,
+        "empty_wait_per_step_us": round(empty_wait_us / max(loop_steps, 1), 3) if waits else None,
+        "switch_wait_us": med_max(gaps), **{f"epilogue_{k}_us": med_max(v) for k, v in epi.items()},
+        "end_spread_us": round((max(ends) - min(ends)) / 1e3, 2),
+    }
+
+
+def trace_point(pt, stream, flush, runs: int = 3) -> dict:
+    """Each traced stream_k kernel of the point launched after a read flush `runs` times: the summary of the run
+    with the median span (`trace_summary`)."""
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    out = {}
+    for role, kernel, split, mat in (("w1", pt.k1, pt.split1, pt.weights.l1), ("w2", pt.k2, pt.split2, pt.weights.l2)):
+        if not dict(kernel.entry.variant.params).get("trace"):
+            continue
+        k_blocks = mat.cols // 128
+        ctas = gg.grid(gg.GemmConfig(**dict(kernel.entry.variant.params)), mat.rows, mat.num_experts, pt.capacity,
+                       gg.device_sms(pt.device))[0]
+        segments = stream_segments(pt, kernel, k_blocks, ctas)
+        results = []
+        for _ in range(runs):
+            with torch.cuda.stream(stream):
+                torch.amax(flush.view(torch.float16))
+                pt.launch(stream, roles=(role,))  # W2 reads the W1 output of the runs before
+            stream.synchronize()
+            results.append(trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments,
+                                         waits=ctas == gg.device_sms(pt.device)))
+        results.sort(key=lambda r: r["span_us"])
+        out[role] = results[len(results) // 2]
+    return out
 
 
 def parse_extra_set(spec: str, knobs: dict) -> dict:
@@ -416,6 +525,10 @@ def main() -> int:
                          "(up to 64)")
     ap.add_argument("--profile", action="store_true",
                     help="launch W1 and W2 twice per point, eager, nothing else (for a profiler: skip the first two)")
+    ap.add_argument("--trace", action="store_true",
+                    help="for sets with traced stream-K loops (an --extra-set with stream_k=True,trace=True): each "
+                         "kernel's phases after a read flush, into the row's `trace` (start, unit scan, first stage, "
+                         "us per K128 step, unit switches, epilogues, end spread)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--flush", default="read", choices=("read", "write", "both"),
                     help="the cold timing's L2 flush: read 256 MB (default), write them (the earlier method), or "
@@ -449,7 +562,8 @@ def main() -> int:
                 {"fold_scales": True, "table_decode": True, "fit_n": True},
                 {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": 2, "max_block_n": 24},
                 {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24},
-                {"stream_k": True}, {"stream_k": True, "ctas_per_sm": 1}]
+                {"stream_k": True}, {"stream_k": True, "ctas_per_sm": 1}, {"stream_k": True, "trace": True},
+                {"stream_k": True, "ctas_per_sm": 1, "trace": True}]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
             if v.describe() in seen:

@@ -111,9 +111,15 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                 {"compact_grid": True}):
         with pytest.raises(ValueError, match="stream_k is a knob of the stand-alone"):
             gg.GemmConfig(**{"role": "w1", "block_n": 8, "stream_k": True, **bad})
-    built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0))
+    built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
+                    dict(v.params).get("trace", False))
                    for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
-    assert built == [(role, 8, ctas) for role in ("w1", "w2") for ctas in (0, 1)]
+    assert built == [(role, 8, ctas, trace) for role in ("w1", "w2") for ctas in (0, 1) for trace in (False, True)]
+    # the traced loop: a stream_k knob only, its own name, the phases ahead of the partials
+    with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
+        gg.GemmConfig("w1", 8, trace=True)
+    assert "trace" not in dict(gg.variant("w1", 16, stream_k=True, trace=True).params)
+    assert "_skt_" in gg.GemmConfig("w2", 8, stream_k=True, trace=True).name
 
     class Fake:  # split_buffers reads only the loaded kernel's variant parameters
         def __init__(self, variant):
@@ -126,6 +132,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     units = 1 * 16 * 32  # one token tile of 8 x 16 weight-row CTAs x 32 experts
     assert counts.shape == (units,) and partials.shape == ((units + 264) * gg.THREADS * 4,)
     assert int(counts.abs().sum()) == 0
+    traced, _ = gg.split_buffers(Fake(gg.variant("w1", 8, stream_k=True, trace=True)), mat, 5, "cpu", sms=132)
+    assert traced.shape == (264 * gg.TRACE_SLOTS * 4 + (units + 264) * gg.THREADS * 4,)
 
 
 def test_tile_knobs_follow_the_measured_points():
@@ -485,8 +493,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
-    # bn 8 (one and two CTAs per SM, both roles)
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8 + 4
+    # bn 8 (one and two CTAs per SM, both roles, plain and traced)
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8 + 4 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -571,8 +579,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
-    # stream-K loops at bn 8
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8 + 4
+    # stream-K loops at bn 8 (plain and traced)
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8 + 4 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -716,8 +724,9 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False, w2_k_splits=1, sms=None, **more_knobs):
-    """sms: the SMs a stream_k variant's grid spreads over (None: the device's)."""
+              return_raw=False, w2_k_splits=1, sms=None, splits_out=None, **more_knobs):
+    """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
+    (offsets, W1's split buffers, W2's) after the launches."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -773,6 +782,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
         assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
     torch.cuda.synchronize()
+    if splits_out is not None:
+        splits_out.append((offsets, split, split2))
     if return_raw:
         return mid, mid_sf, out
 
@@ -874,6 +885,44 @@ def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter,
                                            seed=hidden + tokens + block_n, stream_k=True, ctas_per_sm=ctas_per_sm,
                                            sms=sms)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (5120, 2304, 48, 6, 2, None),    # DeepSeek-V4.1-Flash's K, every SM
+    (1024, 512, 10, 6, 40, 3)])      # many segments per CTA (the last trace slots shared)
+def test_traced_stream_k_writes_the_same_bytes_and_its_phases(ctas_per_sm, hidden, inter, experts, topk, tokens,
+                                                              sms):
+    """The traced stream-K loops (GemmConfig.trace) write byte for byte what the plain ones write, and their trace
+    holds each working CTA's walk: as many segments as the host's partition gives, and the stamps in order."""
+    splits = []
+    case = (hidden, inter, experts, topk, tokens, 8)
+    traced = _run_case(*case, seed=5, stream_k=True, ctas_per_sm=ctas_per_sm, sms=sms, return_raw=True,
+                       trace=True, splits_out=splits)
+    _assert_same_bytes(traced, _run_case(*case, seed=5, stream_k=True, ctas_per_sm=ctas_per_sm, sms=sms,
+                                         return_raw=True))
+    offsets, split1, split2 = splits[0]
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    grid_ctas = ctas_per_sm * (sms or gg.device_sms("cuda"))
+    per, tail = gg.TRACE_SEGMENT_SLOTS, 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+    for split, rows, k_blocks in ((split1, 2 * inter, hidden // 128), (split2, hidden, inter // 128)):
+        words = split[0][: grid_ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(grid_ctas, gg.TRACE_SLOTS, 2)
+        work = sum(-(-c // 8) for c in counts) * (rows // gg.ROWS_PER_CTA) * k_blocks
+        working = min(grid_ctas, work)
+        for cta in range(working):
+            first, end = gg.stream_range(cta, working, work)
+            segments, s = 0, first
+            while s < end:
+                s = min((s // k_blocks + 1) * k_blocks, end)
+                segments += 1
+            w = words[cta].tolist()
+            assert w[tail + 2][0] == segments, (cta, w[tail + 2][0], segments)
+            # clocks in order: entry, scan, then each recorded segment's start, first stage, K loop end, epilogue end
+            clocks = [w[0][1], w[1][1]] + [w[3 + per * i + j][1] for i in range(min(segments, gg.TRACE_SEGMENTS) - 1)
+                                           for j in range(4)] + [w[tail + 1][1]]
+            assert clocks == sorted(clocks), (cta, clocks)
+            assert w[0][1] <= w[tail][1]  # the producer's end after the CTA's start (one SM's %clock64)
 
 
 @pytest.mark.gpu

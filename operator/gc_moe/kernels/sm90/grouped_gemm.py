@@ -127,6 +127,18 @@ SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
 # a stream_k CTA keeps each warp's scan of the experts' units in registers (two lanes' worth of experts per lane)
 STREAM_MAX_EXPERTS = 64
+# stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
+# head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
+# then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
+# the cycles thread 0 waited for full stages and the producer for empty ones (one CTA per SM: the two-CTA W1 loop
+# has no register for the count); the producer's and the consumers' end
+# and the segment count (the bench's `trace_summary` reads them)
+TRACE_SEGMENTS = 5
+# the traced two-CTA W1 loop keeps 8 B of its per-segment values in local memory (stored at entry, loaded once per
+# segment, outside the K loop): the traced variants' budget
+TRACE_LOCAL_BYTES = 16
+TRACE_SEGMENT_SLOTS = 5
+TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3
 # tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
 # 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
 STREAM_K_MAX_WAVES = 3.2
@@ -224,6 +236,10 @@ class GemmConfig:
     # routing: at 1-4 tokens a CTA's whole K loop on some SMs while others idle was the time over the floor
     # (docs/sm90-grouped-gemm.md, steps 10, 11, 20-26)
     stream_k: bool = False
+    # stream_k: thread 0 and the producer's first thread stamp the CTA's phases (`TRACE_SLOTS`) into the head of
+    # the partials buffer: where a small call's time over the floor goes (start, unit scan, first stage, each
+    # segment's K loop and epilogue, the owner's wait). A measuring variant, not the default
+    trace: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -290,6 +306,8 @@ class GemmConfig:
                              f"token tile 8 (unfolded scales, token tiles fastest, no ring, no compact grid, no "
                              f"k_splits, no consumer_registers; tile 16's W1 spills there); got block_n "
                              f"{self.block_n}")
+        if self.trace and not self.stream_k:
+            raise ValueError("trace stamps the phases of a stream_k loop: pass stream_k=True")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -444,7 +462,7 @@ class GemmConfig:
         if self.k_splits > 1:
             s += f"_k{self.k_splits}"
         if self.stream_k:
-            s += "_sk"
+            s += "_skt" if self.trace else "_sk"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -598,6 +616,9 @@ def _make_kernel(cfg: GemmConfig):
     REUSE = cfg.ring_reuse
     KS = cfg.k_splits
     STREAM = cfg.stream_k
+    TRACE = cfg.trace
+    # the traced waits' cycle counts take a register the two-CTA W1 loop does not have (it spills): one CTA per SM
+    TRACE_WAITS = TRACE and cfg.ctas_per_sm == 1
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -791,15 +812,17 @@ def _make_kernel(cfg: GemmConfig):
                                      x_bytes[r])
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None):
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
         (cp.async, rows past the expert's count zero-filled) and its activation scales, then arrives on full.
         pidx: the thread's index among the producer threads (one or more warps). ksplit: (first K128 step, steps)
         of a split unit (k_splits, stream_k), else None (all k_blocks). base: a stream_k CTA's steps before this
-        unit (its stages and phases run on across units; the caller waits for the copies at the end), else None."""
+        unit (its stages and phases run on across units; the caller waits for the copies at the end), else None.
+        trace_seg (a traced stream_k segment's slots): pidx 0 stores the cycles it waited for empty stages."""
         k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
+        waited = Int32(0)
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
                                                      k_first=k_first)
         w_src, s_src, tile_stride, scale_stride = weights
@@ -811,7 +834,10 @@ def _make_kernel(cfg: GemmConfig):
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
             if step >= STAGES:
-                ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
+                if cutlass.const_expr(trace_seg is not None and TRACE_WAITS):
+                    waited = waited + ptx.mbarrier_wait_cycles(full + STAGES * 8, empty_parity(step, STAGES))
+                else:
+                    ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
             issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
             copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
             for r in cutlass.range_constexpr(-(-BN // PT)):
@@ -819,6 +845,9 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
                                          x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
+        if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+            if pidx == 0:
+                ptx.stg_s64(trace_seg + Int64(72), Int64(waited))
         if cutlass.const_expr(base is None):
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
 
@@ -1034,9 +1063,10 @@ def _make_kernel(cfg: GemmConfig):
                 cfg.xs_offset + 2 * q * 4)
 
     @cute.jit
-    def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None):
+    def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None, trace_seg=None):
         """base: the fused halves' first step of the unit (their stages and phases run on across units); None:
-        the unit's steps start at stage 0, phase 0.
+        the unit's steps start at stage 0, phase 0. trace_seg (a traced stream_k segment's slots): thread 0 stamps
+        the time its first stage was full and stores the cycles it waited for full stages.
 
         The loop's bookkeeping is kept out of the issue-bound step: the stage and its parity are carried (an add
         and a compare at the wrap, not a division by STAGES per step), the descriptors' low word advances by the
@@ -1062,8 +1092,15 @@ def _make_kernel(cfg: GemmConfig):
             base = cute.arch.make_warp_uniform(base)
             stage = step_stage(base, STAGES)
             phase = full_parity(base, STAGES)
-        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+        waited = Int32(0)
+        if cutlass.const_expr(trace_seg is not None and TRACE_WAITS):
+            waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
+        else:
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+            if wg == 0 and t == 0:
+                ptx.stamp_times(trace_seg + Int64(16))
         sbase = smem + stage * cfg.stage_bytes
         desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
         for grp in cutlass.range_constexpr(GROUPS):
@@ -1076,7 +1113,10 @@ def _make_kernel(cfg: GemmConfig):
             stage, phase = next_stage(stage, phase)
             sbase = smem + stage * cfg.stage_bytes
             desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
-            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+            if cutlass.const_expr(trace_seg is not None and TRACE_WAITS):
+                waited = waited + ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
+            else:
+                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()
             for grp in cutlass.range_constexpr(GROUPS):
                 issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
@@ -1095,6 +1135,9 @@ def _make_kernel(cfg: GemmConfig):
             last[r] = out[r]
         finish_group(sbase + s_off, GROUPS - 1, last, tsum)
         finish_step(sbase + x_off, tsum, acc)
+        if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+            if wg == 0 and t == 0:
+                ptx.stg_s64(trace_seg + Int64(64), Int64(waited))
         if cutlass.const_expr(base is not None):
             # the unit's last stage goes back too (the next unit's steps reuse it; a one-unit kernel never does)
             ptx.warp_sync()
@@ -1613,14 +1656,26 @@ def _make_kernel(cfg: GemmConfig):
         """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
         warpgroups walk the same segments (unit, first step, steps), each side on its own. role_args: W1's
-        (routing_weight, out, out_scale), W2's (dest_row, out)."""
+        (routing_weight, out, out_scale), W2's (dest_row, out). With trace, thread 0 and the producer's first
+        thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer."""
         tid = cute.arch.thread_idx()[0]
         wg, t, warp, g, q = thread_coords(tid)
+        cta = Int32(cute.arch.block_idx()[0])
+        trace = Int64(0)
+        if cutlass.const_expr(TRACE):
+            trace = split[0] + Int64(cta) * (TRACE_SLOTS * 16)
+            split = (split[0] + Int64(cute.arch.grid_dim()[0]) * (TRACE_SLOTS * 16), split[1])
+            if tid == 0:
+                ptx.stamp_times(trace)
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         init_stage_ring(smem, tid)
         table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
+        if cutlass.const_expr(TRACE):
+            if tid == 0:
+                ptx.stamp_times(trace + Int64(16))
+            if tid == THREADS:
+                ptx.stamp_times(trace + Int64(32))
         ctas = Int32(cute.arch.grid_dim()[0])
-        cta = Int32(cute.arch.block_idx()[0])
         work = units * k_blocks
         if work < ctas:  # stream_ctas: one step at least per working CTA
             ctas = work
@@ -1629,6 +1684,7 @@ def _make_kernel(cfg: GemmConfig):
         if cta < ctas:
             s, end = stream_range(cta, ctas, work)
         base = Int32(0)
+        segment = Int32(0)
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
         while s < end:
             unit = s // k_blocks
@@ -1638,12 +1694,27 @@ def _make_kernel(cfg: GemmConfig):
                 k_end = k_blocks
             steps = k_end - k_first
             e, bx, bz, row0, count = unit_lookup(table, unit)
+            seg_stamps = trace
+            if cutlass.const_expr(TRACE):
+                # a traced segment's slots (the segments past TRACE_SEGMENTS share the last ones)
+                seg_bytes = 16 * TRACE_SEGMENT_SLOTS
+                seg_stamps = trace + Int64(48 + seg_bytes * (TRACE_SEGMENTS - 1))
+                if segment < TRACE_SEGMENTS:
+                    seg_stamps = trace + Int64(48) + Int64(segment) * seg_bytes
             if tid >= THREADS:
-                produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base)
+                produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
+                        trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
             else:
+                if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
+                    if tid == 0:
+                        ptx.stamp_times(seg_stamps)
                 for i in cutlass.range_constexpr(BN // 2):
                     acc[i] = Float32(0.0)
-                consume_pipelined(steps, smem, wg, t, warp, g, q, acc, base)
+                consume_pipelined(steps, smem, wg, t, warp, g, q, acc, base,
+                                  trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
+                if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
+                    if tid == 0:
+                        ptx.stamp_times(seg_stamps + Int64(32))
                 whole = Int32(0)
                 if steps == k_blocks:  # a unit's steps are consecutive: all of them means its first too
                     whole = Int32(1)
@@ -1655,10 +1726,21 @@ def _make_kernel(cfg: GemmConfig):
                     rest = (row0, count, bx, m_tiles, dest_row, out, None)
                 stream_epilogue(tid, wg, warp, g, q, weight_factor(w_factor, e), acc, smem, split, unit, cta, ctas,
                                 work, k_blocks, k_first, whole, *rest)
+                if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
+                    if tid == 0:
+                        ptx.stamp_times(seg_stamps + Int64(48))
             base = base + steps
             s = s + steps
+            segment = segment + 1
         if tid >= THREADS:
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+        if cutlass.const_expr(TRACE):
+            tail = trace + Int64(48 + 16 * TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS)
+            if tid == THREADS:
+                ptx.stamp_times(tail)
+            if tid == 0:
+                ptx.stamp_times(tail + Int64(16))
+                ptx.stg_s64(tail + Int64(32), Int64(segment))
 
     @cute.jit
     def split_epilogue(tid, wg, warp, g, q, factor, acc, smem, split_partials, split_counts, unit, ks_index, *rest):
@@ -1972,7 +2054,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, stream_k: bool = False):
+               fit_n: bool = False, stream_k: bool = False, trace: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -1984,7 +2066,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -1996,7 +2078,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False, fit_n: bool = False, stream_k: bool = False):
+            table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2015,6 +2097,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if block_n > K_SPLIT_MAX_BLOCK_N or not ws_default:
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
     stream_k = stream_k and block_n == 8 and ws_default and not fold_scales and k_splits == 1  # likewise, at tile 8
+    trace = trace and stream_k
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
@@ -2024,7 +2107,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2055,6 +2138,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["k_splits"] = cfg.k_splits
     if stream_k:
         params["stream_k"] = True
+    if trace:
+        params["trace"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -2074,7 +2159,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode),
+        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode) + (TRACE_LOCAL_BYTES if trace else 0),
         extra_sources=extra_sources,
     )
 
@@ -2116,7 +2201,8 @@ def all_variants():
     split_k = [variant(role, bn, k_splits=ks) for role in ("w1", "w2") for ks in K_SPLIT_CHOICES[1:]
                for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
     # the stream-K loops at token tile 8, one and two CTAs per SM (opt-in: the small calls' balance, step 21)
-    stream_k = [variant(role, 8, stream_k=True, ctas_per_sm=ctas) for role in ("w1", "w2") for ctas in (1, 2)]
+    stream_k = [variant(role, 8, stream_k=True, ctas_per_sm=ctas, trace=trace) for role in ("w1", "w2")
+                for ctas in (1, 2) for trace in (False, True)]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)
@@ -2224,7 +2310,8 @@ def stream_sizes(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, 
     units + CTAs), of block_n / 2 partials per consumer thread; one count per unit that may have tokens."""
     units = max(1, -(-capacity // cfg.block_n)) * (rows // ROWS_PER_CTA) * local_experts
     ctas = grid(cfg, rows, local_experts, capacity, sms)[0]
-    return (units + ctas) * THREADS * (cfg.block_n // 2), units
+    trace_words = ctas * TRACE_SLOTS * 4 if cfg.trace else 0  # the traced phases ahead of the partials
+    return trace_words + (units + ctas) * THREADS * (cfg.block_n // 2), units
 
 
 def device_sms(device) -> int:

@@ -518,6 +518,31 @@ def wait_at_least_acquire_gpu(addr: Int64, target: Int32, limit_ns: int = 10_000
     )
 
 
+def mbarrier_wait_cycles(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> Int32:
+    """`mbarrier_wait` (polling, bounded by `max_tries`, then trap) that returns the %clock cycles from before its first
+    try to its success: a try suspends the thread until the phase completes (or a hardware time limit), so the first
+    try's time counts too (a traced loop's measure of its waits; 32 bits: one register)."""
+    return asm(
+        "{\n.reg .pred done, more;\n.reg .b32 tries, t0, t1;\nmov.u32 t0, %clock;\nmov.b32 tries, 0;\n"
+        "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2;\n@done bra.uni DONE;\n"
+        f"add.s32 tries, tries, 1;\nsetp.lt.s32 more, tries, {max_tries};\n@more bra.uni WAIT;\ntrap;\n"
+        "DONE:\nmov.u32 t1, %clock;\nsub.u32 $0, t1, t0;\n}",
+        [Int32],
+        [addr, parity],
+    )
+
+
+def stamp_times(addr: Int64) -> None:
+    """Store (%globaltimer, %clock64) as two 64-bit words at `addr` (16-byte aligned): one traced event, comparable
+    across SMs by the first word (ns) and within one SM, finer, by the second (cycles)."""
+    asm("{\n.reg .b64 g, c;\nmov.u64 g, %globaltimer;\nmov.u64 c, %clock64;\nst.global.v2.b64 [$0], {g, c};\n}",
+        [], [addr])
+
+
+def stg_s64(addr: Int64, v: Int64) -> None:
+    asm("st.global.b64 [$0], $1;", [], [addr, v])
+
+
 def mbarrier_inval(addr: Int32) -> None:
     """Invalidate a barrier with no pending operations, so that the same shared memory may be initialized again."""
     asm("mbarrier.inval.shared::cta.b64 [$0];", [], [addr])
