@@ -347,28 +347,6 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
     return ok
 
 
-def stream_segments(pt, kernel, k_blocks: int, ctas: int) -> list:
-    """Per CTA of a stream_k launch its segments [(steps, kind)], kind "whole" / "owner" / "piece", as the kernel
-    walks them (grouped_gemm.stream_range over the units with tokens)."""
-    from gc_moe.kernels.sm90 import grouped_gemm as gg
-
-    mat = pt.weights.l1 if dict(kernel.entry.variant.params)["role"] == "w1" else pt.weights.l2
-    units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
-    work = units * k_blocks
-    out = []
-    for cta in range(ctas):
-        segs = []
-        if cta < min(ctas, work):
-            s, end = gg.stream_range(cta, min(ctas, work), work)
-            while s < end:
-                unit, k_first = divmod(s, k_blocks)
-                steps = min(end - unit * k_blocks, k_blocks) - k_first
-                segs.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
-                s += steps
-        out.append(segs)
-    return out
-
-
 def trace_summary(words, segments, waits: bool) -> dict:
     """Phases of one traced stream_k launch (GemmConfig.trace), in us: the CTAs' start spread, the unit scan, the
     first full stage after it, the K loops' time per step and the waits in them (consumers for full stages,
@@ -438,7 +416,8 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
         k_blocks = mat.cols // 128
         ctas = gg.grid(gg.GemmConfig(**dict(kernel.entry.variant.params)), mat.rows, mat.num_experts, pt.capacity,
                        gg.device_sms(pt.device))[0]
-        segments = stream_segments(pt, kernel, k_blocks, ctas)
+        units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
+        segments = gg.stream_segments(units, k_blocks, ctas)
         results = []
         for _ in range(runs):
             with torch.cuda.stream(stream):

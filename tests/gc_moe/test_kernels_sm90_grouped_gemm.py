@@ -75,18 +75,23 @@ def test_stream_k_partition_covers_every_step_once(units, k_blocks, ctas):
     CTAs from the owner of its first step to the owner of its last (the kernel's count of arrivals and its order
     of summation), also with more CTAs than steps."""
     work = units * k_blocks
-    ctas = gg.stream_ctas(ctas, work)  # the launch's other CTAs exit
-    steps_seen, pieces = [], []
+    launched, ctas = ctas, gg.stream_ctas(ctas, work)  # the launch's other CTAs exit
+    steps_seen, pieces, walks = [], [], []
     for cta in range(ctas):
         s, end = gg.stream_range(cta, ctas, work)
+        walk = []
         while s < end:
             unit = s // k_blocks
             k_end = min(end - unit * k_blocks, k_blocks)
             steps = k_end - (s - unit * k_blocks)
+            walk.append((steps, "whole" if steps == k_blocks else "piece" if s > unit * k_blocks else "owner"))
             steps_seen += range(s, s + steps)
             pieces.append((unit, cta))
             s += steps
+        walks.append(walk)
     assert steps_seen == list(range(work))
+    # the host's copy of the walk (the trace reader's): the same segments, kinds, and nothing for the idle CTAs
+    assert gg.stream_segments(units, k_blocks, launched) == walks + [[]] * (launched - ctas)
     ids = [u + c for u, c in pieces]
     assert len(set(ids)) == len(ids) and max(ids) < units + ctas
     for unit in range(units):
@@ -908,14 +913,11 @@ def test_traced_stream_k_writes_the_same_bytes_and_its_phases(ctas_per_sm, hidde
     per, tail = gg.TRACE_SEGMENT_SLOTS, 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
     for split, rows, k_blocks in ((split1, 2 * inter, hidden // 128), (split2, hidden, inter // 128)):
         words = split[0][: grid_ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(grid_ctas, gg.TRACE_SLOTS, 2)
-        work = sum(-(-c // 8) for c in counts) * (rows // gg.ROWS_PER_CTA) * k_blocks
-        working = min(grid_ctas, work)
-        for cta in range(working):
-            first, end = gg.stream_range(cta, working, work)
-            segments, s = 0, first
-            while s < end:
-                s = min((s // k_blocks + 1) * k_blocks, end)
-                segments += 1
+        walks = gg.stream_segments(sum(-(-c // 8) for c in counts) * (rows // gg.ROWS_PER_CTA), k_blocks, grid_ctas)
+        for cta, walk in enumerate(walks):
+            if not walk:
+                continue
+            segments = len(walk)
             w = words[cta].tolist()
             assert w[tail + 2][0] == segments, (cta, w[tail + 2][0], segments)
             # clocks in order: entry, scan, then each recorded segment's start, first stage, K loop end, epilogue end

@@ -134,11 +134,11 @@ STREAM_MAX_EXPERTS = 64
 # has no register for the count); the producer's and the consumers' end
 # and the segment count (the bench's `trace_summary` reads them)
 TRACE_SEGMENTS = 5
+TRACE_SEGMENT_SLOTS = 5
+TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3
 # the traced two-CTA W1 loop keeps 8 B of its per-segment values in local memory (stored at entry, loaded once per
 # segment, outside the K loop): the traced variants' budget
 TRACE_LOCAL_BYTES = 16
-TRACE_SEGMENT_SLOTS = 5
-TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3
 # tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
 # 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
 STREAM_K_MAX_WAVES = 3.2
@@ -541,6 +541,26 @@ def stream_range(cta, ctas, work):
 def stream_owner(step, ctas, work):
     """The stream_k CTA whose steps (stream_range, same ctas) hold `step` (host ints or DSL values)."""
     return ((step + 1) * ctas - 1) // work
+
+
+def stream_segments(units: int, k_blocks: int, ctas: int) -> list:
+    """Per CTA of a stream_k launch of `ctas` over `units` units of `k_blocks` steps: its segments as the kernel
+    walks them, [(steps, kind)], kind "whole" (the unit's steps all here), "owner" (its first steps: the CTA adds the
+    other pieces) or "piece"; [] for a CTA without steps."""
+    work = units * k_blocks
+    working = stream_ctas(ctas, work)
+    out = []
+    for cta in range(ctas):
+        segments = []
+        if cta < working:
+            s, end = stream_range(cta, working, work)
+            while s < end:
+                unit, k_first = divmod(s, k_blocks)
+                steps = min(end - unit * k_blocks, k_blocks) - k_first
+                segments.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
+                s += steps
+        out.append(segments)
+    return out
 
 
 def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int | None = None) -> tuple[int, int, int]:
