@@ -414,8 +414,8 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
         if not dict(kernel.entry.variant.params).get("trace"):
             continue
         k_blocks = mat.cols // 128
-        ctas = gg.grid(gg.GemmConfig(**dict(kernel.entry.variant.params)), mat.rows, mat.num_experts, pt.capacity,
-                       gg.device_sms(pt.device))[0]
+        cfg = gg.GemmConfig(**dict(kernel.entry.variant.params))
+        ctas = gg.grid(cfg, mat.rows, mat.num_experts, pt.capacity, gg.device_sms(pt.device))[0]
         units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
         segments = gg.stream_segments(units, k_blocks, ctas)
         results = []
@@ -425,7 +425,7 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
                 pt.launch(stream, roles=(role,))  # W2 reads the W1 output of the runs before
             stream.synchronize()
             results.append(trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments,
-                                         waits=ctas == gg.device_sms(pt.device)))
+                                         waits=cfg.ctas_per_sm == 1))  # the kernel times its waits there only
         results.sort(key=lambda r: r["span_us"])
         out[role] = results[len(results) // 2]
     return out
