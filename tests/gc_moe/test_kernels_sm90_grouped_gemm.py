@@ -119,12 +119,19 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
                     dict(v.params).get("trace", False))
                    for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
-    assert built == [(role, 8, ctas, trace) for role in ("w1", "w2") for ctas in (0, 1) for trace in (False, True)]
-    # the traced loop: a stream_k knob only, its own name, the phases ahead of the partials
+    assert built == sorted([(role, 8, ctas, False) for role in ("w1", "w2") for ctas in (0, 1)]
+                           + [(role, 8, 1, True) for role in ("w1", "w2")])
+    # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
+    # phases ahead of the partials
     with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
         gg.GemmConfig("w1", 8, trace=True)
+    with pytest.raises(ValueError, match="trace stamps a stream_k loop at one CTA per SM"):
+        gg.GemmConfig("w1", 8, stream_k=True, trace=True, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="pass ctas_per_sm=1"):
+        gg.variant("w2", 8, stream_k=True, trace=True, ctas_per_sm=2)
+    assert dict(gg.variant("w1", 8, stream_k=True, trace=True).params)["ctas_per_sm"] == 1
     assert "trace" not in dict(gg.variant("w1", 16, stream_k=True, trace=True).params)
-    assert "_skt_" in gg.GemmConfig("w2", 8, stream_k=True, trace=True).name
+    assert "_skt_" in gg.GemmConfig("w2", 8, stream_k=True, trace=True, ctas_per_sm=1).name
 
     class Fake:  # split_buffers reads only the loaded kernel's variant parameters
         def __init__(self, variant):
@@ -138,7 +145,7 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     assert counts.shape == (units,) and partials.shape == ((units + 264) * gg.THREADS * 4,)
     assert int(counts.abs().sum()) == 0
     traced, _ = gg.split_buffers(Fake(gg.variant("w1", 8, stream_k=True, trace=True)), mat, 5, "cpu", sms=132)
-    assert traced.shape == (264 * gg.TRACE_SLOTS * 4 + (units + 264) * gg.THREADS * 4,)
+    assert traced.shape == (132 * gg.TRACE_SLOTS * 4 + (units + 132) * gg.THREADS * 4,)  # one CTA per SM
 
 
 def test_tile_knobs_follow_the_measured_points():
@@ -498,8 +505,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
-    # bn 8 (one and two CTAs per SM, both roles, plain and traced)
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 8 + 4 + 4
+    # bn 8 (one and two CTAs per SM, both roles, and traced at one)
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -584,8 +591,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
-    # stream-K loops at bn 8 (plain and traced)
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 8 + 4 + 4
+    # stream-K loops at bn 8 (plain, and traced at one CTA per SM)
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -594,9 +601,11 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         ring_w1 = params.get("ring_consumer", False) and params["role"] == "w1"
         assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
         # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read; a
-        # stream-K piece once (partials stored before the release; the owner: its acquire before the loads)
+        # stream-K piece once (partials stored before the release; the owner: its acquire before the loads), and
+        # a stream-K W1 epilogue once more at its end (its amax words are read before the next unit's epilogue)
         split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
-        assert ptx.count("bar.sync 1, 512;") == split + (1 if params["role"] == "w1" else 0), variant.describe()
+        w1_meets = (2 if params.get("stream_k") else 1) if params["role"] == "w1" else 0
+        assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
             str(cfg.full_arrivals), "16"] * cfg.stages
@@ -729,9 +738,10 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False, w2_k_splits=1, sms=None, splits_out=None, **more_knobs):
+              return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
-    (offsets, W1's split buffers, W2's) after the launches."""
+    (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
+    launched again on the same buffers (each must write the first launch's bytes)."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -766,26 +776,34 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     stream = torch.cuda.current_stream()
     cap = int(counts.max())
     split = gg.split_buffers(k1, w.l1, cap, dev, sms)  # k_splits > 1: partials and arrival counts, else None
+    _poison_partials(split)
     gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
     if split is not None:
         # a second launch on the same buffers writes the same bytes (the last split sums in split order, whichever
         # arrives last) and leaves every arrival count at zero again
         first, first_sf = mid.clone(), mid_sf.clone()
-        mid.view(torch.uint8).fill_(0x7F)
-        mid_sf.fill_(float("nan"))
-        gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
-        torch.cuda.synchronize()
-        assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf)
-        assert int(split[1].abs().sum()) == 0, "a split unit's arrival count was not set back to zero"
+        for launch in range(relaunches):
+            mid.view(torch.uint8).fill_(0x7F)
+            mid_sf.fill_(float("nan"))
+            _poison_partials(split)
+            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
+            torch.cuda.synchronize()
+            assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf), \
+                f"{k1.name} relaunch {launch + 1} of {relaunches}: " + _byte_mismatch(mid, first, mid_sf, first_sf)
+            assert int(split[1].abs().sum()) == 0, "a split unit's arrival count was not set back to zero"
     split2 = gg.split_buffers(k2, w.l2, cap, dev, sms)
+    _poison_partials(split2)
     gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
     if split2 is not None:  # as W1's above
         first = out.clone()
-        out.fill_(float("nan"))
-        gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
-        torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
-        assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
+        for launch in range(relaunches):
+            out.fill_(float("nan"))
+            _poison_partials(split2)
+            gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
+            torch.cuda.synchronize()
+            differ = int((out.view(torch.int16) != first.view(torch.int16)).sum())
+            assert differ == 0, f"W2 relaunch {launch + 1} of {relaunches}: {differ} of {out.numel()} outputs differ"
+            assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
     torch.cuda.synchronize()
     if splits_out is not None:
         splits_out.append((offsets, split, split2))
@@ -807,6 +825,13 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     return got_mid, ref_mid, out.float(), ref_out
 
 
+def _poison_partials(split):
+    """NaN over a split launch's FP32 partials (the counts stay zero): a partial read before its piece wrote it
+    shows as a non-finite output instead of a stale or zero value."""
+    if split is not None:
+        split[0].fill_(float("nan"))
+
+
 def _cos_diff(y, r):
     y, r = y.double().flatten(), r.double().flatten()
     dot = (y * r).sum()
@@ -824,12 +849,25 @@ def _assert_matches_reference(got_mid, ref_mid, got, ref):
         assert cos >= 0.999 and diff <= 0.002, (cos, diff)
 
 
+def _byte_mismatch(mid, mid_ref, sf, sf_ref):
+    """Where two W1 outputs differ: counts of differing E4M3 bytes and K128 scales, the first (row, channel)
+    positions and the 128-channel blocks hit (whole blocks hint at a scale, scattered bytes at the sums)."""
+    diff = (mid.view(torch.uint8) != mid_ref.view(torch.uint8)).nonzero().tolist()
+    sf_diff = (sf.view(torch.int32) != sf_ref.view(torch.int32)).nonzero().tolist()
+    blocks = sorted({(r, c // 128) for r, c in diff})
+    values = [(float(mid[r, c].float()), float(mid_ref[r, c].float())) for r, c in diff[:6]]
+    return (f"{len(diff)} of {mid.numel()} bytes differ (first at {diff[:6]}, E4M3 values {values}), in (row, "
+            f"K128 block) {blocks[:12]}; {len(sf_diff)} scales differ (first at {sf_diff[:6]})")
+
+
 def _assert_same_bytes(run, reference_run):
     """Two raw `_run_case` results (W1 rows, their scales, W2 rows): the first all written, both byte for byte equal."""
     (mid, sf, out), (mid_ref, sf_ref, out_ref) = run, reference_run
     assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
-    assert torch.equal(mid.view(torch.uint8), mid_ref.view(torch.uint8))
-    assert torch.equal(sf, sf_ref) and torch.equal(out.view(torch.int16), out_ref.view(torch.int16))
+    assert torch.equal(mid.view(torch.uint8), mid_ref.view(torch.uint8)) and torch.equal(sf, sf_ref), \
+        _byte_mismatch(mid, mid_ref, sf, sf_ref)
+    assert torch.equal(out.view(torch.int16), out_ref.view(torch.int16)), \
+        f"{int((out.view(torch.int16) != out_ref.view(torch.int16)).sum())} of {out.numel()} W2 outputs differ"
 
 
 @pytest.mark.gpu
@@ -881,6 +919,7 @@ def test_split_k_matches_float32_reference(block_n, split_roles, k_splits, hidde
     (1024, 512, 10, 6, 40, 3),       # few CTAs: many units per CTA on one continuing ring
     (6144, 2048, 10, 8, 1, None),    # GLM-5.2's K at one token
     (5120, 2304, 48, 6, 2, 7),       # DeepSeek-V4.1-Flash's K, units cut at odd places
+    (5120, 2304, 48, 6, 2, None),    # and over every SM (two CTAs per SM: uneven progress, owners waiting)
     (512, 256, 64, 8, 12, None)])    # the most local experts a stream-K loop takes (two passes of the scan)
 def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter, experts, topk, tokens, sms):
     """W1 and W2 as stream-K loops (the CTAs share the units' steps; the other pieces of a shared unit added in CTA
@@ -888,28 +927,37 @@ def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter,
     write the same bytes and leave every count at zero (`_run_case`)."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, block_n,
                                            seed=hidden + tokens + block_n, stream_k=True, ctas_per_sm=ctas_per_sm,
-                                           sms=sms)
+                                           sms=sms, relaunches=8)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctas_per_sm", [1, 2])
+def test_stream_k_w1_short_whole_units_relaunch_the_same_bytes(ctas_per_sm):
+    """A stream-K W1 CTA with many whole units shorter than its stage ring in a row: a fast consumer warp runs
+    the next unit's K loop from stages already filled and reaches its epilogue while a slow one still reads the
+    previous unit's amax words. Forty launches on the same buffers must write the first one's bytes."""
+    got_mid, ref_mid, got, ref = _run_case(512, 512, 10, 6, 40, 8, seed=11, stream_k=True, ctas_per_sm=ctas_per_sm,
+                                           sms=2, relaunches=40)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
     (5120, 2304, 48, 6, 2, None),    # DeepSeek-V4.1-Flash's K, every SM
     (1024, 512, 10, 6, 40, 3)])      # many segments per CTA (the last trace slots shared)
-def test_traced_stream_k_writes_the_same_bytes_and_its_phases(ctas_per_sm, hidden, inter, experts, topk, tokens,
-                                                              sms):
-    """The traced stream-K loops (GemmConfig.trace) write byte for byte what the plain ones write, and their trace
+def test_traced_stream_k_writes_the_same_bytes_and_its_phases(hidden, inter, experts, topk, tokens, sms):
+    """The traced stream-K loops (GemmConfig.trace, one CTA per SM) write byte for byte what the plain ones write, and their trace
     holds each working CTA's walk: as many segments as the host's partition gives, and the stamps in order."""
     splits = []
     case = (hidden, inter, experts, topk, tokens, 8)
-    traced = _run_case(*case, seed=5, stream_k=True, ctas_per_sm=ctas_per_sm, sms=sms, return_raw=True,
-                       trace=True, splits_out=splits)
-    _assert_same_bytes(traced, _run_case(*case, seed=5, stream_k=True, ctas_per_sm=ctas_per_sm, sms=sms,
-                                         return_raw=True))
+    traced = _run_case(*case, seed=5, stream_k=True, ctas_per_sm=1, sms=sms, return_raw=True,
+                       trace=True, splits_out=splits, relaunches=8)
+    _assert_same_bytes(traced, _run_case(*case, seed=5, stream_k=True, ctas_per_sm=1, sms=sms,
+                                         return_raw=True, relaunches=8))
     offsets, split1, split2 = splits[0]
     counts = (offsets[1:] - offsets[:-1]).tolist()
-    grid_ctas = ctas_per_sm * (sms or gg.device_sms("cuda"))
+    grid_ctas = sms or gg.device_sms("cuda")  # one CTA per SM
     per, tail = gg.TRACE_SEGMENT_SLOTS, 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
     for split, rows, k_blocks in ((split1, 2 * inter, hidden // 128), (split2, hidden, inter // 128)):
         words = split[0][: grid_ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(grid_ctas, gg.TRACE_SLOTS, 2)

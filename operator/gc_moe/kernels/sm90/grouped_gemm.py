@@ -130,15 +130,13 @@ STREAM_MAX_EXPERTS = 64
 # stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
-# the cycles thread 0 waited for full stages and the producer for empty ones (one CTA per SM: the two-CTA W1 loop
-# has no register for the count); the producer's and the consumers' end
-# and the segment count (the bench's `trace_summary` reads them)
+# the cycles thread 0 waited for full stages and the producer for empty ones; the producer's and the consumers' end
+# and the segment count (the bench's `trace_summary` reads them). One CTA per SM only: the traced two-CTA W1 loop
+# spilled 8 B and wrote other bytes than the plain loop in about one launch of eight (never root-caused; the plain
+# two-CTA loops pass the same relaunch checks), so it is not built
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
 TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3
-# the traced two-CTA W1 loop keeps 8 B of its per-segment values in local memory (stored at entry, loaded once per
-# segment, outside the K loop): the traced variants' budget
-TRACE_LOCAL_BYTES = 16
 # tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
 # 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
 STREAM_K_MAX_WAVES = 3.2
@@ -308,6 +306,9 @@ class GemmConfig:
                              f"{self.block_n}")
         if self.trace and not self.stream_k:
             raise ValueError("trace stamps the phases of a stream_k loop: pass stream_k=True")
+        if self.trace and self.ctas_per_sm != 1:
+            raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
+                             f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -637,8 +638,6 @@ def _make_kernel(cfg: GemmConfig):
     KS = cfg.k_splits
     STREAM = cfg.stream_k
     TRACE = cfg.trace
-    # the traced waits' cycle counts take a register the two-CTA W1 loop does not have (it spills): one CTA per SM
-    TRACE_WAITS = TRACE and cfg.ctas_per_sm == 1
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -854,7 +853,7 @@ def _make_kernel(cfg: GemmConfig):
             full = smem + cfg.barrier_offset + stage * 8
             sbase = smem + stage * cfg.stage_bytes
             if step >= STAGES:
-                if cutlass.const_expr(trace_seg is not None and TRACE_WAITS):
+                if cutlass.const_expr(trace_seg is not None):
                     waited = waited + ptx.mbarrier_wait_cycles(full + STAGES * 8, empty_parity(step, STAGES))
                 else:
                     ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
@@ -1113,7 +1112,7 @@ def _make_kernel(cfg: GemmConfig):
             stage = step_stage(base, STAGES)
             phase = full_parity(base, STAGES)
         waited = Int32(0)
-        if cutlass.const_expr(trace_seg is not None and TRACE_WAITS):
+        if cutlass.const_expr(trace_seg is not None):
             waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
         else:
             ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
@@ -1133,7 +1132,7 @@ def _make_kernel(cfg: GemmConfig):
             stage, phase = next_stage(stage, phase)
             sbase = smem + stage * cfg.stage_bytes
             desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
-            if cutlass.const_expr(trace_seg is not None and TRACE_WAITS):
+            if cutlass.const_expr(trace_seg is not None):
                 waited = waited + ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
             else:
                 ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
@@ -1621,6 +1620,11 @@ def _make_kernel(cfg: GemmConfig):
             consumer_sync()
             if tid == 0:
                 ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
+        if cutlass.const_expr(STREAM):
+            # every consumer warp has read the amax words before the CTA's next unit writes them: a warp may run a
+            # unit shorter than the ring from stages already full and reach that epilogue while another still
+            # reads these (the fused half's barrier above does the same for its units)
+            consumer_sync()
 
     @cute.jit
     def split_unit(ks_index, k_blocks, m_tiles, e, bx, bz):
@@ -2118,6 +2122,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
     stream_k = stream_k and block_n == 8 and ws_default and not fold_scales and k_splits == 1  # likewise, at tile 8
     trace = trace and stream_k
+    if trace and ctas_per_sm is None:
+        ctas_per_sm = 1  # the only traced loop (GemmConfig.trace)
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
@@ -2179,7 +2185,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode) + (TRACE_LOCAL_BYTES if trace else 0),
+        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode),
         extra_sources=extra_sources,
     )
 
@@ -2220,9 +2226,10 @@ def all_variants():
     # W1 and W2 with K split over 2-4 CTAs at tiles 8 / 16 (opt-in: for calls whose working CTAs leave SMs idle)
     split_k = [variant(role, bn, k_splits=ks) for role in ("w1", "w2") for ks in K_SPLIT_CHOICES[1:]
                for bn in BLOCK_N_CHOICES if bn <= K_SPLIT_MAX_BLOCK_N]
-    # the stream-K loops at token tile 8, one and two CTAs per SM (opt-in: the small calls' balance, step 21)
-    stream_k = [variant(role, 8, stream_k=True, ctas_per_sm=ctas, trace=trace) for role in ("w1", "w2")
-                for ctas in (1, 2) for trace in (False, True)]
+    # the stream-K loops at token tile 8, one and two CTAs per SM (opt-in: the small calls' balance, step 21), and
+    # the traced one at one CTA per SM (a measuring variant)
+    stream_k = [variant(role, 8, stream_k=True, ctas_per_sm=ctas) for role in ("w1", "w2") for ctas in (1, 2)]
+    stream_k += [variant(role, 8, stream_k=True, ctas_per_sm=1, trace=True) for role in ("w1", "w2")]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)
