@@ -114,6 +114,7 @@ class Point:
         self.rw = self.rw.float().contiguous() if self.rows else torch.ones(1, device=device)
         self.device = device
         self.splits = {}  # kernels that split K: their partials and counts, one pair per kernel
+        self.pdl = False  # W2 launched programmatically after W1 where it can be (a set's pseudo-knob `pdl`)
         self.use(kernels)
 
     def use(self, kernels, max_block_n=None):
@@ -136,7 +137,8 @@ class Point:
         self.out.fill_(float("nan"))
 
     def launch(self, stream, sync_each: bool = False, roles=("w1", "w2")):
-        """roles: the kernels to launch (the per-role times launch one; W2 then reads the last W1's output)."""
+        """roles: the kernels to launch (the per-role times launch one; W2 then reads the last W1's output).
+        With self.pdl and a stream_k W2 after its W1, W2 goes out programmatically (launch_w2(programmatic=True))."""
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
         if "w1" in roles:
@@ -146,8 +148,15 @@ class Point:
                 torch.cuda.synchronize()
                 print("# w1 ran", flush=True)
         if "w2" in roles:
+            programmatic = self.programmatic_w2() and "w1" in roles and not sync_each
             launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
-                      self.capacity, stream, split=self.split2)
+                      self.capacity, stream, split=self.split2, programmatic=programmatic)
+
+    def programmatic_w2(self) -> bool:
+        """W2 goes out programmatically after W1: the set asks for it (pdl) and W2 is a stream-K loop."""
+        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig
+
+        return self.pdl and GemmConfig(**dict(self.k2.entry.variant.params)).stream_k
 
     def token_tiles(self) -> dict:
         """{tile: the experts' token tiles at that tile}: what a tile rule weighs (experts above a tile take more)."""
@@ -486,6 +495,9 @@ def main() -> int:
                     help="producer warps of the warp-specialized variants (default 1)")
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="with --auto-ctas: also ws_auto_pdl, W2 launched programmatically after W1 where tile_knobs "
+                         "picks the stream-K loops (an --extra-set takes the pseudo-knob pdl=True alike)")
     ap.add_argument("--auto-ctas", action="store_true",
                     help="also a set `ws_auto`: per point the token tile and knobs of grouped_gemm.tile_knobs "
                          "(stream-K loops at tile 8, the table decode from 9 rows on), and the default variants at "
@@ -569,12 +581,15 @@ def main() -> int:
         kernel_sets["ws1"] = {**knobs, "ctas_per_sm": 1}
     if args.auto_ctas:
         kernel_sets["ws_auto"] = None  # per point: grouped_gemm.tile_knobs's tile and knobs
+        if args.pdl:
+            kernel_sets["ws_auto_pdl"] = None  # the same, W2 launched programmatically where it is stream-K
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
         kernel_sets["tab64"] = {**knobs, "fold_scales": True, "table_decode": True, "max_block_n": 64}
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
     set_max_block_n = {}  # per set: its largest token tile (a pseudo-knob, not a GemmConfig one)
+    set_pdl = {"ws_auto_pdl": True}  # per set: W2 launched programmatically where it is stream-K (pseudo-knob pdl)
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():
@@ -582,6 +597,7 @@ def main() -> int:
             continue
         set_knobs = dict(set_knobs)
         set_max_block_n[tag] = set_knobs.pop("max_block_n", args.max_block_n)
+        set_pdl[tag] = bool(set_knobs.pop("pdl", False))
         loaded = {}
         for v in gg.variant_set(**set_knobs, max_block_n=set_max_block_n[tag]):
             p = dict(v.params)
@@ -626,9 +642,10 @@ def main() -> int:
                     set_kernels = auto_tiles[max_bn] if tile_set else kernels  # no knobs: the default set
                     row_note = {"knobs": tile_set}
                 pt.use(set_kernels, max_bn)
+                pt.pdl = set_pdl.get(tag, False)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
-                       "tiles": pt.token_tiles(), **row_note}
+                       "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)

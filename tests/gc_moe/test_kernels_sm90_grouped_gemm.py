@@ -738,10 +738,13 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
-              return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, **more_knobs):
+              return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, programmatic_pairs=0,
+              **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
     (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
-    launched again on the same buffers (each must write the first launch's bytes)."""
+    launched again on the same buffers (each must write the first launch's bytes); programmatic_pairs: then that
+    many times W1 and a programmatic W2 back to back on poisoned outputs, half of them replays of a captured graph
+    (each must write the same bytes)."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -805,6 +808,34 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             assert differ == 0, f"W2 relaunch {launch + 1} of {relaunches}: {differ} of {out.numel()} outputs differ"
             assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
     torch.cuda.synchronize()
+    if programmatic_pairs:
+        want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
+
+        def pair():
+            mid.view(torch.uint8).fill_(0x7F)
+            mid_sf.fill_(float("nan"))
+            out.fill_(float("nan"))
+            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
+            gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms,
+                         programmatic=True)
+
+        graph = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream()  # a capture needs a stream of its own
+        capture.wait_stream(stream)
+        with torch.cuda.graph(graph, stream=capture):
+            stream = capture  # pair() launches on the capturing stream
+            pair()
+        stream = torch.cuda.current_stream()
+        stream.wait_stream(capture)
+        for launch in range(programmatic_pairs):
+            if launch % 2:
+                graph.replay()
+            else:
+                pair()
+            torch.cuda.synchronize()
+            assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf)
+            differ = int((out.view(torch.int16) != want_out.view(torch.int16)).sum())
+            assert differ == 0, f"programmatic pair {launch + 1}: {differ} of {out.numel()} W2 outputs differ"
     if splits_out is not None:
         splits_out.append((offsets, split, split2))
     if return_raw:
@@ -929,6 +960,32 @@ def test_stream_k_matches_float32_reference(block_n, ctas_per_sm, hidden, inter,
                                            seed=hidden + tokens + block_n, stream_k=True, ctas_per_sm=ctas_per_sm,
                                            sms=sms, relaunches=8)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [
+    (5120, 2304, 48, 6, 1),          # DeepSeek-V4.1-Flash at one token: W2 starts while W1's tail runs
+    (6144, 2048, 32, 8, 8),
+    (1024, 512, 10, 6, 40)])         # many units per CTA
+def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, experts, topk, tokens):
+    """The stream-K W2 launched programmatically right after its W1 (launch_w2(programmatic=True), directly and in
+    a captured graph) writes the bytes of the serialized pair: its producer waits for W1's grid before it copies a
+    row, though its CTAs and their weight stages start earlier. Outputs poisoned before every pair."""
+    _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens, stream_k=True, ctas_per_sm=ctas_per_sm,
+              programmatic_pairs=10, return_raw=True)
+
+
+def test_programmatic_launch_is_for_the_stream_k_w2_only():
+    from gc_moe.runtime.jit import KernelVariant
+
+    class Fake:  # launch_w2 checks the variant before it touches the driver
+        def __init__(self, variant: KernelVariant):
+            self.entry = type("E", (), {"variant": variant})()
+            self.name = variant.describe()
+
+    with pytest.raises(ValueError, match="only the stream_k W2 waits for its W1 grid"):
+        gg.launch_w2(Fake(gg.variant("w2", 8)), None, None, None, None, None, None, 1, None, programmatic=True)
 
 
 @pytest.mark.gpu

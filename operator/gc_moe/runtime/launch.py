@@ -295,10 +295,13 @@ def _dim3(value, what: str) -> tuple[int, int, int]:
 
 
 def launch(kernel: LoadedKernel, grid, args: Sequence[Any], stream: Any, dynamic_smem: int | None = None,
-           cluster=None) -> ParamBuffer:
+           cluster=None, programmatic: bool = False) -> ParamBuffer:
     """Launch into `stream` (a green context's stream, an int handle, or a torch stream).
 
     Block, dynamic shared memory and cluster come from the kernel's launch shape unless given here.
+    programmatic: programmatic stream serialization (a stream capture records a programmatic edge): the kernel
+    may start before the previous one in the stream completes and must itself wait (`griddepcontrol.wait`)
+    before reading what that kernel writes.
     Returns the packed parameters (the caller may keep them for a graph node of the same call).
     """
     shape = kernel.entry.launch
@@ -320,6 +323,11 @@ def launch(kernel: LoadedKernel, grid, args: Sequence[Any], stream: Any, dynamic
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        attrs.append(attr)
+    if programmatic:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)

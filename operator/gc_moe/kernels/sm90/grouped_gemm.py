@@ -839,7 +839,11 @@ def _make_kernel(cfg: GemmConfig):
         pidx: the thread's index among the producer threads (one or more warps). ksplit: (first K128 step, steps)
         of a split unit (k_splits, stream_k), else None (all k_blocks). base: a stream_k CTA's steps before this
         unit (its stages and phases run on across units; the caller waits for the copies at the end), else None.
-        trace_seg (a traced stream_k segment's slots): pidx 0 stores the cycles it waited for empty stages."""
+        trace_seg (a traced stream_k segment's slots): pidx 0 stores the cycles it waited for empty stages.
+
+        A stream_k W2's first segment (base 0) issues the weights of its first stages (up to half the ring), then
+        waits for the grids it depends on (`griddepcontrol.wait`: W1 when launched with
+        launch_w2(programmatic=True); at once otherwise) before it copies any row of W1's output."""
         k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
         waited = Int32(0)
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
@@ -847,7 +851,25 @@ def _make_kernel(cfg: GemmConfig):
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        for kb in cutlass.range(k_steps):
+        early = Int32(0)  # steps whose weights went out before the wait
+        if cutlass.const_expr(STREAM and not W1 and base is not None):  # noqa: SIM102 (trace-time around device)
+            if base == 0:  # the CTA's first steps: stages 0.., no empty waits
+                # half the ring: stage 0 completes only once the weights ahead of its rows have landed, and a full
+                # ring of them left the memory idle until the consumers freed stage 0 (W2 alone ~3 us slower)
+                early = k_steps
+                if early > STAGES // 2:
+                    early = Int32(STAGES // 2)
+                for kb in cutlass.range(early):
+                    issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, kb)
+                ptx.griddepcontrol_wait()
+                for kb in cutlass.range(early):
+                    copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, kb)
+                    for r in cutlass.range_constexpr(-(-BN // PT)):
+                        if pidx + PT * r < BN:
+                            ptx.cp_async_4_zfill(smem + kb * cfg.stage_bytes + cfg.xs_offset + (pidx + PT * r) * 4,
+                                                 x_src[r] + Int64(kb * 4), x_bytes[r])
+                    ptx.cp_async_mbarrier_arrive_noinc(smem + cfg.barrier_offset + kb * 8)
+        for kb in cutlass.range(early, k_steps):
             step = kb if cutlass.const_expr(base is None) else base + kb
             stage = step % STAGES
             full = smem + cfg.barrier_offset + stage * 8
@@ -1683,6 +1705,10 @@ def _make_kernel(cfg: GemmConfig):
         (routing_weight, out, out_scale), W2's (dest_row, out). With trace, thread 0 and the producer's first
         thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer."""
         tid = cute.arch.thread_idx()[0]
+        if cutlass.const_expr(W1):
+            # a W2 launched programmatically after this grid may start its CTAs (and their weight stages) as SMs
+            # free up; it waits for this grid's completion before reading its output (`produce`)
+            ptx.griddepcontrol_launch_dependents()
         wg, t, warp, g, q = thread_coords(tid)
         cta = Int32(cute.arch.block_idx()[0])
         trace = Int64(0)
@@ -2173,8 +2199,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         promises += ("prmt.b32",)
     if cfg.k_splits > 1:  # the partials' publication and the last split's acquire
         promises += ("fence.acq_rel.gpu", "atom.acq_rel.gpu.global.add", "ld.relaxed.gpu.global")
-    if stream_k:  # the pieces' release, the owner's bounded acquire, its loads of the partials
-        promises += ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global")
+    if stream_k:  # the pieces' release, the owner's bounded acquire, its loads of the partials; W1 lets a
+        # programmatic W2 start, W2's producer waits for W1's grid before reading its rows
+        promises += ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global",
+                     "griddepcontrol.launch_dependents" if role == "w1" else "griddepcontrol.wait")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -2477,16 +2505,22 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
 
 
 def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=(),
-              split=None, sms=None):
+              split=None, sms=None, programmatic=False):
     """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
 
     act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H]
     (a ring consumer: the local combine buffer, rows go to peers[ring_source div C k] + it);
     ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
     variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
+    programmatic: a stream_k W2 only, launched right after its W1 in the same stream: it starts as W1's CTAs
+    leave their SMs and streams its first weight stages before it waits for W1's grid (programmatic dependent
+    launch; the W1 stream_k loop signals at its start).
     """
     from gc_moe.runtime.launch import launch
 
+    if programmatic and not GemmConfig(**dict(kernel.entry.variant.params)).stream_k:
+        raise ValueError(f"{kernel.name} cannot be launched programmatically: only the stream_k W2 waits for its "
+                         f"W1 grid (griddepcontrol.wait) before reading its rows; pass programmatic=False")
     g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split,
                         sms)
-    return launch(kernel, g, args, stream)
+    return launch(kernel, g, args, stream, programmatic=programmatic)

@@ -546,3 +546,16 @@ def stg_s64(addr: Int64, v: Int64) -> None:
 def mbarrier_inval(addr: Int32) -> None:
     """Invalidate a barrier with no pending operations, so that the same shared memory may be initialized again."""
     asm("mbarrier.inval.shared::cta.b64 [$0];", [], [addr])
+
+
+# ------------------------------------------------------------------------- programmatic dependent launch
+def griddepcontrol_launch_dependents() -> None:
+    """Lets the grid launched after this one with programmatic stream serialization start its CTAs once every CTA of
+    this grid has signalled or exited (they may then run beside this grid's last CTAs)."""
+    asm("griddepcontrol.launch_dependents;", [], [])
+
+
+def griddepcontrol_wait() -> None:
+    """Waits until the grids this one depends on (programmatically) have completed and their writes are visible;
+    returns at once when the launch had no such dependency."""
+    asm("griddepcontrol.wait;", [], [])
