@@ -1657,22 +1657,58 @@ def _make_kernel(cfg: GemmConfig):
         unit = (e * (m_tiles // TILES_PER_CTA) + bx) * tiles + bz
         return (k_first, ((ks_index + 1) * k_blocks) // KS - k_first), unit
 
+    # a stream_k owner's pieces fit one stage of the ring this many at a time (BN / 2 FP32 per consumer thread
+    # each): its producer copies them there (`stage_pieces`) as its K loop ends, more go the consumers' way
+    STAGED_PIECES = cfg.stage_bytes // (THREADS * (BN // 2) * 4)
+
+    @cute.jit
+    def owner_pieces(unit, k_blocks, ctas, work):
+        """A shared unit's owner CTA and its piece count (the owner's own included)."""
+        first_cta = stream_owner(unit * k_blocks, ctas, work)
+        return first_cta, stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
+
+    @cute.jit
+    def stage_pieces(smem, split, unit, first_cta, pieces, step, pidx):
+        """A stream_k owner's producer after its last copies: the pieces' partials into the stage of the CTA's
+        step `step` (the one after its last), announced on that stage's full barrier like a K128 step. Lane 0 of
+        each producer warp acquires the unit's count first (bounded); the pieces were mostly done long before,
+        so the owner's epilogue then reads them from shared memory instead of waiting for a round trip."""
+        split_partials, split_counts = split
+        stage = step % STAGES
+        full = smem + cfg.barrier_offset + stage * 8
+        if step >= STAGES:
+            ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
+        if pidx % 32 == 0:
+            ptx.wait_at_least_acquire_gpu(split_counts + Int64(unit) * 4, pieces - 1)
+        ptx.warp_sync()  # the lanes' copies after their lane 0's acquire
+        piece_bytes = THREADS * (BN // 2) * 4
+        sbase = smem + stage * cfg.stage_bytes
+        for p in cutlass.range(1, pieces):
+            src = split_partials + (Int64(unit) + Int64(first_cta + p)) * piece_bytes
+            dst = sbase + (p - 1) * piece_bytes
+            for c in cutlass.range_constexpr(piece_bytes // 16 // PT):
+                off = (c * PT + pidx) * 16
+                ptx.cp_async_16_zfill(dst + off, src + Int64(off), Int32(16))
+        ptx.cp_async_mbarrier_arrive_noinc(full)
+        if pidx == 0:
+            ptx.mbarrier_arrive(full)  # the byte announcement's arrival (no bytes: the copies are cp.async)
+
     @cute.jit
     def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, k_first,
-                        whole, *rest):
+                        whole, next_step, *rest):
         """A stream_k segment's consumer thread: a whole unit (whole = 1) goes to the role's epilogue (`rest`: its
         arguments). A shared unit is finished by its owner, the CTA with its first steps (k_first = 0: the last
         segment of that CTA's range, while the other pieces are the first segments of the CTAs after it). The
         others publish their partials as piece unit + cta (`stream_sizes`) and go on without waiting (one thread's
-        release after the consumers' barrier); the owner waits for their arrivals (bounded), adds their partials in
-        CTA order to its own (the same bits whichever arrives last) and runs the epilogue. Needs every CTA of the
-        grid resident at once (the launch's ctas_per_sm x SMs)."""
+        release after the consumers' barrier); the owner adds their partials in CTA order to its own (the same bits
+        whichever arrives last) and runs the epilogue: from the stage of its step `next_step` where its producer
+        put them (up to STAGED_PIECES pieces), else after thread 0's bounded wait for their arrivals. Needs every
+        CTA of the grid resident at once (the launch's ctas_per_sm x SMs)."""
         split_partials, split_counts = split
         per = BN // 2
         last = Float32(1.0)
         if whole == 0:
-            first_cta = stream_owner(unit * k_blocks, ctas, work)
-            pieces = stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
+            first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
             count_word = split_counts + Int64(unit) * 4
             if k_first != 0:
                 mine = split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * (per * 4)
@@ -1682,6 +1718,17 @@ def _make_kernel(cfg: GemmConfig):
                 if tid == 0:
                     ptx.red_add_release_gpu_s32(count_word, Int32(1))
                 last = Float32(0.0)
+            elif pieces - 1 <= STAGED_PIECES:
+                stage = next_step % STAGES
+                ptx.mbarrier_wait(smem + cfg.barrier_offset + stage * 8, full_parity(next_step, STAGES),
+                                  suspend_ns=SUSPEND)
+                if tid == 0:
+                    ptx.st_relaxed_gpu_s32(count_word, Int32(0))  # every producer warp acquired it: reset
+                theirs = smem + stage * cfg.stage_bytes + tid * (per * 4)
+                for p in cutlass.range(1, pieces):
+                    for i in cutlass.range_constexpr(per):
+                        acc[i] = acc[i] + ptx.lds_f32(theirs + (p - 1) * (THREADS * per * 4) + i * 4)
+                # the stage is the CTA's last: no release (the next launch sets the barriers up again)
             else:
                 if tid == 0:
                     ptx.wait_at_least_acquire_gpu(count_word, pieces - 1)
@@ -1754,6 +1801,10 @@ def _make_kernel(cfg: GemmConfig):
             if tid >= THREADS:
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
                         trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
+                if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
+                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
+                    if pieces - 1 <= STAGED_PIECES:
+                        stage_pieces(smem, split, unit, first_cta, pieces, base + steps, tid - THREADS)
             else:
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
                     if tid == 0:
@@ -1775,7 +1826,7 @@ def _make_kernel(cfg: GemmConfig):
                     dest_row, out = role_args
                     rest = (row0, count, bx, m_tiles, dest_row, out, None)
                 stream_epilogue(tid, wg, warp, g, q, weight_factor(w_factor, e), acc, smem, split, unit, cta, ctas,
-                                work, k_blocks, k_first, whole, *rest)
+                                work, k_blocks, k_first, whole, base + steps, *rest)
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
                     if tid == 0:
                         ptx.stamp_times(seg_stamps + Int64(48))
