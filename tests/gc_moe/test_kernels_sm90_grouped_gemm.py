@@ -804,38 +804,36 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             _poison_partials(split2)
             gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
             torch.cuda.synchronize()
-            differ = int((out.view(torch.int16) != first.view(torch.int16)).sum())
-            assert differ == 0, f"W2 relaunch {launch + 1} of {relaunches}: {differ} of {out.numel()} outputs differ"
+            assert torch.equal(out.view(torch.int16), first.view(torch.int16)), \
+                f"W2 relaunch {launch + 1} of {relaunches}: " + _w2_mismatch(out, first)
             assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
     torch.cuda.synchronize()
     if programmatic_pairs:
         want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
 
-        def pair():
+        def pair(on):  # on the current stream `on` (the fills go there too)
             mid.view(torch.uint8).fill_(0x7F)
             mid_sf.fill_(float("nan"))
             out.fill_(float("nan"))
-            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
-            gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms,
+            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, on, split=split, sms=sms)
+            gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, on, split=split2, sms=sms,
                          programmatic=True)
 
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream()  # a capture needs a stream of its own
         capture.wait_stream(stream)
         with torch.cuda.graph(graph, stream=capture):
-            stream = capture  # pair() launches on the capturing stream
-            pair()
-        stream = torch.cuda.current_stream()
+            pair(capture)
         stream.wait_stream(capture)
         for launch in range(programmatic_pairs):
             if launch % 2:
                 graph.replay()
             else:
-                pair()
+                pair(stream)
             torch.cuda.synchronize()
             assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf)
-            differ = int((out.view(torch.int16) != want_out.view(torch.int16)).sum())
-            assert differ == 0, f"programmatic pair {launch + 1}: {differ} of {out.numel()} W2 outputs differ"
+            assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
+                f"programmatic pair {launch + 1}: " + _w2_mismatch(out, want_out)
     if splits_out is not None:
         splits_out.append((offsets, split, split2))
     if return_raw:
@@ -891,14 +889,18 @@ def _byte_mismatch(mid, mid_ref, sf, sf_ref):
             f"K128 block) {blocks[:12]}; {len(sf_diff)} scales differ (first at {sf_diff[:6]})")
 
 
+def _w2_mismatch(out, out_ref):
+    """How many BF16 W2 outputs differ between two runs."""
+    return f"{int((out.view(torch.int16) != out_ref.view(torch.int16)).sum())} of {out.numel()} W2 outputs differ"
+
+
 def _assert_same_bytes(run, reference_run):
     """Two raw `_run_case` results (W1 rows, their scales, W2 rows): the first all written, both byte for byte equal."""
     (mid, sf, out), (mid_ref, sf_ref, out_ref) = run, reference_run
     assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
     assert torch.equal(mid.view(torch.uint8), mid_ref.view(torch.uint8)) and torch.equal(sf, sf_ref), \
         _byte_mismatch(mid, mid_ref, sf, sf_ref)
-    assert torch.equal(out.view(torch.int16), out_ref.view(torch.int16)), \
-        f"{int((out.view(torch.int16) != out_ref.view(torch.int16)).sum())} of {out.numel()} W2 outputs differ"
+    assert torch.equal(out.view(torch.int16), out_ref.view(torch.int16)), _w2_mismatch(out, out_ref)
 
 
 @pytest.mark.gpu
