@@ -456,6 +456,24 @@ def test_fit_n_knob_names_and_limits():
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 
+def test_interleave_knob_names_and_limits():
+    """The interleaved issue is a knob of the waited table consumer only (tiles 24 and 64); sets may name it at every
+    tile, and the variants name it only where it applies."""
+    for block_n, knobs in ((32, {"fold_scales": True, "table_decode": True}), (64, {"fold_scales": True}),
+                           (64, {}), (16, {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2})):
+        with pytest.raises(ValueError, match="interleave is a knob of the table decode's waited consumer"):
+            gg.GemmConfig("w1", block_n, interleave=True, **knobs)
+    cfg = gg.GemmConfig("w2", 64, fold_scales=True, table_decode=True, fit_n=True, interleave=True)
+    assert cfg.name.endswith("_il_ws")
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "interleave": True}
+    named = {bn: dict(v.params).get("interleave", False) for v in gg.variant_set(**tab, ctas_per_sm=2, max_block_n=24)
+             for bn in [dict(v.params)["block_n"]]}
+    assert named == {8: False, 16: False, 24: True}
+    assert dict(gg.variant("w1", 64, **tab).params)["interleave"] is True
+    assert "interleave" not in dict(gg.variant("w1", 32, **tab).params)
+    assert "interleave" not in dict(gg.variant("w1", 64, fold_scales=True, table_decode=True).params)
+
+
 def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
     """The bench's `loop L/S` column (the SASS rule: no LDL / STL in the main loop): local accesses count only inside
     a backward branch's body that issues QGMMA; the epilogue's and a per-lane copy loop's (BRA.U.ANY) do not."""
@@ -1103,6 +1121,30 @@ def test_fit_n_agrees_with_the_whole_tile(block_n, ctas_per_sm, tokens):
     assert ((sf - sf_ref).abs() <= 5e-7 * sf_ref.abs()).all()
     ulps = (out.view(torch.int16).int() - out_ref.view(torch.int16).int()).abs()
     assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 21, 150])
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(24, 2), (64, None)])
+def test_interleaved_issue_writes_the_same_bytes(block_n, ctas_per_sm, tokens):
+    """The waited table consumer issuing its four K32 WGMMAs one at a time runs the same chain and FMAs as issuing
+    them together: W1 and W2 write the same bytes, with and without fitted N, over tails of every size and several
+    token tiles per expert."""
+    for fit_n in (True, False):
+        knobs = {"fold_scales": True, "table_decode": True, "fit_n": fit_n, "ctas_per_sm": ctas_per_sm}
+        runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + 3 * block_n, return_raw=True, **kn)
+                for kn in ({**knobs, "interleave": True}, knobs)]
+        _assert_same_bytes(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [24, 64])
+@pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
+def test_interleaved_issue_model_shapes_match_float32_reference(hidden, inter, topk, block_n):
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, 37, block_n, seed=hidden + 5 * block_n,
+                                           fold_scales=True, table_decode=True, fit_n=True, interleave=True,
+                                           ctas_per_sm=2 if block_n == 24 else None)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

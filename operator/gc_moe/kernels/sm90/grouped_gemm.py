@@ -35,7 +35,7 @@ grid = (token tiles, M / 256, local experts); a CTA past its expert's token coun
 Kernel parameters (all scalars, in order): see `PARAMS_W1` / `PARAMS_W2`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BLOCK_N_CHOICES = (8, 16, 32, 64)
 # token tiles of the table decode at two CTAs per SM only: 24 rows fit the 56 registers where 32 do not
@@ -238,6 +238,10 @@ class GemmConfig:
     # the partials buffer: where a small call's time over the floor goes (start, unit scan, first stage, each
     # segment's K loop and epilogue, the owner's wait). A measuring variant, not the default
     trace: bool = False
+    # the table decode's waited consumer (tiles 24 and 64: one chain, waited each K128 step) decodes and issues the
+    # step's four K32 WGMMAs one at a time (block j + 1 decoded while block j runs) and loads the step's activation
+    # scales before the wait instead of after it; the same chain, FMAs and bytes
+    interleave: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -309,6 +313,9 @@ class GemmConfig:
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
+        if self.interleave and not (self.table_decode and self.warp_specialized and not self.table_pipelined):
+            raise ValueError(f"interleave is a knob of the table decode's waited consumer (table_decode=True, "
+                             f"warp-specialized, token tile 24 or above {WS_MAX_BLOCK_N}); got block_n {self.block_n}")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -464,6 +471,8 @@ class GemmConfig:
             s += f"_k{self.k_splits}"
         if self.stream_k:
             s += "_skt" if self.trace else "_sk"
+        if self.interleave:
+            s += "_il"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -1209,23 +1218,55 @@ def _make_kernel(cfg: GemmConfig):
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
         phase = Int32(0)
+        chain = cute.make_rmem_tensor((n // 2,), Float32)  # interleave: the step's chain, carried in its registers
+        for r in cutlass.range_constexpr(n // 2):
+            chain[r] = Float32(0.0)
         for kb in cutlass.range(k_blocks):
             ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
             sbase = smem + stage * cfg.stage_bytes
-            a_regs = table_fragment(sbase, a_off, s_off)
             desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
             descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
-            ptx.wgmma_fence()
-            part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
+            if cutlass.const_expr(cfg.interleave):
+                interleaved_chain(sbase, a_off, s_off, descs, chain, n)
+                xvs = [ptx.lds_f32x2(sbase + x_off + 8 * i * 4) for i in range(n // 8)]  # loads under the chain
+                part = ptx.wgmma_commit_wait_tied([chain[r] for r in range(n // 2)], 0)
+                for r in cutlass.range_constexpr(n // 2):
+                    chain[r] = part[r]
+            else:
+                a_regs = table_fragment(sbase, a_off, s_off)
+                ptx.wgmma_fence()
+                part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
             for i in cutlass.range_constexpr(n // 8):
-                xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
+                if cutlass.const_expr(cfg.interleave):
+                    xv = xvs[i]
+                else:
+                    xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
                 for c in cutlass.range_constexpr(4):
                     acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xv[c % 2]
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
+
+    @cute.jit
+    def interleaved_chain(sbase, a_off, s_off, descs, chain, n):
+        """interleave: the step's four K32 blocks decoded and issued one at a time into `chain` (not committed), so
+        that block j + 1's decode runs while block j's WGMMA does (the same bytes and chain as table_fragment and
+        one wgmma_rs_e4m3_chain: only the order of issue differs)."""
+        wa = sbase + a_off
+        words = ptx.lds128(wa) + ptx.lds128(wa + TILE_BYTES // 2)
+        sc_lo = ptx.lds32(sbase + s_off)
+        sc_hi = ptx.lds32(sbase + s_off + 32)
+        for j in cutlass.range_constexpr(4):
+            table_lo = ptx.decode_table(sc_lo, j)
+            table_hi = ptx.decode_table(sc_hi, j)
+            a_regs = [*ptx.decode_fp4x8_table(words[2 * j], table_lo, table_hi),
+                      *ptx.decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
+            ptx.wgmma_fence()  # block j's A registers were just written
+            out = ptx.wgmma_rs_e4m3_block(n, a_regs, descs[j], [chain[r] for r in range(n // 2)], j == 0)
+            for r in cutlass.range_constexpr(n // 2):
+                chain[r] = out[r]
 
     @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
@@ -2155,7 +2196,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, stream_k: bool = False, trace: bool = False):
+               fit_n: bool = False, stream_k: bool = False, trace: bool = False, interleave: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2167,7 +2208,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, interleave=interleave)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2179,7 +2220,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             fold_scales: bool = False, ring_consumer: bool = False, warp_specialized: bool | None = None,
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
-            table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False):
+            table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
+            interleave: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2211,6 +2253,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace)
+    # a knob of the waited table consumer (tiles 24 and 64): sets may name it at every tile
+    interleave = interleave and cfg.table_decode and cfg.warp_specialized and not cfg.table_pipelined
+    if interleave:
+        cfg = replace(cfg, interleave=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2243,6 +2289,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["stream_k"] = True
     if trace:
         params["trace"] = True
+    if interleave:
+        params["interleave"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -2298,7 +2346,7 @@ def all_variants():
     the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
     pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference), the
     compact ring consumer at bn 8, the K splits, the stream-K loops and the folded scales' table decode
-    (warp-specialized at every bn)."""
+    (warp-specialized at every bn, with its waited consumer's interleaved issue at tiles 24 and 64)."""
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
@@ -2318,7 +2366,10 @@ def all_variants():
               # CTAs per SM) with and without it
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, ctas_per_sm=2 if bn == 16 else None)
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64)]
-              + [variant(role, 24, fold_scales=True, table_decode=True) for role in ("w1", "w2")]):
+              + [variant(role, 24, fold_scales=True, table_decode=True) for role in ("w1", "w2")]
+              # the waited consumer's K32 WGMMAs issued one at a time, at the tiles it runs (24 and 64)
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, interleave=True)
+                 for role in ("w1", "w2") for bn in (24, 64)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
