@@ -439,6 +439,24 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
     return out
 
 
+def parse_shape(spec: str) -> tuple[str, dict]:
+    """'NAME=BASE:hidden=H,inter=I' -> (NAME, BASE's slice with those fields replaced): the same routing statistics
+    at another K, to separate a kernel's per-unit cost from its per-step cost."""
+    name, sep, rest = spec.partition("=")
+    base, sep2, fields = rest.partition(":")
+    if not (sep and sep2 and name and base in MODELS and fields):
+        raise SystemExit(f"--shape wants NAME=BASE:FIELD=INT[,FIELD=INT...] with BASE one of {sorted(MODELS)}, got {spec!r}")
+    shape = dict(MODELS[base])
+    for item in fields.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in shape or not value.strip().isdigit():
+            raise SystemExit(f"--shape: {item!r} is not FIELD=INT with FIELD one of {sorted(shape)}")
+        shape[key.strip()] = int(value)
+    if shape["hidden"] % 128 or shape["inter"] % 128:
+        raise SystemExit(f"--shape {name}: hidden and inter must be multiples of 128, got {shape}")
+    return name, shape
+
+
 def parse_extra_set(spec: str, knobs: dict) -> dict:
     """'tag:knob=value,knob=value' -> {tag: knobs + those}; values are Python literals (True, 4, 10_000_000)."""
     import ast
@@ -502,6 +520,9 @@ def main() -> int:
                     help="also a set `ws_auto`: per point the token tile and knobs of grouped_gemm.tile_knobs "
                          "(stream-K loops at tile 8, the table decode from 9 rows on), and the default variants at "
                          "one CTA per SM (`ws1`)")
+    ap.add_argument("--shape", action="append", default=[], metavar="NAME=BASE:hidden=H,inter=I",
+                    help="a model slice for --models: BASE's with other sizes (e.g. half K, to split a kernel's time "
+                         "into per-unit and per-step parts)")
     ap.add_argument("--extra-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="also a variant set with these GemmConfig knobs on the default ones, e.g. "
                          "ws_c4:compact_grid=True,producer_warps=4 (repeatable)")
@@ -532,6 +553,9 @@ def main() -> int:
                     help="print the rows of an earlier run's JSON as markdown tables and exit (no GPU)")
     ap.add_argument("--json", default=None, help="where the rows go (default: ./bench_grouped_gemm_sm90_<tag>.json)")
     args = ap.parse_args()
+    for spec in args.shape:
+        shape_name, shape = parse_shape(spec)
+        MODELS[shape_name] = shape
     if args.markdown:
         print(markdown_tables(args.markdown))
         return 0
