@@ -523,8 +523,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
-    # bn 8 (one and two CTAs per SM, both roles, and traced at one)
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4
+    # bn 8 (one and two CTAs per SM, both roles, and traced at one), the interleaved waited consumer at bn 24 / 64
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -582,11 +582,13 @@ def test_default_variants_do_not_name_the_fold_knob():
 
 
 def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
-    """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
-    fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
+    """fold_scales: per K128 step four WGMMAs on the same accumulator registers, the first fresh and three
+    accumulating, one wait (one asm block; the interleaved consumer issues them one by one, the registers tied);
+    the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
-    # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8
+    # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
+    # interleaved at bn 24 / 64
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 4
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -609,8 +611,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
-    # stream-K loops at bn 8 (plain, and traced at one CTA per SM)
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4
+    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the interleaved waited consumer at bn 24 / 64
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)

@@ -426,8 +426,9 @@ def wgmma_rs_e4m3_block(n: int, a_regs: list, desc, acc: list, fresh: bool) -> l
     per = n // 2
     d = ", ".join(f"${r}" for r in range(per))
     a = ", ".join(f"${per + r}" for r in range(4))
-    lines = ["{", ".reg .pred p;", f"setp.{'ne' if fresh else 'eq'}.b32 p, 0, 0;",
-             f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, ${per + 4}, p, 1, 1;", "}"]
+    pred = "fresh" if fresh else "chain"
+    lines = ["{", f".reg .pred {pred};", f"setp.{'ne' if fresh else 'eq'}.b32 {pred}, 0, 0;",
+             f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, ${per + 4}, {pred}, 1, 1;", "}"]
     return _asm_tied("\n".join(lines), per, list(a_regs) + [desc], list(acc))
 
 
