@@ -520,6 +520,9 @@ def main() -> int:
                     help="also a set `ws_auto`: per point the token tile and knobs of grouped_gemm.tile_knobs "
                          "(stream-K loops at tile 8, the table decode from 9 rows on), and the default variants at "
                          "one CTA per SM (`ws1`)")
+    ap.add_argument("--auto-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
+                    help="with --auto-ctas: also a set like ws_auto (tile_knobs per point) with these knobs added where "
+                         "they apply (e.g. lean:lean_epilogue=True)")
     ap.add_argument("--shape", action="append", default=[], metavar="NAME=BASE:hidden=H,inter=I",
                     help="a model slice for --models: BASE's with other sizes (e.g. half K, to split a kernel's time "
                          "into per-unit and per-step parts)")
@@ -607,6 +610,11 @@ def main() -> int:
         kernel_sets["ws_auto"] = None  # per point: grouped_gemm.tile_knobs's tile and knobs
         if args.pdl:
             kernel_sets["ws_auto_pdl"] = None  # the same, W2 launched programmatically where it is stream-K
+    auto_knobs = {"ws_auto": {}, "ws_auto_pdl": {}}  # per tile_knobs set: the knobs it adds
+    for spec in args.auto_set if args.auto_ctas else ():
+        (tag, extra), = parse_extra_set(spec, {}).items()
+        auto_knobs[tag] = extra
+        kernel_sets[tag] = None
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
         kernel_sets["tab64"] = {**knobs, "fold_scales": True, "table_decode": True, "max_block_n": 64}
@@ -628,13 +636,18 @@ def main() -> int:
             loaded[(p["role"], p["block_n"])] = jit.load_kernel(v, "sm_90a")
         kernel_sets[tag] = loaded
     kernels = kernel_sets[base_tag]
-    # ws_auto: grouped_gemm.tile_knobs's sets, loaded beside the timed ones
-    auto_tiles = {}
+    # ws_auto (and the --auto-set sets): grouped_gemm.tile_knobs's sets, loaded beside the timed ones
+    auto_tiles = {}  # per set tag: {token tile: its kernels}
     if args.auto_ctas:
-        for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
-            _, tile_set = gg.tile_knobs(bn)
-            auto_tiles[bn] = {(role, bn): jit.load_kernel(gg.variant(role, bn, **{**knobs, **tile_set}), "sm_90a")
-                              for role in ("w1", "w2")}
+        for tag, extra in auto_knobs.items():
+            if tag not in kernel_sets:
+                continue
+            auto_tiles[tag] = {}
+            for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
+                _, tile_set = gg.tile_knobs(bn)
+                set_knobs = {**knobs, **tile_set, **(extra if tile_set else {})}  # no knobs: the default set
+                auto_tiles[tag][bn] = {(role, bn): jit.load_kernel(gg.variant(role, bn, **set_knobs), "sm_90a")
+                                       for role in ("w1", "w2")}
     occupancy_report(kernel_sets)
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
@@ -659,12 +672,13 @@ def main() -> int:
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)
-                if set_kernels is None:  # ws_auto
+                if set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)
                     max_bn, tile_set = gg.tile_knobs(pt.capacity, w1_units, sms)
-                    set_kernels = auto_tiles[max_bn] if tile_set else kernels  # no knobs: the default set
-                    row_note = {"knobs": tile_set}
+                    auto_tag = "ws_auto" if tag == "ws_auto_pdl" else tag
+                    set_kernels = auto_tiles[auto_tag][max_bn] if tile_set else kernels  # no knobs: the default set
+                    row_note = {"knobs": {**tile_set, **auto_knobs[auto_tag]} if tile_set else {}}
                 pt.use(set_kernels, max_bn)
                 pt.pdl = set_pdl.get(tag, False)
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,

@@ -474,6 +474,30 @@ def test_interleave_knob_names_and_limits():
     assert "interleave" not in dict(gg.variant("w1", 64, fold_scales=True, table_decode=True).params)
 
 
+def test_lean_epilogue_knob_names_limits_and_shared_words():
+    """The lean epilogue is a knob of the stand-alone kernels with one unit per CTA; its staged words take
+    (block_n + 1) x 4 bytes after the amax region (rounded to 16) and leave the rings as deep as before."""
+    for knobs in ({"ring_consumer": True}, {"stream_k": True}, {"k_splits": 2}, {"warp_specialized": False}):
+        with pytest.raises(ValueError, match="lean_epilogue is a knob of the stand-alone W1 / W2"):
+            gg.GemmConfig("w1", 8, lean_epilogue=True, **knobs)
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True}
+    for role in ("w1", "w2"):
+        for bn, ctas in ((16, 2), (24, None), (32, None), (64, None)):
+            v = gg.variant(role, bn, lean_epilogue=True, ctas_per_sm=ctas, **tab)
+            cfg = gg.GemmConfig(**dict(v.params))
+            base = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, **tab).params))
+            assert cfg.lean_epilogue and not base.lean_epilogue
+            assert "_lean" in cfg.name and "_lean" not in base.name
+            assert cfg.stages == base.stages and cfg.meta_offset == base.amax_offset + 16 * bn * 4
+            assert cfg.meta_bytes == -(-4 * (bn + 1) // 16) * 16 and base.meta_bytes == 0
+            assert cfg.barrier_offset == base.barrier_offset + cfg.meta_bytes
+            assert cfg.smem_bytes <= cfg.smem_limit
+    # sets may name it everywhere; the variants name it only where it applies
+    assert "lean_epilogue" not in dict(gg.variant("w1", 8, stream_k=True, lean_epilogue=True).params)
+    assert "lean_epilogue" not in dict(gg.variant("w1", 8, ring_consumer=True, lean_epilogue=True).params)
+    assert dict(gg.variant("w2", 8, lean_epilogue=True).params)["lean_epilogue"] is True
+
+
 def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
     """The bench's `loop L/S` column (the SASS rule: no LDL / STL in the main loop): local accesses count only inside
     a backward branch's body that issues QGMMA; the epilogue's and a per-lane copy loop's (BRA.U.ANY) do not."""
@@ -523,8 +547,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
-    # bn 8 (one and two CTAs per SM, both roles, and traced at one), the interleaved waited consumer at bn 24 / 64
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 4
+    # bn 8 (one and two CTAs per SM, both roles, and traced at one), the interleaved waited consumer at bn 24 / 64,
+    # the lean epilogue at the table decode's bn 16 / 24 / 32 / 64
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 4 + 8
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -587,8 +612,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
-    # interleaved at bn 24 / 64
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 4
+    # interleaved at bn 24 / 64, the lean epilogue at bn 16 / 24 / 32 / 64
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 4 + 8
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -611,8 +636,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
-    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the interleaved waited consumer at bn 24 / 64
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 4
+    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the interleaved waited consumer at bn 24 / 64; the
+    # lean epilogue at bn 16 / 24 / 32 / 64
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 4 + 8
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -622,9 +648,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
         # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read; a
         # stream-K piece once (partials stored before the release; the owner: its acquire before the loads), and
-        # a stream-K W1 epilogue once more at its end (its amax words are read before the next unit's epilogue)
+        # a stream-K W1 epilogue once more at its end (its amax words are read before the next unit's epilogue), a
+        # lean W1 epilogue once more after its per-token amax
         split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
-        w1_meets = (2 if params.get("stream_k") else 1) if params["role"] == "w1" else 0
+        w1_meets = (2 if params.get("stream_k") or params.get("lean_epilogue") else 1) if params["role"] == "w1" else 0
         assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
@@ -1136,6 +1163,30 @@ def test_interleaved_issue_writes_the_same_bytes(block_n, ctas_per_sm, tokens):
     runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + 3 * block_n, return_raw=True, **kn)
             for kn in ({**knobs, "interleave": True}, knobs)]
     _assert_same_bytes(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 21, 150])
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (24, None), (32, None), (64, None)])
+def test_lean_epilogue_writes_the_same_bytes(block_n, ctas_per_sm, tokens):
+    """The epilogue's words staged in shared memory by the producer (routing weights, combine rows, the expert's
+    factor) and W1's amax reduced once per token are the same numbers as the global loads and the per-thread
+    reduction (a max is exact in any order): W1 and W2 write the same bytes, over tiles with fewer rows than the
+    tile (the zero-filled words) and experts with several tiles."""
+    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": ctas_per_sm}
+    runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + 5 * block_n, return_raw=True, **kn)
+            for kn in ({**knobs, "lean_epilogue": True}, knobs)]
+    _assert_same_bytes(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [16, 64])
+@pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
+def test_lean_epilogue_model_shapes_match_float32_reference(hidden, inter, topk, block_n):
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, 37, block_n, seed=hidden + 9 * block_n,
+                                           fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                                           ctas_per_sm=2 if block_n == 16 else None)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

@@ -242,6 +242,11 @@ class GemmConfig:
     # step's four K32 WGMMAs one at a time (block j + 1 decoded while block j runs) and loads the step's activation
     # scales before the wait instead of after it; the same chain, FMAs and bytes
     interleave: bool = False
+    # the stand-alone W1 / W2 (warp-specialized, one unit per CTA): the producer stages the epilogue's per-token words
+    # (W1's routing weights, W2's combine rows) and the expert's factor into shared memory with the unit's first stage,
+    # so no global load waits after the K loop, and W1 reduces each token's amax once (one thread per token, then one
+    # shared read per value) instead of in every thread for each of its values (16 reads each)
+    lean_epilogue: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -316,6 +321,10 @@ class GemmConfig:
         if self.interleave and not (self.table_decode and self.warp_specialized and not self.table_pipelined):
             raise ValueError(f"interleave is a knob of the table decode's waited consumer (table_decode=True, "
                              f"warp-specialized, token tile 24 or above {WS_MAX_BLOCK_N}); got block_n {self.block_n}")
+        if self.lean_epilogue and not (self.warp_specialized and not self.ring_consumer and not self.fused_role2
+                                       and not self.stream_k and self.k_splits == 1):
+            raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 with one unit per CTA (warp-specialized, "
+                             "no ring consumer, no fused role2, no stream_k, no k_splits)")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -353,7 +362,7 @@ class GemmConfig:
     @property
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
-        fixed = 16 * self.block_n * 4 + (self.fused_bytes if self.fused_role2 else 0)
+        fixed = 16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -381,7 +390,16 @@ class GemmConfig:
     @property
     def barrier_offset(self) -> int:
         """warp_specialized: the full mbarriers (one per stage), then the empty ones."""
+        return self.meta_offset + self.meta_bytes
+
+    @property
+    def meta_offset(self) -> int:
+        """lean_epilogue: the unit's per-token words (block_n) and the expert's factor, after the amax region."""
         return self.amax_offset + 16 * self.block_n * 4
+
+    @property
+    def meta_bytes(self) -> int:
+        return -(-4 * (self.block_n + 1) // 16) * 16 if self.lean_epilogue else 0
 
     @property
     def ticket_offset(self) -> int:
@@ -473,6 +491,8 @@ class GemmConfig:
             s += "_skt" if self.trace else "_sk"
         if self.interleave:
             s += "_il"
+        if self.lean_epilogue:
+            s += "_lean"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -646,6 +666,7 @@ def _make_kernel(cfg: GemmConfig):
     REUSE = cfg.ring_reuse
     KS = cfg.k_splits
     STREAM = cfg.stream_k
+    LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
     SPLIT = cfg.consumer_registers is not None
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
@@ -783,7 +804,7 @@ def _make_kernel(cfg: GemmConfig):
         destination offset; rows past the expert's count zero-filled) and its activation-scale words.
         ring_rows: a reused ring's rows (grouped row r lives in ring row r mod ring_rows), else None. k_first:
         the unit's first K128 step when K is split (k_splits), else None (step 0)."""
-        w_codes, w_scales, act, act_scale = a
+        w_codes, w_scales, act, act_scale = a[:4]
         first_row = Int64(row0)
         if cutlass.const_expr(ring_rows is not None):
             first_row = Int64(row0 % ring_rows)  # a tile's rows are < ring_rows: one wrap at most
@@ -840,6 +861,25 @@ def _make_kernel(cfg: GemmConfig):
                                      x_bytes[r])
 
     @cute.jit
+    def stage_epilogue_words(words, w_factor, e, row0, count, smem, pidx):
+        """lean_epilogue: before the unit's first stage is announced, the producer threads copy the tile's per-token
+        words (4 bytes per grouped row from `words`: W1's routing weights, W2's combine rows; zero past the count)
+        and the expert's factor into the shared words at cfg.meta_offset. They complete with the thread's first
+        stage (its cp.async arrival on that full barrier tracks every copy it issued before), which every consumer
+        thread waits for before its first step."""
+        for r in cutlass.range_constexpr(-(-BN // PT)):
+            n = pidx + PT * r
+            if n < BN:
+                nrow = Int64(row0) + Int64(n)
+                nbytes = Int32(4)
+                if n >= count:
+                    nrow = Int64(row0)
+                    nbytes = Int32(0)
+                ptx.cp_async_4_zfill(smem + cfg.meta_offset + n * 4, words + nrow * 4, nbytes)
+        if pidx == 0:
+            ptx.cp_async_4_zfill(smem + cfg.meta_offset + BN * 4, w_factor + Int64(e) * 4, Int32(4))
+
+    @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
@@ -861,6 +901,8 @@ def _make_kernel(cfg: GemmConfig):
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         early = Int32(0)  # steps whose weights went out before the wait
+        if cutlass.const_expr(LEAN):
+            stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
         if cutlass.const_expr(STREAM and not W1 and base is not None):  # noqa: SIM102 (trace-time around device)
             if base == 0:  # the CTA's first steps: stages 0.., no empty waits
                 # half the ring: stage 0 completes only once the weights ahead of its rows have landed, and a full
@@ -1402,7 +1444,7 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(epilogue is not None):
                 # inside the consumers' branch: ptxas allocates a region reached from both branches within the
                 # entry's 96 registers, so an epilogue after the branches merge would not get the split's
-                epilogue[0](tid, wg, warp, g, q, weight_factor(w_factor, e), acc, *epilogue[1])
+                epilogue[0](tid, wg, warp, g, q, weight_factor(w_factor, e, smem), acc, *epilogue[1])
             if cutlass.const_expr(SPLIT):  # the registers go back to the pool; the producer may take its own
                 cute.arch.setmaxregister_decrease(WS_ENTRY_REGISTERS)
         return tid, wg, warp, g, q
@@ -1468,7 +1510,7 @@ def _make_kernel(cfg: GemmConfig):
                                                epilogue, ksplit)
         else:
             tid, wg, warp, g, q = main_loop(a, e, bx, row0, count, k_blocks, m_tiles, smem, acc)
-        return tid, wg, warp, g, q, weight_factor(w_factor, e)
+        return tid, wg, warp, g, q, weight_factor(w_factor, e, smem)
 
     @cute.jit
     def tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args=None,
@@ -1488,9 +1530,13 @@ def _make_kernel(cfg: GemmConfig):
                     epilogue[0](tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
     @cute.jit
-    def weight_factor(w_factor, e):
-        """The expert's compensating factor (weights.sm90), times what the folded decode leaves out."""
-        factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
+    def weight_factor(w_factor, e, smem=None):
+        """The expert's compensating factor (weights.sm90), times what the folded decode leaves out (lean_epilogue:
+        the copy the producer staged in shared memory, from `smem`)."""
+        if cutlass.const_expr(LEAN and smem is not None):
+            factor = ptx.lds_f32(smem + cfg.meta_offset + BN * 4)
+        else:
+            factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
         if cutlass.const_expr(cfg.fold_scales):
             factor = factor * Float32(2.0**FOLD_EXPONENT)  # the folded decode carries 2^-5 (exact)
         return factor
@@ -1613,6 +1659,8 @@ def _make_kernel(cfg: GemmConfig):
                               Float32(-cfg.swiglu_clamp))
                 if cutlass.const_expr(RING):
                     rw = ptx.ld_global_f32(routing_weight + nrow * 4)
+                elif cutlass.const_expr(LEAN):  # staged by the producer (zero past the count: h is zero there too)
+                    rw = ptx.lds_f32(smem + cfg.meta_offset + n * 4)
                 else:
                     rw = ptx.ldg_f32(routing_weight + nrow * 4)
                 h = gate * ptx.fast_sigmoid(gate * Float32(cfg.swiglu_alpha)) * up * rw
@@ -1660,12 +1708,24 @@ def _make_kernel(cfg: GemmConfig):
                     ring_protocol.atom_add_release_gpu(
                         l1_empty_count + Int64(block - generation * ring_blocks) * 4, released)
                     block = block + 1
+        if cutlass.const_expr(LEAN):
+            # one thread per token reduces the 16 warps' maxima into the token's first slot (its column is read by
+            # it alone), then every thread reads one word per value
+            if tid < BN:
+                token_amax = Float32(0.0)
+                for p in cutlass.range_constexpr(16):
+                    token_amax = ptx.fmax(token_amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + tid) * 4))
+                ptx.sts_f32(smem + cfg.amax_offset + tid * 4, token_amax)
+            consumer_sync()
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * q + c
                 amax = Float32(0.0)
-                for p in cutlass.range_constexpr(16):
-                    amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
+                if cutlass.const_expr(LEAN):
+                    amax = ptx.lds_f32(smem + cfg.amax_offset + n * 4)
+                else:
+                    for p in cutlass.range_constexpr(16):
+                        amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
                 amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
                 inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
                 if n < count:
@@ -1924,9 +1984,9 @@ def _make_kernel(cfg: GemmConfig):
                 w2_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
 
     @cute.jit
-    def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring):
+    def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring, smem=None):
         """A consumer thread's W2 epilogue: BF16 partials to each row's combine row (the ring consumer's: in the
-        source rank's buffer)."""
+        source rank's buffer; lean_epilogue: the combine rows the producer staged at `smem`)."""
         hidden = m_tiles * 64
         h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
         for i in cutlass.range_constexpr(NSUB):
@@ -1935,6 +1995,8 @@ def _make_kernel(cfg: GemmConfig):
                 if n < count:
                     if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
                         d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                    elif cutlass.const_expr(LEAN):
+                        d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
                     else:
                         d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                     if cutlass.const_expr(RING):
@@ -2011,8 +2073,9 @@ def _make_kernel(cfg: GemmConfig):
                 if cutlass.const_expr(KS > 1):
                     ksplit, unit = split_unit(ks_index, k_blocks, m_tiles, e, bx, bz)
                     epilogue = (split_epilogue, (smem, split[0], split[1], unit, ks_index, *epilogue[1]))
-                tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
-                                   m_tiles, smem, epilogue, fused_args, ksplit)
+                a = (w_codes, w_scales, act, act_scale) + ((routing_weight, w_factor) if LEAN else ())
+                tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args,
+                                   ksplit)
 
         if cutlass.const_expr(STREAM):
             @cute.kernel
@@ -2081,14 +2144,15 @@ def _make_kernel(cfg: GemmConfig):
             if count > 0:
                 row0 = off0 + bz * BN
                 smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
-                epilogue = (w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, ring))
+                epilogue = (w2_epilogue, (row0, count, bx, m_tiles, dest_row, out, ring) + ((smem,) if LEAN else ()))
                 fused_args = (ready, side, base) if cutlass.const_expr(FUSED) else None
                 ksplit = None
                 if cutlass.const_expr(KS > 1):
                     ksplit, unit = split_unit(ks_index, k_blocks, m_tiles, e, bx, bz)
                     epilogue = (split_epilogue, (smem, split[0], split[1], unit, ks_index, *epilogue[1]))
-                tile_with_epilogue((w_codes, w_scales, act, act_scale), w_factor, e, bx, row0, count, k_blocks,
-                                   m_tiles, smem, epilogue, fused_args, ksplit)
+                a = (w_codes, w_scales, act, act_scale) + ((dest_row, w_factor) if LEAN else ())
+                tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args,
+                                   ksplit)
 
         if cutlass.const_expr(STREAM):
             @cute.kernel
@@ -2196,7 +2260,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, stream_k: bool = False, trace: bool = False, interleave: bool = False):
+               fit_n: bool = False, stream_k: bool = False, trace: bool = False, interleave: bool = False,
+               lean_epilogue: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2208,7 +2273,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace, interleave=interleave)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, interleave=interleave,
+                     lean_epilogue=lean_epilogue)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2221,7 +2287,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
-            interleave: bool = False):
+            interleave: bool = False, lean_epilogue: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2257,6 +2323,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     interleave = interleave and cfg.table_decode and cfg.warp_specialized and not cfg.table_pipelined
     if interleave:
         cfg = replace(cfg, interleave=True)
+    # a knob of the stand-alone kernels with one unit per CTA: sets may name it everywhere
+    lean_epilogue = (lean_epilogue and cfg.warp_specialized and not ring_consumer and not stream_k
+                     and cfg.k_splits == 1)
+    if lean_epilogue:
+        cfg = replace(cfg, lean_epilogue=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2291,6 +2362,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["trace"] = True
     if interleave:
         params["interleave"] = True
+    if lean_epilogue:
+        params["lean_epilogue"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -2346,7 +2419,8 @@ def all_variants():
     the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
     pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference), the
     compact ring consumer at bn 8, the K splits, the stream-K loops and the folded scales' table decode
-    (warp-specialized at every bn, with its waited consumer's interleaved issue at tiles 24 and 64)."""
+    (warp-specialized at every bn, with its waited consumer's interleaved issue at tiles 24 and 64, and the lean
+    epilogue at the tiles tile_knobs runs it at)."""
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
@@ -2369,7 +2443,11 @@ def all_variants():
               + [variant(role, 24, fold_scales=True, table_decode=True) for role in ("w1", "w2")]
               # the waited consumer's K32 WGMMAs issued one at a time, at the tiles it runs (24 and 64)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, interleave=True)
-                 for role in ("w1", "w2") for bn in (24, 64)]):
+                 for role in ("w1", "w2") for bn in (24, 64)]
+              # the epilogue's words staged by the producer and W1's amax reduced once per token, at the table tiles
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                         ctas_per_sm=2 if bn == 16 else None)
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

@@ -74,6 +74,10 @@ def lds32(addr: Int32) -> Uint32:
     return asm("ld.shared.b32 $0, [$1];", [Uint32], [addr])
 
 
+def lds_s32(addr: Int32) -> Int32:
+    return asm("ld.shared.b32 $0, [$1];", [Int32], [addr])
+
+
 def lds_f32x2(addr: Int32) -> list:
     return asm("ld.shared.v2.f32 {$0, $1}, [$2];", [Float32] * 2, [addr])
 

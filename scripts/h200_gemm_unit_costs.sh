@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Where a grouped-GEMM unit's time goes at 64-256 tokens per rank, and the lean epilogue against the default, in one
+# bounded device call (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-33):
+#   tests   GPU tests of the opt-in knobs (lean epilogue, interleaved issue) and the programmatic W2 pair
+#   shapes  ws_auto and ws_auto + lean_epilogue per role at both models and at half / quarter K (--shape: the same
+#           units, fewer K128 steps), so each kernel's time fits rounds x (per-unit + steps x per-step)
+#   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
+# Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) carried along.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEOUT_S=${GC_MOE_WAIT_TIMEOUT_S:-30}
+source scripts/steps.sh
+steps=${*:-tests shapes ncu}
+BENCH=scripts/bench_grouped_gemm_sm90.py
+SHAPES="--shape glm-h3072=glm-5.2:hidden=3072 --shape glm-h1536=glm-5.2:hidden=1536
+  --shape glm-i1024=glm-5.2:inter=1024 --shape glm-i512=glm-5.2:inter=512
+  --shape ds-h2560=deepseek-v4.1-flash:hidden=2560 --shape ds-i1152=deepseek-v4.1-flash:inter=1152"
+MODELS=glm-5.2,glm-h3072,glm-h1536,glm-i1024,glm-i512,deepseek-v4.1-flash,ds-h2560,ds-i1152
+for s in $steps; do
+  case $s in
+    tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
+             -k "lean or interleave or programmatic" ;;
+    # shellcheck disable=SC2086
+    shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role --auto-set lean:lean_epilogue=True \
+             $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
+    ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
+           -f -o "$OUT/glm128" python $BENCH --profile --auto-ctas --models glm-5.2 --tokens 128
+         ncu -i "$OUT/glm128.ncu-rep" --page source --csv --print-source sass > "$OUT/glm128.sass.csv" 2>&1
+         python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" > "$OUT/ncu-summary.txt" 2>&1
+         python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
+         python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
+         head -c 1200 "$OUT/ncu-summary.txt" ;;
+    *) echo "unknown step $s (tests, shapes, ncu)"; exit 2 ;;
+  esac
+done
+if [ -f "$OUT/unit-costs.json" ]; then
+  python - "$OUT/unit-costs.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"read bandwidth {d['read_bw_bytes_per_s'] / 1e12:.2f} TB/s; per set: cold us (W1 / W2 alone)")
+points = {}
+for r in d["rows"]:
+    if r["tag"] in ("ws_auto", "lean"):
+        points.setdefault((r["model"], r["tokens"]), {})[r["tag"]] = r
+for (model, tokens), sets in points.items():
+    cells = [f"{t} {r['cold_us']:.1f} ({r.get('w1_cold_us', 0):.1f} / {r.get('w2_cold_us', 0):.1f})"
+             + ("" if r.get("ok", True) else " FAILED") for t, r in sets.items()]
+    any_row = next(iter(sets.values()))
+    print(f"{model:20s} T={tokens:3d} bn {any_row['block_n']:2d} floor {any_row['floor_us']:6.1f}  " + "  ".join(cells))
+PY
+fi
+print_steps
