@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a grouped-GEMM unit's time goes at 64-256 tokens per rank, and the lean epilogue against the default, in one
 # bounded device call (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-33):
-#   tests   GPU tests of the opt-in knobs (lean epilogue, interleaved issue) and the programmatic W2 pair
+#   tests   GPU tests of the lean epilogue (opt-in) and of the programmatic W2 pair
 #   shapes  ws_auto and ws_auto + lean_epilogue per role at both models and at half / quarter K (--shape: the same
 #           units, fewer K128 steps), so each kernel's time fits rounds x (per-unit + steps x per-step)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
@@ -21,7 +21,7 @@ MODELS=glm-5.2,glm-h3072,glm-h1536,glm-i1024,glm-i512,deepseek-v4.1-flash,ds-h25
 for s in $steps; do
   case $s in
     tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or interleave or programmatic" ;;
+             -k "lean or programmatic" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role --auto-set lean:lean_epilogue=True \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;

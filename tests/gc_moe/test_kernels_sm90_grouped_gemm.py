@@ -456,24 +456,6 @@ def test_fit_n_knob_names_and_limits():
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 
-def test_interleave_knob_names_and_limits():
-    """The interleaved issue is a knob of the waited table consumer only (tiles 24 and 64); sets may name it at every
-    tile, and the variants name it only where it applies."""
-    for block_n, knobs in ((32, {"fold_scales": True, "table_decode": True}), (64, {"fold_scales": True}),
-                           (64, {}), (16, {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2})):
-        with pytest.raises(ValueError, match="interleave is a knob of the table decode's waited consumer"):
-            gg.GemmConfig("w1", block_n, interleave=True, **knobs)
-    cfg = gg.GemmConfig("w2", 64, fold_scales=True, table_decode=True, fit_n=True, interleave=True)
-    assert cfg.name.endswith("_il_ws")
-    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "interleave": True}
-    named = {bn: dict(v.params).get("interleave", False) for v in gg.variant_set(**tab, ctas_per_sm=2, max_block_n=24)
-             for bn in [dict(v.params)["block_n"]]}
-    assert named == {8: False, 16: False, 24: True}
-    assert dict(gg.variant("w1", 64, **tab).params)["interleave"] is True
-    assert "interleave" not in dict(gg.variant("w1", 32, **tab).params)
-    assert "interleave" not in dict(gg.variant("w1", 64, fold_scales=True, table_decode=True).params)
-
-
 def test_lean_epilogue_knob_names_limits_and_shared_words():
     """The lean epilogue is a knob of the stand-alone kernels with one unit per CTA; its staged words take
     (block_n + 1) x 4 bytes after the amax region (rounded to 16) and leave the rings as deep as before."""
@@ -547,9 +529,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
-    # bn 8 (one and two CTAs per SM, both roles, and traced at one), the interleaved waited consumer at bn 24 / 64,
-    # the lean epilogue at the table decode's bn 16 / 24 / 32 / 64
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 4 + 8
+    # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
+    # 32 / 64
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -607,13 +589,12 @@ def test_default_variants_do_not_name_the_fold_knob():
 
 
 def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
-    """fold_scales: per K128 step four WGMMAs on the same accumulator registers, the first fresh and three
-    accumulating, one wait (one asm block; the interleaved consumer issues them one by one, the registers tied);
-    the FP32 work left is one FMA per accumulator per step."""
+    """fold_scales: per K128 step one asm block of four WGMMAs on the same accumulator registers, the first
+    fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
-    # interleaved at bn 24 / 64, the lean epilogue at bn 16 / 24 / 32 / 64
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 4 + 8
+    # the lean epilogue at bn 16 / 24 / 32 / 64
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         ptx = entry.ptx_path.read_text()
@@ -636,9 +617,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
-    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the interleaved waited consumer at bn 24 / 64; the
-    # lean epilogue at bn 16 / 24 / 32 / 64
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 4 + 8
+    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1154,19 +1134,6 @@ def test_fit_n_agrees_with_the_whole_tile(block_n, ctas_per_sm, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [5, 21, 150])
-@pytest.mark.parametrize("block_n,ctas_per_sm", [(24, 2), (64, None)])
-def test_interleaved_issue_writes_the_same_bytes(block_n, ctas_per_sm, tokens):
-    """The waited table consumer issuing its four K32 WGMMAs one at a time runs the same chain and FMAs as issuing
-    them together: W1 and W2 write the same bytes (fitted N, as tile_knobs runs them: every N branch up to the whole
-    tile) over tails of every size and several token tiles per expert."""
-    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "ctas_per_sm": ctas_per_sm}
-    runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + 3 * block_n, return_raw=True, **kn)
-            for kn in ({**knobs, "interleave": True}, knobs)]
-    _assert_same_bytes(*runs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [5, 21, 150])
 @pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (24, None), (32, None), (64, None)])
 def test_lean_epilogue_writes_the_same_bytes(block_n, ctas_per_sm, tokens):
     """The epilogue's words staged in shared memory by the producer (routing weights, combine rows, the expert's
@@ -1186,16 +1153,6 @@ def test_lean_epilogue_model_shapes_match_float32_reference(hidden, inter, topk,
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, 37, block_n, seed=hidden + 9 * block_n,
                                            fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                                            ctas_per_sm=2 if block_n == 16 else None)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [24, 64])
-@pytest.mark.parametrize("hidden,inter,topk", [(5120, 2304, 6), (6144, 2048, 8)], ids=["deepseek", "glm"])
-def test_interleaved_issue_model_shapes_match_float32_reference(hidden, inter, topk, block_n):
-    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, 37, block_n, seed=hidden + 5 * block_n,
-                                           fold_scales=True, table_decode=True, fit_n=True, interleave=True,
-                                           ctas_per_sm=2 if block_n == 24 else None)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

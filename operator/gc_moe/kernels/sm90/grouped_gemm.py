@@ -238,10 +238,6 @@ class GemmConfig:
     # the partials buffer: where a small call's time over the floor goes (start, unit scan, first stage, each
     # segment's K loop and epilogue, the owner's wait). A measuring variant, not the default
     trace: bool = False
-    # the table decode's waited consumer (tiles 24 and 64: one chain, waited each K128 step) decodes and issues the
-    # step's four K32 WGMMAs one at a time (block j + 1 decoded while block j runs) and loads the step's activation
-    # scales before the wait instead of after it; the same chain, FMAs and bytes
-    interleave: bool = False
     # the stand-alone W1 / W2 (warp-specialized, one unit per CTA): the producer stages the epilogue's per-token words
     # (W1's routing weights, W2's combine rows) and the expert's factor into shared memory with the unit's first stage,
     # so no global load waits after the K loop, and W1 reduces each token's amax once (one thread per token, then one
@@ -318,9 +314,6 @@ class GemmConfig:
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
-        if self.interleave and not (self.table_decode and self.warp_specialized and not self.table_pipelined):
-            raise ValueError(f"interleave is a knob of the table decode's waited consumer (table_decode=True, "
-                             f"warp-specialized, token tile 24 or above {WS_MAX_BLOCK_N}); got block_n {self.block_n}")
         if self.lean_epilogue and not (self.warp_specialized and not self.ring_consumer and not self.fused_role2
                                        and not self.stream_k and self.k_splits == 1):
             raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 with one unit per CTA (warp-specialized, "
@@ -489,8 +482,6 @@ class GemmConfig:
             s += f"_k{self.k_splits}"
         if self.stream_k:
             s += "_skt" if self.trace else "_sk"
-        if self.interleave:
-            s += "_il"
         if self.lean_epilogue:
             s += "_lean"
         if self.ring_consumer:
@@ -1260,55 +1251,23 @@ def _make_kernel(cfg: GemmConfig):
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage = Int32(0)
         phase = Int32(0)
-        chain = cute.make_rmem_tensor((n // 2,), Float32)  # interleave: the step's chain, carried in its registers
-        for r in cutlass.range_constexpr(n // 2):
-            chain[r] = Float32(0.0)
         for kb in cutlass.range(k_blocks):
             ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
             sbase = smem + stage * cfg.stage_bytes
+            a_regs = table_fragment(sbase, a_off, s_off)
             desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
             descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
-            if cutlass.const_expr(cfg.interleave):
-                interleaved_chain(sbase, a_off, s_off, descs, chain, n)
-                xvs = [ptx.lds_f32x2(sbase + x_off + 8 * i * 4) for i in range(n // 8)]  # loads under the chain
-                part = ptx.wgmma_commit_wait_tied([chain[r] for r in range(n // 2)], 0)
-                for r in cutlass.range_constexpr(n // 2):
-                    chain[r] = part[r]
-            else:
-                a_regs = table_fragment(sbase, a_off, s_off)
-                ptx.wgmma_fence()
-                part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
+            ptx.wgmma_fence()
+            part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
             for i in cutlass.range_constexpr(n // 8):
-                if cutlass.const_expr(cfg.interleave):
-                    xv = xvs[i]
-                else:
-                    xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
+                xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
                 for c in cutlass.range_constexpr(4):
                     acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xv[c % 2]
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
-
-    @cute.jit
-    def interleaved_chain(sbase, a_off, s_off, descs, chain, n):
-        """interleave: the step's four K32 blocks decoded and issued one at a time into `chain` (not committed), so
-        that block j + 1's decode runs while block j's WGMMA does (the same bytes and chain as table_fragment and
-        one wgmma_rs_e4m3_chain: only the order of issue differs)."""
-        wa = sbase + a_off
-        words = ptx.lds128(wa) + ptx.lds128(wa + TILE_BYTES // 2)
-        sc_lo = ptx.lds32(sbase + s_off)
-        sc_hi = ptx.lds32(sbase + s_off + 32)
-        for j in cutlass.range_constexpr(4):
-            table_lo = ptx.decode_table(sc_lo, j)
-            table_hi = ptx.decode_table(sc_hi, j)
-            a_regs = [*ptx.decode_fp4x8_table(words[2 * j], table_lo, table_hi),
-                      *ptx.decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
-            ptx.wgmma_fence()  # block j's A registers were just written
-            out = ptx.wgmma_rs_e4m3_block(n, a_regs, descs[j], [chain[r] for r in range(n // 2)], j == 0)
-            for r in cutlass.range_constexpr(n // 2):
-                chain[r] = out[r]
 
     @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
@@ -2260,8 +2219,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, stream_k: bool = False, trace: bool = False, interleave: bool = False,
-               lean_epilogue: bool = False):
+               fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2273,8 +2231,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace, interleave=interleave,
-                     lean_epilogue=lean_epilogue)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2287,7 +2244,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
-            interleave: bool = False, lean_epilogue: bool = False):
+            lean_epilogue: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2319,10 +2276,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace)
-    # a knob of the waited table consumer (tiles 24 and 64): sets may name it at every tile
-    interleave = interleave and cfg.table_decode and cfg.warp_specialized and not cfg.table_pipelined
-    if interleave:
-        cfg = replace(cfg, interleave=True)
     # a knob of the stand-alone kernels with one unit per CTA: sets may name it everywhere
     lean_epilogue = (lean_epilogue and cfg.warp_specialized and not ring_consumer and not stream_k
                      and cfg.k_splits == 1)
@@ -2360,8 +2313,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["stream_k"] = True
     if trace:
         params["trace"] = True
-    if interleave:
-        params["interleave"] = True
     if lean_epilogue:
         params["lean_epilogue"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
@@ -2419,8 +2370,7 @@ def all_variants():
     the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
     pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference), the
     compact ring consumer at bn 8, the K splits, the stream-K loops and the folded scales' table decode
-    (warp-specialized at every bn, with its waited consumer's interleaved issue at tiles 24 and 64, and the lean
-    epilogue at the tiles tile_knobs runs it at)."""
+    (warp-specialized at every bn, and with the lean epilogue at the tiles tile_knobs runs it at)."""
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
@@ -2441,9 +2391,6 @@ def all_variants():
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, ctas_per_sm=2 if bn == 16 else None)
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64)]
               + [variant(role, 24, fold_scales=True, table_decode=True) for role in ("w1", "w2")]
-              # the waited consumer's K32 WGMMAs issued one at a time, at the tiles it runs (24 and 64)
-              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, interleave=True)
-                 for role in ("w1", "w2") for bn in (24, 64)]
               # the epilogue's words staged by the producer and W1's amax reduced once per token, at the table tiles
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          ctas_per_sm=2 if bn == 16 else None)

@@ -422,27 +422,6 @@ def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pend
     return _asm_tied("\n".join(lines), per, list(a_regs) + list(descs), list(acc))
 
 
-def wgmma_rs_e4m3_block(n: int, a_regs: list, desc, acc: list, fresh: bool) -> list:
-    """One register-A `m64n{n}k32` E4M3 WGMMA into `acc` (n/2 floats, in/out operands), not committed: `fresh` starts
-    a K128 step's chain (scale-d false), else it accumulates. The interleaved table consumer issues a step's four
-    K32 blocks one at a time, so that block j + 1's decode runs while block j's WGMMA does; `wgmma_commit_wait_tied`
-    ends the step."""
-    per = n // 2
-    d = ", ".join(f"${r}" for r in range(per))
-    a = ", ".join(f"${per + r}" for r in range(4))
-    pred = "fresh" if fresh else "chain"
-    lines = ["{", f".reg .pred {pred};", f"setp.{'ne' if fresh else 'eq'}.b32 {pred}, 0, 0;",
-             f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, ${per + 4}, {pred}, 1, 1;", "}"]
-    return _asm_tied("\n".join(lines), per, list(a_regs) + [desc], list(acc))
-
-
-def wgmma_commit_wait_tied(acc: list, pending: int = 0) -> list:
-    """Commit the WGMMAs issued since the last commit as one group, then wgmma.wait_group `pending`, with `acc` as
-    in/out operands (the registers the group writes)."""
-    lines = "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned " + f"{pending};"
-    return _asm_tied(lines, len(acc), [], list(acc))
-
-
 def wgmma_wait_tied(acc: list, pending: int = 0) -> list:
     """wgmma.wait_group `pending` with `acc` as in/out operands (the registers a group in flight writes)."""
     return _asm_tied(f"wgmma.wait_group.sync.aligned {pending};", len(acc), [], list(acc))
