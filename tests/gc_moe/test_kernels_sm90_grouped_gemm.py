@@ -503,6 +503,24 @@ def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
     assert bench.local_ops_in_mma_loops(listing[:2] + listing[3:]) == 0
 
 
+def test_bench_shape_option_names_what_is_wrong():
+    """The bench's --shape: a model slice at other sizes (the same experts and top-k), refused with the allowed form."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_grouped_gemm_sm90.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_gemm_sm90", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    name, shape = bench.parse_shape("glm-h3072=glm-5.2:hidden=3072,inter=1024")
+    assert name == "glm-h3072" and shape == {**bench.MODELS["glm-5.2"], "hidden": 3072, "inter": 1024}
+    assert bench.MODELS["glm-5.2"]["hidden"] == 6144  # the base slice is not touched
+    for spec_text, match in (("x=nope:hidden=128", "BASE one of"), ("x=glm-5.2:width=128", "FIELD one of"),
+                             ("x=glm-5.2:hidden=100", "multiples of 128"), ("glm-5.2:hidden=128", "NAME=BASE")):
+        with pytest.raises(SystemExit, match=match):
+            bench.parse_shape(spec_text)
+
+
 def test_tile_24_is_the_two_cta_table_decodes_only():
     cfg = gg.GemmConfig("w1", 24, fold_scales=True, table_decode=True)
     assert cfg.ctas_per_sm == 2 and not cfg.table_pipelined and cfg.smem_bytes <= cfg.smem_limit
