@@ -352,7 +352,8 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
     if args.trace:
         row["trace"] = trace_point(pt, stream, flush)
         for role, tr in row["trace"].items():
-            print(f"# trace {row['tag']} {pt.name} T={pt.tokens} {role}: {json.dumps(tr)}", flush=True)
+            brief = {k: v for k, v in tr.items() if k != "ctas_by_sm_runs"}  # the per-CTA lists: the JSON only
+            print(f"# trace {row['tag']} {pt.name} T={pt.tokens} {role}: {json.dumps(brief)}", flush=True)
     return ok
 
 
@@ -410,12 +411,16 @@ def trace_summary(words, segments) -> dict:
         "empty_wait_per_step_us": round(empty_wait_us / max(loop_steps, 1), 3),
         "switch_wait_us": med_max(gaps), **{f"epilogue_{k}_us": med_max(v) for k, v in epi.items()},
         "end_spread_us": round((max(ends) - min(ends)) / 1e3, 2),
+        # per working CTA: the SM it ran on, its start and end (us after the first start) and its steps, to see
+        # whether the late ends sit on the same SMs (or GPCs) from launch to launch
+        "ctas_by_sm": [[r[tail + 2][1], round((r[0][0] - t0) / 1e3, 2), round((end - t0) / 1e3, 2),
+                        sum(steps for steps, _ in segments[c])] for (c, r), end in zip(rows, ends)],
     }
 
 
 def trace_point(pt, stream, flush, runs: int = 3) -> dict:
     """Each traced stream_k kernel of the point launched after a read flush `runs` times: the summary of the run
-    with the median span (`trace_summary`)."""
+    with the median span (`trace_summary`), with every run's per-CTA (SM, start, end, steps) lists."""
     from gc_moe.kernels.sm90 import grouped_gemm as gg
 
     out = {}
@@ -434,8 +439,9 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
                 pt.launch(stream, roles=(role,))  # W2 reads the W1 output of the runs before
             stream.synchronize()
             results.append(trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments))
+        runs_by_sm = [r.pop("ctas_by_sm") for r in results]  # every run's, in launch order
         results.sort(key=lambda r: r["span_us"])
-        out[role] = results[len(results) // 2]
+        out[role] = {**results[len(results) // 2], "ctas_by_sm_runs": runs_by_sm}
     return out
 
 

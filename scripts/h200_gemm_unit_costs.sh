@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Where a grouped-GEMM unit's time goes at 64-256 tokens per rank, and the lean epilogue against the default, in one
 # bounded device call (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-33):
-#   tests   GPU tests of the lean epilogue (opt-in) and of the programmatic W2 pair
+#   tests   GPU tests of the lean epilogue (opt-in), the programmatic W2 pair and the traced stream-K loops
 #   shapes  ws_auto and ws_auto + lean_epilogue per role at both models and at half / quarter K (--shape: the same
 #           units, fewer K128 steps), so each kernel's time fits rounds x (per-unit + steps x per-step)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
+#   trace   the traced stream-K loops at 1 and 8 tokens: per CTA its SM, start and end, three launches each, to see
+#           whether the end spread (2.4-2.9 us) sits on the same SMs every launch
 # Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) carried along.
 set -u
 cd "$(dirname "$0")/.."
@@ -12,7 +14,7 @@ OUT=${OUT:-device-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEOUT_S=${GC_MOE_WAIT_TIMEOUT_S:-30}
 source scripts/steps.sh
-steps=${*:-tests shapes ncu}
+steps=${*:-tests shapes ncu trace}
 BENCH=scripts/bench_grouped_gemm_sm90.py
 SHAPES="--shape glm-h3072=glm-5.2:hidden=3072 --shape glm-h1536=glm-5.2:hidden=1536
   --shape glm-i1024=glm-5.2:inter=1024 --shape glm-i512=glm-5.2:inter=512
@@ -21,7 +23,7 @@ MODELS=glm-5.2,glm-h3072,glm-h1536,glm-i1024,glm-i512,deepseek-v4.1-flash,ds-h25
 for s in $steps; do
   case $s in
     tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic" ;;
+             -k "lean or programmatic or traced" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role --auto-set lean:lean_epilogue=True \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -32,7 +34,10 @@ for s in $steps; do
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
-    *) echo "unknown step $s (tests, shapes, ncu)"; exit 2 ;;
+    trace) run trace 240 python $BENCH --check --time --auto-ctas --pdl --trace \
+             --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True --tokens 1,8 --windows 3 --replays 10 \
+             --json "$OUT/trace.json" ;;
+    *) echo "unknown step $s (tests, shapes, ncu, trace)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

@@ -1077,6 +1077,9 @@ def test_traced_stream_k_writes_the_same_bytes_and_its_phases(hidden, inter, exp
                                            for j in range(4)] + [w[tail + 1][1]]
             assert clocks == sorted(clocks), (cta, clocks)
             assert w[0][1] <= w[tail][1]  # the producer's end after the CTA's start (one SM's %clock64)
+        # the SMs the working CTAs ran on: one CTA per SM, the grid resident at once
+        sm_ids = [words[cta].tolist()[tail + 2][1] for cta, walk in enumerate(walks) if walk]
+        assert len(set(sm_ids)) == len(sm_ids) and all(0 <= i < gg.device_sms("cuda") for i in sm_ids), sm_ids
 
 
 @pytest.mark.gpu

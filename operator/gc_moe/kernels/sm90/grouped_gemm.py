@@ -130,8 +130,8 @@ STREAM_MAX_EXPERTS = 64
 # stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
-# the cycles thread 0 waited for full stages and the producer for empty ones; the producer's and the consumers' end
-# and the segment count (the bench's `trace_summary` reads them). One CTA per SM only: the traced two-CTA W1 loop
+# the cycles thread 0 waited for full stages and the producer for empty ones; the producer's and the consumers' end,
+# the segment count and the SM the CTA ran on (the bench's `trace_summary` reads them). One CTA per SM only: the traced two-CTA W1 loop
 # spilled 8 B and wrote other bytes than the plain loop in about one launch of eight (never root-caused; the plain
 # two-CTA loops pass the same relaunch checks), so it is not built
 TRACE_SEGMENTS = 5
@@ -1902,6 +1902,7 @@ def _make_kernel(cfg: GemmConfig):
             if tid == 0:
                 ptx.stamp_times(tail + Int64(16))
                 ptx.stg_s64(tail + Int64(32), Int64(segment))
+                ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
 
     @cute.jit
     def split_epilogue(tid, wg, warp, g, q, factor, acc, smem, split_partials, split_counts, unit, ks_index, *rest):

@@ -543,6 +543,11 @@ def stamp_times(addr: Int64) -> None:
         [], [addr])
 
 
+def sm_id() -> Int32:
+    """%smid: the SM this thread runs on (a trace's label; not stable across launches)."""
+    return asm("mov.u32 $0, %smid;", [Int32], [])
+
+
 def stg_s64(addr: Int64, v: Int64) -> None:
     asm("st.global.b64 [$0], $1;", [], [addr, v])
 
