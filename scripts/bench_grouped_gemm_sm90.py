@@ -528,7 +528,7 @@ def main() -> int:
                          "one CTA per SM (`ws1`)")
     ap.add_argument("--auto-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="with --auto-ctas: also a set like ws_auto (tile_knobs per point) with these knobs added where "
-                         "they apply (e.g. lean:lean_epilogue=True)")
+                         "they apply (e.g. lean:lean_epilogue=True; pdl=True launches its stream-K W2 programmatically)")
     ap.add_argument("--shape", action="append", default=[], metavar="NAME=BASE:hidden=H,inter=I",
                     help="a model slice for --models: BASE's with other sizes (e.g. half K, to split a kernel's time "
                          "into per-unit and per-step parts)")
@@ -617,8 +617,10 @@ def main() -> int:
         if args.pdl:
             kernel_sets["ws_auto_pdl"] = None  # the same, W2 launched programmatically where it is stream-K
     auto_knobs = {"ws_auto": {}, "ws_auto_pdl": {}}  # per tile_knobs set: the knobs it adds
+    auto_pdl = {}  # --auto-set sets that launch a stream-K W2 programmatically (pseudo-knob pdl=True)
     for spec in args.auto_set if args.auto_ctas else ():
         (tag, extra), = parse_extra_set(spec, {}).items()
+        auto_pdl[tag] = bool(extra.pop("pdl", False))
         auto_knobs[tag] = extra
         kernel_sets[tag] = None
     if args.table_decode:
@@ -627,7 +629,7 @@ def main() -> int:
     for spec in args.extra_set:
         kernel_sets.update(parse_extra_set(spec, knobs))
     set_max_block_n = {}  # per set: its largest token tile (a pseudo-knob, not a GemmConfig one)
-    set_pdl = {"ws_auto_pdl": True}  # per set: W2 launched programmatically where it is stream-K (pseudo-knob pdl)
+    set_pdl = {"ws_auto_pdl": True, **auto_pdl}  # per set: W2 launched programmatically where it is stream-K (pdl)
     if args.baseline:
         kernel_sets["cpasync"] = {**knobs, "warp_specialized": False}
     for tag, set_knobs in kernel_sets.items():

@@ -5,8 +5,9 @@
 #   shapes  ws_auto and ws_auto + lean_epilogue per role at both models and at half / quarter K (--shape: the same
 #           units, fewer K128 steps), so each kernel's time fits rounds x (per-unit + steps x per-step)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
-#   trace   the traced stream-K loops at 1 and 8 tokens: per CTA its SM, start and end, three launches each, to see
-#           whether the end spread (2.4-2.9 us) sits on the same SMs every launch
+#   trace   the traced stream-K loops at 1 and 8 tokens, with and without the lean epilogue (its early loads): per
+#           CTA its SM, start and end, three launches each (does the end spread, 2.4-2.9 us, sit on the same SMs every
+#           launch?), the epilogue phases, and ws_auto_pdl against the same with lean_epilogue
 # Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) carried along.
 set -u
 cd "$(dirname "$0")/.."
@@ -34,9 +35,11 @@ for s in $steps; do
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
-    trace) run trace 240 python $BENCH --check --time --auto-ctas --pdl --trace \
-             --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True --tokens 1,8 --windows 3 --replays 10 \
-             --json "$OUT/trace.json" ;;
+    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --per-role --trace \
+             --auto-set lean_pdl:lean_epilogue=True,pdl=True \
+             --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
+             --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
+             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/trace.json" ;;
     *) echo "unknown step $s (tests, shapes, ncu, trace)"; exit 2 ;;
   esac
 done

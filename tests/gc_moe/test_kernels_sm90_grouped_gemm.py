@@ -117,10 +117,11 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
         with pytest.raises(ValueError, match="stream_k is a knob of the stand-alone"):
             gg.GemmConfig(**{"role": "w1", "block_n": 8, "stream_k": True, **bad})
     built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
-                    dict(v.params).get("trace", False))
+                    dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False))
                    for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
-    assert built == sorted([(role, 8, ctas, False) for role in ("w1", "w2") for ctas in (0, 1)]
-                           + [(role, 8, 1, True) for role in ("w1", "w2")])
+    assert built == sorted([(role, 8, ctas, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
+                           + [(role, 8, 1, True, False) for role in ("w1", "w2")]
+                           + [(role, 8, 1, trace, True) for role in ("w1", "w2") for trace in (False, True)])
     # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
     # phases ahead of the partials
     with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
@@ -457,11 +458,14 @@ def test_fit_n_knob_names_and_limits():
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
-    """The lean epilogue is a knob of the stand-alone kernels with one unit per CTA; its staged words take
-    (block_n + 1) x 4 bytes after the amax region (rounded to 16) and leave the rings as deep as before."""
-    for knobs in ({"ring_consumer": True}, {"stream_k": True}, {"k_splits": 2}, {"warp_specialized": False}):
+    """The lean epilogue is a knob of the stand-alone kernels; with one unit per CTA its staged words take
+    (block_n + 1) x 4 bytes after the amax region (rounded to 16) and leave the rings as deep as before; a stream_k
+    loop loads them into registers instead (no shared words)."""
+    for knobs in ({"ring_consumer": True}, {"k_splits": 2}, {"warp_specialized": False}):
         with pytest.raises(ValueError, match="lean_epilogue is a knob of the stand-alone W1 / W2"):
             gg.GemmConfig("w1", 8, lean_epilogue=True, **knobs)
+    stream = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True)
+    assert stream.meta_bytes == 0 and stream.smem_bytes == gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1).smem_bytes
     tab = {"fold_scales": True, "table_decode": True, "fit_n": True}
     for role in ("w1", "w2"):
         for bn, ctas in ((16, 2), (24, None), (32, None), (64, None)):
@@ -475,8 +479,9 @@ def test_lean_epilogue_knob_names_limits_and_shared_words():
             assert cfg.barrier_offset == base.barrier_offset + cfg.meta_bytes
             assert cfg.smem_bytes <= cfg.smem_limit
     # sets may name it everywhere; the variants name it only where it applies
-    assert "lean_epilogue" not in dict(gg.variant("w1", 8, stream_k=True, lean_epilogue=True).params)
+    assert dict(gg.variant("w1", 8, stream_k=True, lean_epilogue=True).params)["lean_epilogue"] is True
     assert "lean_epilogue" not in dict(gg.variant("w1", 8, ring_consumer=True, lean_epilogue=True).params)
+    assert "lean_epilogue" not in dict(gg.variant("w1", 8, k_splits=2, lean_epilogue=True).params)
     assert dict(gg.variant("w2", 8, lean_epilogue=True).params)["lean_epilogue"] is True
 
 
@@ -548,8 +553,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
-    # 32 / 64
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8
+    # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced)
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -635,8 +640,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
-    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8
+    # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
+    # the stream-K loops at one CTA per SM
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -649,7 +655,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # a stream-K W1 epilogue once more at its end (its amax words are read before the next unit's epilogue), a
         # lean W1 epilogue once more after its per-token amax
         split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
-        w1_meets = (2 if params.get("stream_k") or params.get("lean_epilogue") else 1) if params["role"] == "w1" else 0
+        w1_meets = 0
+        if params["role"] == "w1":
+            w1_meets = 1 + bool(params.get("stream_k")) + bool(params.get("lean_epilogue"))
         assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
@@ -1165,6 +1173,19 @@ def test_lean_epilogue_writes_the_same_bytes(block_n, ctas_per_sm, tokens):
     runs = [_run_case(1024, 512, 7, 4, tokens, block_n, seed=tokens + 5 * block_n, return_raw=True, **kn)
             for kn in ({**knobs, "lean_epilogue": True}, knobs)]
     _assert_same_bytes(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trace", [False, True], ids=["plain", "traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8)])
+def test_lean_stream_k_writes_the_same_bytes(hidden, inter, experts, topk, tokens, trace):
+    """The stream-K loops with the epilogue's words loaded before each segment's K loop (and W1's amax reduced once
+    per token) write the bytes the plain loops write, relaunched on the same buffers (owners, pieces and whole
+    units alike)."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {"stream_k": True, "ctas_per_sm": 1, "return_raw": True, "relaunches": 4}
+    lean = _run_case(*case, seed=tokens + 23, lean_epilogue=True, trace=trace, **knobs)
+    _assert_same_bytes(lean, _run_case(*case, seed=tokens + 23, **knobs))
 
 
 @pytest.mark.gpu

@@ -238,10 +238,11 @@ class GemmConfig:
     # the partials buffer: where a small call's time over the floor goes (start, unit scan, first stage, each
     # segment's K loop and epilogue, the owner's wait). A measuring variant, not the default
     trace: bool = False
-    # the stand-alone W1 / W2 (warp-specialized, one unit per CTA): the producer stages the epilogue's per-token words
-    # (W1's routing weights, W2's combine rows) and the expert's factor into shared memory with the unit's first stage,
-    # so no global load waits after the K loop, and W1 reduces each token's amax once (one thread per token, then one
-    # shared read per value) instead of in every thread for each of its values (16 reads each)
+    # the stand-alone W1 / W2 (warp-specialized): no global load waits after the K loop, and W1 reduces each token's
+    # amax once (one thread per token, then one shared read per value) instead of in every thread for each of its
+    # values (16 reads each). The epilogue's per-token words (W1's routing weights, W2's combine rows) and the
+    # expert's factor: with one unit per CTA the producer stages them into shared memory with the unit's first stage;
+    # in a stream_k loop each consumer thread loads its own before the segment's K loop (a few registers)
     lean_epilogue: bool = False
 
     def __post_init__(self):
@@ -315,9 +316,9 @@ class GemmConfig:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
         if self.lean_epilogue and not (self.warp_specialized and not self.ring_consumer and not self.fused_role2
-                                       and not self.stream_k and self.k_splits == 1):
-            raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 with one unit per CTA (warp-specialized, "
-                             "no ring consumer, no fused role2, no stream_k, no k_splits)")
+                                       and self.k_splits == 1):
+            raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 (warp-specialized, no ring consumer, "
+                             "no fused role2, no k_splits)")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -392,7 +393,7 @@ class GemmConfig:
 
     @property
     def meta_bytes(self) -> int:
-        return -(-4 * (self.block_n + 1) // 16) * 16 if self.lean_epilogue else 0
+        return -(-4 * (self.block_n + 1) // 16) * 16 if self.lean_epilogue and not self.stream_k else 0
 
     @property
     def ticket_offset(self) -> int:
@@ -892,7 +893,7 @@ def _make_kernel(cfg: GemmConfig):
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         early = Int32(0)  # steps whose weights went out before the wait
-        if cutlass.const_expr(LEAN):
+        if cutlass.const_expr(LEAN and not STREAM):
             stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
         if cutlass.const_expr(STREAM and not W1 and base is not None):  # noqa: SIM102 (trace-time around device)
             if base == 0:  # the CTA's first steps: stages 0.., no empty waits
@@ -1492,7 +1493,7 @@ def _make_kernel(cfg: GemmConfig):
     def weight_factor(w_factor, e, smem=None):
         """The expert's compensating factor (weights.sm90), times what the folded decode leaves out (lean_epilogue:
         the copy the producer staged in shared memory, from `smem`)."""
-        if cutlass.const_expr(LEAN and smem is not None):
+        if cutlass.const_expr(LEAN and not STREAM and smem is not None):
             factor = ptx.lds_f32(smem + cfg.meta_offset + BN * 4)
         else:
             factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
@@ -1599,7 +1600,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
-                    out_scale, ring, done_mask):
+                    out_scale, ring, done_mask, words=None):
         """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
         rows with FP32 K128 scales; the ring consumer releases its ring blocks, the fused half its bit."""
         if cutlass.const_expr(RING):
@@ -1618,6 +1619,8 @@ def _make_kernel(cfg: GemmConfig):
                               Float32(-cfg.swiglu_clamp))
                 if cutlass.const_expr(RING):
                     rw = ptx.ld_global_f32(routing_weight + nrow * 4)
+                elif cutlass.const_expr(words is not None):  # loaded before the K loop (lean stream_k)
+                    rw = words[2 * i + c]
                 elif cutlass.const_expr(LEAN):  # staged by the producer (zero past the count: h is zero there too)
                     rw = ptx.lds_f32(smem + cfg.meta_offset + n * 4)
                 else:
@@ -1805,6 +1808,25 @@ def _make_kernel(cfg: GemmConfig):
                 w2_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
 
     @cute.jit
+    def early_epilogue_words(words_src, w_factor, e, row0, count, q):
+        """lean_epilogue in a stream_k segment: the expert's factor and the thread's per-value words (W1's routing
+        weights, W2's combine rows; a token past the count reads row0's, unused) loaded before the K loop, so the
+        epilogue after it does not wait for global memory."""
+        factor = weight_factor(w_factor, e)
+        words = []
+        for i in cutlass.range_constexpr(NSUB):
+            for c in cutlass.range_constexpr(2):
+                n = 8 * i + 2 * q + c
+                nrow = Int64(row0) + Int64(n)
+                if n >= count:
+                    nrow = Int64(row0)
+                if cutlass.const_expr(W1):
+                    words.append(ptx.ldg_f32(words_src + nrow * 4))
+                else:
+                    words.append(ptx.ldg_s32(words_src + nrow * 4))
+        return factor, words
+
+    @cute.jit
     def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args):
         """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
@@ -1871,6 +1893,9 @@ def _make_kernel(cfg: GemmConfig):
                         ptx.stamp_times(seg_stamps)
                 for i in cutlass.range_constexpr(BN // 2):
                     acc[i] = Float32(0.0)
+                words = None
+                if cutlass.const_expr(LEAN):  # the epilogue's loads go out now and land during the K loop
+                    factor, words = early_epilogue_words(role_args[0], w_factor, e, row0, count, q)
                 consume_pipelined(steps, smem, wg, t, warp, g, q, acc, base,
                                   trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
@@ -1879,14 +1904,16 @@ def _make_kernel(cfg: GemmConfig):
                 whole = Int32(0)
                 if steps == k_blocks:  # a unit's steps are consecutive: all of them means its first too
                     whole = Int32(1)
+                if cutlass.const_expr(not LEAN):
+                    factor = weight_factor(w_factor, e)
                 if cutlass.const_expr(W1):
                     routing_weight, out, out_scale = role_args
-                    rest = (smem, row0, count, count, bx, m_tiles, routing_weight, out, out_scale, None, None)
+                    rest = (smem, row0, count, count, bx, m_tiles, routing_weight, out, out_scale, None, None, words)
                 else:
                     dest_row, out = role_args
-                    rest = (row0, count, bx, m_tiles, dest_row, out, None)
-                stream_epilogue(tid, wg, warp, g, q, weight_factor(w_factor, e), acc, smem, split, unit, cta, ctas,
-                                work, k_blocks, k_first, whole, base + steps, *rest)
+                    rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
+                stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
+                                k_first, whole, base + steps, *rest)
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
                     if tid == 0:
                         ptx.stamp_times(seg_stamps + Int64(48))
@@ -1944,9 +1971,11 @@ def _make_kernel(cfg: GemmConfig):
                 w2_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
 
     @cute.jit
-    def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring, smem=None):
+    def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring, smem=None,
+                    words=None):
         """A consumer thread's W2 epilogue: BF16 partials to each row's combine row (the ring consumer's: in the
-        source rank's buffer; lean_epilogue: the combine rows the producer staged at `smem`)."""
+        source rank's buffer; lean_epilogue: the combine rows the producer staged at `smem`, or the thread's own
+        loaded before the K loop, `words`)."""
         hidden = m_tiles * 64
         h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
         for i in cutlass.range_constexpr(NSUB):
@@ -1955,6 +1984,8 @@ def _make_kernel(cfg: GemmConfig):
                 if n < count:
                     if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
                         d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                    elif cutlass.const_expr(words is not None):
+                        d = words[2 * i + c]
                     elif cutlass.const_expr(LEAN):
                         d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
                     else:
@@ -2277,9 +2308,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace)
-    # a knob of the stand-alone kernels with one unit per CTA: sets may name it everywhere
-    lean_epilogue = (lean_epilogue and cfg.warp_specialized and not ring_consumer and not stream_k
-                     and cfg.k_splits == 1)
+    # a knob of the stand-alone kernels: sets may name it everywhere
+    lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
         cfg = replace(cfg, lean_epilogue=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
@@ -2395,7 +2425,9 @@ def all_variants():
               # the epilogue's words staged by the producer and W1's amax reduced once per token, at the table tiles
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          ctas_per_sm=2 if bn == 16 else None)
-                 for role in ("w1", "w2") for bn in (16, 24, 32, 64)]):
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64)]
+              + [variant(role, 8, stream_k=True, ctas_per_sm=1, trace=trace, lean_epilogue=True)
+                 for role in ("w1", "w2") for trace in (False, True)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
