@@ -587,8 +587,21 @@ def main() -> int:
                 {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2, "max_block_n": 24},
                 {"stream_k": True}, {"stream_k": True, "ctas_per_sm": 1},
                 {"stream_k": True, "ctas_per_sm": 1, "trace": True}]
+        # the sets this command line names (--extra-set, --auto-set) besides: a device run finds all of them built
+        for spec in args.extra_set:
+            (_, extra), = parse_extra_set(spec, {}).items()
+            extra.pop("pdl", None)
+            sets.append(extra)
+        auto_variants = []
+        for spec in args.auto_set:
+            (_, extra), = parse_extra_set(spec, {}).items()
+            extra.pop("pdl", None)
+            for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
+                tile_set = gg.tile_knobs(bn)[1]
+                auto_variants += [gg.variant(role, bn, **{**tile_set, **(extra if tile_set else {})})
+                                  for role in ("w1", "w2")]
         seen = set()
-        for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + gg.all_variants():
+        for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + auto_variants + gg.all_variants():
             if v.describe() in seen:
                 continue
             seen.add(v.describe())

@@ -8,7 +8,8 @@
 #   trace   the traced stream-K loops at 1 and 8 tokens, with and without the lean epilogue (its early loads): per
 #           CTA its SM, start and end, three launches each (does the end spread, 2.4-2.9 us, sit on the same SMs every
 #           launch?), the epilogue phases, and ws_auto_pdl against the same with lean_epilogue
-# Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) carried along.
+# Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
+# on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and carried along.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
@@ -17,12 +18,17 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-tests shapes ncu trace}
 BENCH=scripts/bench_grouped_gemm_sm90.py
+SETS="--auto-set lean:lean_epilogue=True --auto-set lean_pdl:lean_epilogue=True,pdl=True
+  --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
+  --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True"
 SHAPES="--shape glm-h3072=glm-5.2:hidden=3072 --shape glm-h1536=glm-5.2:hidden=1536
   --shape glm-i1024=glm-5.2:inter=1024 --shape glm-i512=glm-5.2:inter=512
   --shape ds-h2560=deepseek-v4.1-flash:hidden=2560 --shape ds-i1152=deepseek-v4.1-flash:inter=1152"
 MODELS=glm-5.2,glm-h3072,glm-h1536,glm-i1024,glm-i512,deepseek-v4.1-flash,ds-h2560,ds-i1152
 for s in $steps; do
   case $s in
+    # shellcheck disable=SC2086
+    build) run build 1200 python $BENCH --build-only $SETS ;;
     tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced" ;;
     # shellcheck disable=SC2086
@@ -40,7 +46,7 @@ for s in $steps; do
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/trace.json" ;;
-    *) echo "unknown step $s (tests, shapes, ncu, trace)"; exit 2 ;;
+    *) echo "unknown step $s (build, tests, shapes, ncu, trace)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
