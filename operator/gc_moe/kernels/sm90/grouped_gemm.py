@@ -853,6 +853,15 @@ def _make_kernel(cfg: GemmConfig):
                                      x_bytes[r])
 
     @cute.jit
+    def token_row(row0, n, count):
+        """The grouped row of the tile's token n, or row0 past the tile's count (a valid address whose value is not
+        used: zero-filled copies, epilogue values that are never stored)."""
+        nrow = Int64(row0) + Int64(n)
+        if n >= count:
+            nrow = Int64(row0)
+        return nrow
+
+    @cute.jit
     def stage_epilogue_words(words, w_factor, e, row0, count, smem, pidx):
         """lean_epilogue: before the unit's first stage is announced, the producer threads copy the tile's per-token
         words (4 bytes per grouped row from `words`: W1's routing weights, W2's combine rows; zero past the count)
@@ -862,12 +871,10 @@ def _make_kernel(cfg: GemmConfig):
         for r in cutlass.range_constexpr(-(-BN // PT)):
             n = pidx + PT * r
             if n < BN:
-                nrow = Int64(row0) + Int64(n)
                 nbytes = Int32(4)
                 if n >= count:
-                    nrow = Int64(row0)
                     nbytes = Int32(0)
-                ptx.cp_async_4_zfill(smem + cfg.meta_offset + n * 4, words + nrow * 4, nbytes)
+                ptx.cp_async_4_zfill(smem + cfg.meta_offset + n * 4, words + token_row(row0, n, count) * 4, nbytes)
         if pidx == 0:
             ptx.cp_async_4_zfill(smem + cfg.meta_offset + BN * 4, w_factor + Int64(e) * 4, Int32(4))
 
@@ -1611,9 +1618,7 @@ def _make_kernel(cfg: GemmConfig):
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * q + c
-                nrow = Int64(row0) + Int64(n)
-                if n >= count:
-                    nrow = Int64(row0)
+                nrow = token_row(row0, n, count)
                 gate = ptx.fmin(acc[4 * i + c] * factor, Float32(cfg.swiglu_clamp))
                 up = ptx.fmax(ptx.fmin(acc[4 * i + 2 + c] * factor, Float32(cfg.swiglu_clamp)),
                               Float32(-cfg.swiglu_clamp))
@@ -1816,10 +1821,7 @@ def _make_kernel(cfg: GemmConfig):
         words = []
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
-                n = 8 * i + 2 * q + c
-                nrow = Int64(row0) + Int64(n)
-                if n >= count:
-                    nrow = Int64(row0)
+                nrow = token_row(row0, 8 * i + 2 * q + c, count)
                 if cutlass.const_expr(W1):
                     words.append(ptx.ldg_f32(words_src + nrow * 4))
                 else:
