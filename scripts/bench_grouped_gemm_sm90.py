@@ -463,6 +463,24 @@ def parse_shape(spec: str) -> tuple[str, dict]:
     return name, shape
 
 
+def parse_auto_set(spec: str) -> tuple[str, dict, bool]:
+    """--auto-set 'tag:knob=value,...' -> (tag, the knobs it adds to tile_knobs's, whether its stream-K W2 launches
+    programmatically: the pseudo-knob pdl)."""
+    (tag, extra), = parse_extra_set(spec, {}).items()
+    return tag, extra, bool(extra.pop("pdl", False))
+
+
+def auto_set_variants(gg, extra: dict, knobs: dict | None = None) -> dict:
+    """{token tile: its [W1, W2] variants} of grouped_gemm.tile_knobs's sets with `extra` added (not where the rule
+    asks for no knobs: the default set) on top of the run's `knobs`."""
+    out = {}
+    for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
+        tile_set = gg.tile_knobs(bn)[1]
+        set_knobs = {**(knobs or {}), **tile_set, **(extra if tile_set else {})}
+        out[bn] = [gg.variant(role, bn, **set_knobs) for role in ("w1", "w2")]
+    return out
+
+
 def parse_extra_set(spec: str, knobs: dict) -> dict:
     """'tag:knob=value,knob=value' -> {tag: knobs + those}; values are Python literals (True, 4, 10_000_000)."""
     import ast
@@ -592,14 +610,8 @@ def main() -> int:
             (_, extra), = parse_extra_set(spec, {}).items()
             extra.pop("pdl", None)
             sets.append(extra)
-        auto_variants = []
-        for spec in args.auto_set:
-            (_, extra), = parse_extra_set(spec, {}).items()
-            extra.pop("pdl", None)
-            for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
-                tile_set = gg.tile_knobs(bn)[1]
-                auto_variants += [gg.variant(role, bn, **{**tile_set, **(extra if tile_set else {})})
-                                  for role in ("w1", "w2")]
+        auto_variants = [v for spec in args.auto_set
+                         for pair in auto_set_variants(gg, parse_auto_set(spec)[1]).values() for v in pair]
         seen = set()
         for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + auto_variants + gg.all_variants():
             if v.describe() in seen:
@@ -632,9 +644,7 @@ def main() -> int:
     auto_knobs = {"ws_auto": {}, "ws_auto_pdl": {}}  # per tile_knobs set: the knobs it adds
     auto_pdl = {}  # --auto-set sets that launch a stream-K W2 programmatically (pseudo-knob pdl=True)
     for spec in args.auto_set if args.auto_ctas else ():
-        (tag, extra), = parse_extra_set(spec, {}).items()
-        auto_pdl[tag] = bool(extra.pop("pdl", False))
-        auto_knobs[tag] = extra
+        tag, auto_knobs[tag], auto_pdl[tag] = parse_auto_set(spec)
         kernel_sets[tag] = None
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
@@ -663,12 +673,8 @@ def main() -> int:
         for tag, extra in auto_knobs.items():
             if tag not in kernel_sets:
                 continue
-            auto_tiles[tag] = {}
-            for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
-                _, tile_set = gg.tile_knobs(bn)
-                set_knobs = {**knobs, **tile_set, **(extra if tile_set else {})}  # no knobs: the default set
-                auto_tiles[tag][bn] = {(role, bn): jit.load_kernel(gg.variant(role, bn, **set_knobs), "sm_90a")
-                                       for role in ("w1", "w2")}
+            auto_tiles[tag] = {bn: {(role, bn): jit.load_kernel(v, "sm_90a") for role, v in zip(("w1", "w2"), pair)}
+                               for bn, pair in auto_set_variants(gg, extra, knobs).items()}
     occupancy_report(kernel_sets)
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
