@@ -160,7 +160,7 @@ class Point:
 
     def token_tiles(self) -> dict:
         """{tile: the experts' token tiles at that tile}: what a tile rule weighs (experts above a tile take more)."""
-        return {bn: sum(-(-int(c) // bn) for c in self.counts.tolist()) for bn in (8, 16, 24, 32, 64)}
+        return {bn: sum(-(-int(c) // bn) for c in self.counts.tolist()) for bn in (8, 16, 24, 32, 64, 96)}
 
     def weight_bytes(self) -> int:
         """Active experts' repacked W1 + W2 codes and scale bytes, each read once."""
@@ -465,17 +465,26 @@ def parse_shape(spec: str) -> tuple[str, dict]:
 
 def parse_auto_set(spec: str) -> tuple[str, dict, bool]:
     """--auto-set 'tag:knob=value,...' -> (tag, the knobs it adds to tile_knobs's, whether its stream-K W2 launches
-    programmatically: the pseudo-knob pdl)."""
+    programmatically: the pseudo-knob pdl). The pseudo-knob wide=True stays in the knobs: `tile_rule` reads it."""
     (tag, extra), = parse_extra_set(spec, {}).items()
     return tag, extra, bool(extra.pop("pdl", False))
+
+
+def tile_rule(gg, extra: dict):
+    """grouped_gemm.tile_knobs as an --auto-set asks for it (wide=True: the wide tile for 65-96 rows), and the
+    knobs the set adds (without the pseudo-knob)."""
+    wide = bool(extra.get("wide", False))
+    return (lambda capacity, *a: gg.tile_knobs(capacity, *a, wide_tile=wide)), {
+        k: v for k, v in extra.items() if k != "wide"}
 
 
 def auto_set_variants(gg, extra: dict, knobs: dict | None = None) -> dict:
     """{token tile: its [W1, W2] variants} of grouped_gemm.tile_knobs's sets with `extra` added (not where the rule
     asks for no knobs: the default set) on top of the run's `knobs`."""
+    rule, extra = tile_rule(gg, extra)
     out = {}
-    for bn in sorted({gg.tile_knobs(rows)[0] for rows in range(65)}):
-        tile_set = gg.tile_knobs(bn)[1]
+    for bn in sorted({rule(rows)[0] for rows in range(97)}):
+        tile_set = rule(bn)[1]
         set_knobs = {**(knobs or {}), **tile_set, **(extra if tile_set else {})}
         out[bn] = [gg.variant(role, bn, **set_knobs) for role in ("w1", "w2")]
     return out
@@ -702,8 +711,9 @@ def main() -> int:
                 if set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)
-                    max_bn, tile_set = gg.tile_knobs(pt.capacity, w1_units, sms)
                     auto_tag = "ws_auto" if tag == "ws_auto_pdl" else tag
+                    rule, _ = tile_rule(gg, auto_knobs[auto_tag])
+                    max_bn, tile_set = rule(pt.capacity, w1_units, sms)
                     set_kernels = auto_tiles[auto_tag][max_bn] if tile_set else kernels  # no knobs: the default set
                     row_note = {"knobs": {**tile_set, **auto_knobs[auto_tag]} if tile_set else {}}
                 pt.use(set_kernels, max_bn)

@@ -2,8 +2,9 @@
 # Where a grouped-GEMM unit's time goes at 64-256 tokens per rank, and the lean epilogue against the default, in one
 # bounded device call (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-33):
 #   tests   GPU tests of the lean epilogue (opt-in), the programmatic W2 pair and the traced stream-K loops
-#   shapes  ws_auto and ws_auto + lean_epilogue per role at both models and at half / quarter K (--shape: the same
-#           units, fewer K128 steps), so each kernel's time fits rounds x (per-unit + steps x per-step)
+#   shapes  ws_auto, ws_auto + lean_epilogue, and both with the wide tile (65-96 rows at tile 96), per role at both
+#           models and at half / quarter K (--shape: the same units, fewer K128 steps), so each kernel's time fits
+#           rounds x (per-unit + steps x per-step)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 #   trace   the traced stream-K loops at 1 and 8 tokens, with and without the lean epilogue (its early loads): per
 #           CTA its SM, start and end, three launches each (does the end spread, 2.4-2.9 us, sit on the same SMs every
@@ -18,7 +19,8 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-tests shapes ncu trace}
 BENCH=scripts/bench_grouped_gemm_sm90.py
-SETS="--auto-set lean:lean_epilogue=True --auto-set lean_pdl:lean_epilogue=True,pdl=True
+AUTO="--auto-set lean:lean_epilogue=True --auto-set wide:wide=True --auto-set wide_lean:wide=True,lean_epilogue=True"
+SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
   --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True"
 SHAPES="--shape glm-h3072=glm-5.2:hidden=3072 --shape glm-h1536=glm-5.2:hidden=1536
@@ -32,7 +34,7 @@ for s in $steps; do
     tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced" ;;
     # shellcheck disable=SC2086
-    shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role --auto-set lean:lean_epilogue=True \
+    shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
            -f -o "$OUT/glm128" python $BENCH --profile --auto-ctas --models glm-5.2 --tokens 128
@@ -56,7 +58,7 @@ d = json.load(open(sys.argv[1]))
 print(f"read bandwidth {d['read_bw_bytes_per_s'] / 1e12:.2f} TB/s; per set: cold us (W1 / W2 alone)")
 points = {}
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto", "lean"):
+    if r["tag"] in ("ws_auto", "lean", "wide", "wide_lean"):
         points.setdefault((r["model"], r["tokens"]), {})[r["tag"]] = r
 for (model, tokens), sets in points.items():
     cells = [f"{t} {r['cold_us']:.1f} ({r.get('w1_cold_us', 0):.1f} / {r.get('w2_cold_us', 0):.1f})"

@@ -169,6 +169,29 @@ def test_tile_knobs_follow_the_measured_points():
             assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)
+    # the wide tile (opt-in): 65-96 rows at tile 96, the rest as without it
+    assert [gg.tile_knobs(cap, wide_tile=True)[0] for cap in (8, 33, 64, 65, 96, 97)] == [8, 64, 64, 96, 96, 64]
+    for role in ("w1", "w2"):
+        assert gg.variant(role, 96, **gg.tile_knobs(80, wide_tile=True)[1]) in gg.all_variants()
+
+
+def test_wide_tile_is_the_one_cta_table_decodes_only():
+    """Tile 96 runs the table decode's waited consumer at one CTA per SM (a chain of 64 rows and one of the rest from
+    one decoded fragment); every other configuration refuses it and says what is allowed."""
+    for knobs in ({}, {"fold_scales": True}, {"fold_scales": True, "table_decode": True, "ctas_per_sm": 2},
+                  {"fold_scales": True, "table_decode": True, "warp_specialized": False}):
+        with pytest.raises(ValueError, match=r"block_n must be one of .*\(96,\) with table_decode at one"):
+            gg.GemmConfig("w1", 96, **knobs)
+    cfg = gg.GemmConfig(**dict(gg.variant("w1", 96, fold_scales=True, table_decode=True, fit_n=True).params))
+    assert cfg.ctas_per_sm == 1 and not cfg.table_pipelined and cfg.consumer_registers == 112
+    assert cfg.stages == 7 and cfg.smem_bytes <= cfg.smem_limit and cfg.wgmmas_per_wait == 4
+    assert 96 in gg.block_n_choices(fold_scales=True, table_decode=True)
+    assert 96 not in gg.block_n_choices(fold_scales=True, table_decode=True, ctas_per_sm=2)
+    assert 96 not in gg.block_n_choices() and 96 not in gg.block_n_choices(fold_scales=True)
+    # sets reach it only when they name max_block_n=96
+    assert max(dict(v.params)["block_n"] for v in gg.variant_set(fold_scales=True, table_decode=True)) == 64
+    assert max(dict(v.params)["block_n"] for v in gg.variant_set(fold_scales=True, table_decode=True,
+                                                                   max_block_n=96)) == 96
 
 
 def test_shared_memory_plan_fits_the_sm():
@@ -553,8 +576,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
-    # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced)
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4
+    # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -562,21 +585,28 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         fold = params.get("fold_scales", False)
         ring = params.get("ring_consumer", False)
         cfg = gg.GemmConfig(**params)
+        # the wide tile's chains: 64 rows, then the rest (its fitted loops: N = 8 .. 64 alone, 64 + 8 .. 64 + 32)
+        wide = bn in gg.TABLE_WIDE_BLOCK_N
+        tails = (bn - gg.WIDE_MAIN_N) // 8 if wide else 0
+        top = gg.WIDE_MAIN_N if wide else bn
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
-        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
+        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
         # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), the
-        # pipelined table consumer three times (the first step, then two per trip of its loop)
+        # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
+        # N = 64 chain once per loop that has it
         steps = 2 if cfg.pipelined else 3 if cfg.table_pipelined else 1
-        assert len(mma) == 4 * steps and all(len(a.split(",")) == 4 for a in mma), variant.describe()
+        main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
+        assert len(mma) == 4 * steps * main_loops and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
         res = entry.resources
         # no stack but W1's epilogue at two shapes (grouped_gemm._local_bytes_budget; none inside the K loops: the
         # bench's SASS report)
         assert res["frame_bytes"] <= variant.local_bytes_budget, f"{variant.describe()} spills: {res['frame_bytes']} B"
-        if cfg.fit_n:  # one loop per N = 8, 16, ... bn, each with its four chained K32 WGMMAs
-            for n in range(8, bn, 8):
-                assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.", ptx)) == 4 * steps
+        if cfg.fit_n:  # one loop per N = 8, 16, ... bn, each with its four chained K32 WGMMAs (wide: and the tails)
+            for n in range(8, top, 8):
+                loops = 1 + (n <= 8 * tails)
+                assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.", ptx)) == 4 * steps * loops
         # ptxas's budget: 96 per thread for one 544-thread CTA per SM, 56 for two, 128 for 512 threads
         assert res["registers"] <= ({1: 96, 2: 56}[cfg.ctas_per_sm] if cfg.warp_specialized else 128)
         assert (".minnctapersm 2" in ptx) == (cfg.ctas_per_sm == 2)
@@ -596,8 +626,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
             assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
-        else:
-            assert waits == ["0"] * (1 if fold else 4 // cfg.wgmmas_per_wait) * loops, variant.describe()
+        else:  # the wide tile's two-chain loops wait twice per step
+            second = (tails if cfg.fit_n else 1) if wide else 0
+            assert waits == ["0"] * ((1 if fold else 4 // cfg.wgmmas_per_wait) * loops + second), variant.describe()
 
 
 def test_default_variants_do_not_name_the_fold_knob():
@@ -616,17 +647,22 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
-    # the lean epilogue at bn 16 / 24 / 32 / 64
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8
+    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
+        cfg = gg.GemmConfig(**dict(variant.params))
+        wide = bn in gg.TABLE_WIDE_BLOCK_N  # its largest chain is 64 rows (see the test above)
+        top = gg.WIDE_MAIN_N if wide else bn
         ptx = entry.ptx_path.read_text()
-        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3 \{{([^}}]*)\}}, "
+        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{([^}}]*)\}}, "
                          r"\{[^}]*\}, %rd\d+, (\w+), 1, 1;", ptx)
-        chains = 3 if gg.GemmConfig(**dict(variant.params)).table_pipelined else 1  # see the test above
+        chains = 3 if cfg.table_pipelined else 1  # see the test above
+        if wide:
+            chains = 1 + (bn - gg.WIDE_MAIN_N) // 8 if cfg.fit_n else 1
         assert len(mma) == 4 * chains, variant.describe()
         assert all(len({acc for acc, _ in mma[i:i + 4]}) == 1 for i in range(0, len(mma), 4)), variant.describe()
-        assert len(mma[0][0].split(",")) == bn // 2
+        assert len(mma[0][0].split(",")) == top // 2
         assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"] * chains
         assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
         assert entry.resources["frame_bytes"] <= variant.local_bytes_budget and entry.resources["registers"] <= 128
@@ -641,8 +677,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
-    # the stream-K loops at one CTA per SM
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4
+    # the stream-K loops at one CTA per SM; the wide tile 96
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1186,6 +1222,28 @@ def test_lean_stream_k_writes_the_same_bytes(hidden, inter, experts, topk, token
     knobs = {"stream_k": True, "ctas_per_sm": 1, "return_raw": True, "relaunches": 4}
     lean = _run_case(*case, seed=tokens + 23, lean_epilogue=True, trace=trace, **knobs)
     _assert_same_bytes(lean, _run_case(*case, seed=tokens + 23, **knobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(5120, 2304, 8, 6, 110), (6144, 2048, 10, 8, 100),
+                                                              (1024, 512, 7, 4, 150)])
+def test_wide_tile_matches_float32_reference_and_tile_64(hidden, inter, experts, topk, tokens, lean):
+    """Tile 96 (one decode per K128 step for a chain of 64 rows and one of the rest) against the float32 reference at
+    65-96 rows per expert (and tails of every size with more tokens), and against tile 64 (two token tiles for those
+    experts): the same arithmetic per token, so the same E4M3 bytes, FP32 scales within a few ulps and W2's BF16
+    within one ulp."""
+    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": lean}
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 96, seed=tokens + hidden, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    (mid, sf, out), (mid_64, sf_64, out_64) = [
+        _run_case(hidden, inter, experts, topk, tokens, bn, seed=tokens + hidden, return_raw=True, **knobs)
+        for bn in (96, 64)]
+    assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
+    assert torch.equal(mid.view(torch.uint8), mid_64.view(torch.uint8)), _byte_mismatch(mid, mid_64, sf, sf_64)
+    assert ((sf - sf_64).abs() <= 5e-7 * sf_64.abs()).all()
+    ulps = (out.view(torch.int16).int() - out_64.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
 
 
 @pytest.mark.gpu

@@ -40,6 +40,10 @@ from dataclasses import dataclass, replace
 BLOCK_N_CHOICES = (8, 16, 32, 64)
 # token tiles of the table decode at two CTAs per SM only: 24 rows fit the 56 registers where 32 do not
 TABLE_TWO_CTA_BLOCK_N = (24,)
+# the table decode's wide token tile (one CTA per SM): a K128 step's decoded fragment feeds a chain of its first 64
+# rows, then one of the rest (8-32 rows), so an expert with 65-96 rows has its weights decoded once, not twice
+TABLE_WIDE_BLOCK_N = (96,)
+WIDE_MAIN_N = 64  # the first chain's N at the wide tile (the waited consumer's N = 64 loop)
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
 PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
@@ -248,10 +252,12 @@ class GemmConfig:
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
             raise ValueError(f"role must be 'w1' or 'w2', got {self.role!r}")
-        if self.block_n not in BLOCK_N_CHOICES and not (self.block_n in TABLE_TWO_CTA_BLOCK_N and self.table_decode
-                                                        and self.ctas_per_sm in (None, 2)):
+        if self.block_n not in BLOCK_N_CHOICES and not (
+                (self.block_n in TABLE_TWO_CTA_BLOCK_N and self.table_decode and self.ctas_per_sm in (None, 2))
+                or (self.block_n in TABLE_WIDE_BLOCK_N and self.table_decode and self.ctas_per_sm in (None, 1)
+                    and self.warp_specialized is not False)):
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES} (or {TABLE_TWO_CTA_BLOCK_N} with table_decode at "
-                             f"two CTAs per SM), got {self.block_n}")
+                             f"two CTAs per SM, {TABLE_WIDE_BLOCK_N} with table_decode at one), got {self.block_n}")
         if self.table_decode and not self.fold_scales:
             raise ValueError("table_decode is a way of folding the K32 scales into the decode: pass fold_scales=True")
         if self.fit_n and not (self.table_decode and self.warp_specialized is not False and not self.ring_consumer
@@ -1266,12 +1272,24 @@ def _make_kernel(cfg: GemmConfig):
             a_regs = table_fragment(sbase, a_off, s_off)
             desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
             descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+            n_main = min(n, WIDE_MAIN_N)
             ptx.wgmma_fence()
-            part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
-            for i in cutlass.range_constexpr(n // 8):
+            part = ptx.wgmma_rs_e4m3_chain(n_main, a_regs, descs)
+            for i in cutlass.range_constexpr(n_main // 8):
                 xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
                 for c in cutlass.range_constexpr(4):
                     acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xv[c % 2]
+            if cutlass.const_expr(n > WIDE_MAIN_N):
+                # the wide tile's rows past 64: the same A fragment, the token tile's groups 8.. (8 KB further)
+                tail_descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16 + (WIDE_MAIN_N // 8) * 1024 // 16, 1024)
+                              for j in range(4)]
+                ptx.wgmma_fence()  # the FMAs above read registers the tail chain may write
+                part = ptx.wgmma_rs_e4m3_chain(n - WIDE_MAIN_N, a_regs, tail_descs)
+                for i in cutlass.range_constexpr((n - WIDE_MAIN_N) // 8):
+                    xv = ptx.lds_f32x2(sbase + x_off + (WIDE_MAIN_N + 8 * i) * 4)
+                    for c in cutlass.range_constexpr(4):
+                        k = 4 * (WIDE_MAIN_N // 8 + i) + c
+                        acc[k] = acc[k] + part[4 * i + c] * xv[c % 2]
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
@@ -2380,14 +2398,17 @@ def _local_bytes_budget(role: str, block_n: int, table_decode: bool) -> int:
         return 0
     if block_n in TABLE_TWO_CTA_BLOCK_N:
         return TWO_CTA_W1_EPILOGUE_LOCAL_BYTES
-    return TABLE64_W1_EPILOGUE_LOCAL_BYTES if table_decode and block_n == 64 else 0
+    return TABLE64_W1_EPILOGUE_LOCAL_BYTES if table_decode and block_n in (64,) + TABLE_WIDE_BLOCK_N else 0
 
 
 def block_n_choices(**knobs) -> tuple[int, ...]:
-    """The token tiles a configuration is built at: BLOCK_N_CHOICES, and TABLE_TWO_CTA_BLOCK_N for the table decode
-    at two CTAs per SM."""
-    two_cta_table = knobs.get("fold_scales") and knobs.get("table_decode") and knobs.get("ctas_per_sm") == 2
-    return tuple(sorted(BLOCK_N_CHOICES + (TABLE_TWO_CTA_BLOCK_N if two_cta_table else ())))
+    """The token tiles a configuration is built at: BLOCK_N_CHOICES, TABLE_TWO_CTA_BLOCK_N for the table decode at
+    two CTAs per SM, TABLE_WIDE_BLOCK_N for it at one (sets reach it with max_block_n=96)."""
+    table = knobs.get("fold_scales") and knobs.get("table_decode")
+    two_cta_table = table and knobs.get("ctas_per_sm") == 2
+    wide = table and knobs.get("ctas_per_sm") in (None, 1) and knobs.get("warp_specialized") is not False
+    return tuple(sorted(BLOCK_N_CHOICES + (TABLE_TWO_CTA_BLOCK_N if two_cta_table else ())
+                        + (TABLE_WIDE_BLOCK_N if wide else ())))
 
 
 def variant_set(k_splits: int = 1, w2_k_splits: int = 1, max_block_n: int = max(BLOCK_N_CHOICES), **knobs):
@@ -2403,7 +2424,7 @@ def all_variants():
     the cp.async pipeline at bn 64), the opt-in folded-scale set, the ring-consumer set, the cp.async
     pipeline at every bn (the ring consumer's arithmetic without the ring: its byte-for-byte reference), the
     compact ring consumer at bn 8, the K splits, the stream-K loops and the folded scales' table decode
-    (warp-specialized at every bn, and with the lean epilogue at the tiles tile_knobs runs it at)."""
+    (warp-specialized at every bn, with the lean epilogue at the tiles tile_knobs runs it at, and the wide tile)."""
     out, seen = [], set()
     # the layer's compact ring consumer runs at one token per rank only: token tile 8 (layer.plan_call)
     compact_ring = [variant(role, 8, ring_consumer=True, compact_grid=True) for role in ("w1", "w2")]
@@ -2429,7 +2450,10 @@ def all_variants():
                          ctas_per_sm=2 if bn == 16 else None)
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64)]
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, trace=trace, lean_epilogue=True)
-                 for role in ("w1", "w2") for trace in (False, True)]):
+                 for role in ("w1", "w2") for trace in (False, True)]
+              # the wide tile (65-96 rows: one decode for a chain of 64 rows and one of the rest), with fitted N
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=lean)
+                 for role in ("w1", "w2") for bn in TABLE_WIDE_BLOCK_N for lean in (False, True)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -2486,7 +2510,8 @@ def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
                          f"weights.sm90.with_nibble_order(mat, {want!r})")
 
 
-def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = None) -> tuple[int, dict]:
+def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = None,
+               wide_tile: bool = False) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
     measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16, 24): up to 8 rows tile 8 as stream-K
     loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; against the grid of units at two CTAs per
@@ -2497,7 +2522,9 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     (13-16% faster than one: twice the warps per SM to hide latency with), up to 24 at tile 24, two CTAs per SM
     (5-8% faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64
     tokens: 20-35% faster than two or three 32-token tiles). Knobs past tile 8 need weights in the table nibble
-    order (`weights.sm90.with_nibble_order`); stream_k needs its grid resident at once (`GemmConfig.stream_k`)."""
+    order (`weights.sm90.with_nibble_order`); stream_k needs its grid resident at once (`GemmConfig.stream_k`).
+    wide_tile (opt-in until measured, docs step 34): 65-96 rows at the wide tile (TABLE_WIDE_BLOCK_N: one decode of
+    the weights per K128 step for both chains) instead of two 64-token tiles."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
@@ -2511,6 +2538,8 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
         return 24, {**table, "ctas_per_sm": 2}
     if capacity <= 32:
         return 32, table
+    if wide_tile and 64 < capacity <= max(TABLE_WIDE_BLOCK_N):
+        return max(TABLE_WIDE_BLOCK_N), table
     return 64, table
 
 
