@@ -556,7 +556,7 @@ def test_tile_24_is_the_two_cta_table_decodes_only():
         with pytest.raises(ValueError, match="with table_decode at two CTAs per SM"):
             gg.GemmConfig("w1", 24, **knobs)
     assert gg.block_n_choices(fold_scales=True, table_decode=True, ctas_per_sm=2) == (8, 16, 24, 32, 64)
-    assert gg.block_n_choices(fold_scales=True, table_decode=True) == gg.BLOCK_N_CHOICES
+    assert gg.block_n_choices(fold_scales=True, table_decode=True) == gg.BLOCK_N_CHOICES + gg.TABLE_WIDE_BLOCK_N
     tiles = [dict(v.params)["block_n"] for v in gg.variant_set(fold_scales=True, table_decode=True, ctas_per_sm=2,
                                                                 max_block_n=24)]
     assert tiles == [8, 16, 24] * 2
