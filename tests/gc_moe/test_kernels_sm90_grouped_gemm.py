@@ -1378,3 +1378,29 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n, comp
     assert torch.isfinite(out.float()).all()
     assert ws.l1_empty_count.tolist() == gg.expected_l1_empty_counts(
         offsets.tolist(), block_n, shape.block_m, shape.ring_blocks, w.l1.rows // gg.ROWS_PER_CTA)
+
+
+def test_sass_diff_pairs_the_variants_two_caches_share(tmp_path):
+    """scripts/sass_diff.py compares the variants built in both caches: entries pair by kernel name, parameters and
+    arch, each with its cubin found by SHA-256 (a variant whose cubin is missing is left out)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "sass_diff.py"
+    spec = importlib.util.spec_from_file_location("sass_diff", path)
+    sass_diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_diff)
+    cases = [((("block_n", 8), ("role", "w1")), "aa"), ((("role", "w2"),), "bb")]
+    for i, (params, sha) in enumerate(cases):
+        (tmp_path / "entries" / "sm_90a").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "objects").mkdir(exist_ok=True)
+        entry = {"variant": {"name": "sm90.grouped_gemm", "params": [list(p) for p in params]}, "arch": "sm_90a",
+                 "cubin_sha256": sha}
+        (tmp_path / "entries" / "sm_90a" / f"{i}.json").write_text(json.dumps(entry))
+    (tmp_path / "objects" / "aa.cubin").write_bytes(b"\0")  # bb's cubin is missing
+    found = sass_diff.entries(tmp_path, "sm90.grouped_gemm")
+    assert found == {"sm90.grouped_gemm[block_n=8,role=w1] sm_90a": tmp_path / "objects" / "aa.cubin"}
+    assert sass_diff.entries(tmp_path, "sm90.other") == {}
+    assert sass_diff.INSTRUCTION.findall("        /*0a10*/                   QGMMA.64x64x32 R24, R56 ;  /* 0x0 */") == [
+        "QGMMA.64x64x32 R24, R56"]
