@@ -508,16 +508,22 @@ def test_lean_epilogue_knob_names_limits_and_shared_words():
     assert dict(gg.variant("w2", 8, lean_epilogue=True).params)["lean_epilogue"] is True
 
 
-def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
-    """The bench's `loop L/S` column (the SASS rule: no LDL / STL in the main loop): local accesses count only inside
-    a backward branch's body that issues QGMMA; the epilogue's and a per-lane copy loop's (BRA.U.ANY) do not."""
+def _load_script(name: str):
+    """A module of scripts/ (not a package) loaded by path, for its CPU-side helpers."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_grouped_gemm_sm90.py"
-    spec = importlib.util.spec_from_file_location("bench_grouped_gemm_sm90", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
+    """The bench's `loop L/S` column (the SASS rule: no LDL / STL in the main loop): local accesses count only inside
+    a backward branch's body that issues QGMMA; the epilogue's and a per-lane copy loop's (BRA.U.ANY) do not."""
+    bench = _load_script("bench_grouped_gemm_sm90")
     listing = [f"        /*{a:04x}*/ {text} ;" for a, text in [
         (0x0100, "LDL R2, [R1]"),                                   # before the loop
         (0x0110, "QGMMA.64x32x32.F32.E4M3.E4M3 R24, R40, gdesc[UR8], R24"),
@@ -533,13 +539,7 @@ def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
 
 def test_bench_shape_option_names_what_is_wrong():
     """The bench's --shape: a model slice at other sizes (the same experts and top-k), refused with the allowed form."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_grouped_gemm_sm90.py"
-    spec = importlib.util.spec_from_file_location("bench_grouped_gemm_sm90", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_script("bench_grouped_gemm_sm90")
     name, shape = bench.parse_shape("glm-h3072=glm-5.2:hidden=3072,inter=1024")
     assert name == "glm-h3072" and shape == {**bench.MODELS["glm-5.2"], "hidden": 3072, "inter": 1024}
     assert bench.MODELS["glm-5.2"]["hidden"] == 6144  # the base slice is not touched
@@ -1383,14 +1383,9 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n, comp
 def test_sass_diff_pairs_the_variants_two_caches_share(tmp_path):
     """scripts/sass_diff.py compares the variants built in both caches: entries pair by kernel name, parameters and
     arch, each with its cubin found by SHA-256 (a variant whose cubin is missing is left out)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "sass_diff.py"
-    spec = importlib.util.spec_from_file_location("sass_diff", path)
-    sass_diff = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass_diff)
+    sass_diff = _load_script("sass_diff")
     cases = [((("block_n", 8), ("role", "w1")), "aa"), ((("role", "w2"),), "bb")]
     for i, (params, sha) in enumerate(cases):
         (tmp_path / "entries" / "sm_90a").mkdir(parents=True, exist_ok=True)
