@@ -2393,7 +2393,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
 
 
 def _local_bytes_budget(role: str, block_n: int, table_decode: bool) -> int:
-    """Local memory a variant may take: W1's epilogue at the two shapes where it spills (see the constants)."""
+    """Local memory a variant may take: W1's epilogue where it spills after the loop (tile 24 at two CTAs per SM, the
+    table decode's 64 and 96; see the constants)."""
     if role != "w1":
         return 0
     if block_n in TABLE_TWO_CTA_BLOCK_N:
