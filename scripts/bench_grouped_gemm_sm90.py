@@ -354,6 +354,11 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
         for role, tr in row["trace"].items():
             brief = {k: v for k, v in tr.items() if k != "ctas_by_sm_runs"}  # the per-CTA lists: the JSON only
             print(f"# trace {row['tag']} {pt.name} T={pt.tokens} {role}: {json.dumps(brief)}", flush=True)
+        pair = pair_trace_point(pt, stream, flush)
+        if pair is not None:
+            row["pair_trace"] = pair
+            brief = {k: v for k, v in pair.items() if k != "runs"}
+            print(f"# pair trace {row['tag']} {pt.name} T={pt.tokens}: {json.dumps(brief)}", flush=True)
     return ok
 
 
@@ -427,11 +432,7 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
     for role, kernel, split, mat in (("w1", pt.k1, pt.split1, pt.weights.l1), ("w2", pt.k2, pt.split2, pt.weights.l2)):
         if not dict(kernel.entry.variant.params).get("trace"):
             continue
-        k_blocks = mat.cols // 128
-        cfg = gg.GemmConfig(**dict(kernel.entry.variant.params))
-        ctas = gg.grid(cfg, mat.rows, mat.num_experts, pt.capacity, gg.device_sms(pt.device))[0]
-        units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
-        segments = gg.stream_segments(units, k_blocks, ctas)
+        ctas, segments = traced_segments(pt, kernel, mat)
         results = []
         for _ in range(runs):
             with torch.cuda.stream(stream):
@@ -443,6 +444,80 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
         results.sort(key=lambda r: r["span_us"])
         out[role] = {**results[len(results) // 2], "ctas_by_sm_runs": runs_by_sm}
     return out
+
+
+def traced_segments(pt, kernel, mat):
+    """(CTAs of the launch, each CTA's stream-K segments) of a traced kernel of the point, as the host partitions
+    its units (`grouped_gemm.stream_segments`)."""
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    cfg = gg.GemmConfig(**dict(kernel.entry.variant.params))
+    ctas = gg.grid(cfg, mat.rows, mat.num_experts, pt.capacity, gg.device_sms(pt.device))[0]
+    units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
+    return ctas, gg.stream_segments(units, mat.cols // 128, ctas)
+
+
+def pair_trace_summary(w1_words, w1_segments, w2_words, w2_segments) -> dict:
+    """The W1 -> W2 handover of one traced pair launched with the programmatic W2 (both kernels traced), on the
+    %globaltimer axis (us after W1's first CTA start): when W1's CTAs end, when W2's start (and how long after
+    the W1 CTA on the same SM ended), when each W2 producer's `griddepcontrol.wait` returned and when its first
+    stage was full, against W1's last end; W2's end spread and the pair's span. What the pair loses between the
+    two kernels' streaming, next to what each loses alone (`trace_summary`)."""
+    import statistics
+
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    tail = 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+
+    def ctas(words, segments):
+        w = words.view(torch.int64).reshape(-1, gg.TRACE_SLOTS, 2).cpu().tolist()
+        return [w[c] for c in range(len(segments)) if segments[c]]
+    w1, w2 = ctas(w1_words, w1_segments), ctas(w2_words, w2_segments)
+    t0 = min(r[0][0] for r in w1)
+
+    def at(ns):
+        return round((ns - t0) / 1e3, 2)
+
+    def med_max(v):
+        return (round(statistics.median(v), 2), round(max(v), 2)) if v else None
+    w1_end = {r[tail + 2][1]: max(r[tail][0], r[tail + 1][0]) for r in w1}  # SM -> its W1 CTA's end
+    w1_last = max(w1_end.values())
+    w2_start = [r[0][0] for r in w2]
+    w2_end = [max(r[tail][0], r[tail + 1][0]) for r in w2]
+    after_own_sm = [(r[0][0] - w1_end[r[tail + 2][1]]) / 1e3 for r in w2 if r[tail + 2][1] in w1_end]
+    return {
+        "w1_first_end_us": at(min(w1_end.values())), "w1_last_end_us": at(w1_last),
+        "w2_first_start_us": at(min(w2_start)), "w2_last_start_us": at(max(w2_start)),
+        # a W2 CTA takes an SM once its W1 CTA left it (one CTA per SM): the launch's latency per SM
+        "w2_start_after_own_sm_w1_us": med_max(after_own_sm),
+        # both against W1's last end: the wait returns once W1's grid completed, then the rows of W1's output
+        "w2_wait_done_after_w1_us": med_max([(r[tail + 3][0] - w1_last) / 1e3 for r in w2]),
+        "w2_first_stage_after_w1_us": med_max([(r[4][0] - w1_last) / 1e3 for r in w2]),
+        "w2_end_spread_us": round((max(w2_end) - min(w2_end)) / 1e3, 2),
+        "span_us": at(max(w2_end)),
+    }
+
+
+def pair_trace_point(pt, stream, flush, runs: int = 3) -> dict | None:
+    """The traced W1 and the traced W2 launched as the pair runs it (W2 programmatically) after a read flush `runs`
+    times: `pair_trace_summary` of the run with the median span, with every run's. None unless both kernels are
+    traced stream-K loops and the set launches W2 programmatically (pdl)."""
+    if not (pt.programmatic_w2() and all(dict(k.entry.variant.params).get("trace") for k in (pt.k1, pt.k2))):
+        return None
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    ctas1, seg1 = traced_segments(pt, pt.k1, pt.weights.l1)
+    ctas2, seg2 = traced_segments(pt, pt.k2, pt.weights.l2)
+    results = []
+    for _ in range(runs):
+        with torch.cuda.stream(stream):
+            torch.amax(flush.view(torch.float16))
+            pt.launch(stream)
+        stream.synchronize()
+        results.append(pair_trace_summary(pt.split1[0][: ctas1 * gg.TRACE_SLOTS * 4], seg1,
+                                          pt.split2[0][: ctas2 * gg.TRACE_SLOTS * 4], seg2))
+    by_span = sorted(results, key=lambda r: r["span_us"])
+    return {**by_span[len(by_span) // 2], "runs": results}
 
 
 def parse_shape(spec: str) -> tuple[str, dict]:

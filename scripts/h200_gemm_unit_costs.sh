@@ -8,7 +8,8 @@
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 #   trace   the traced stream-K loops at 1 and 8 tokens, with and without the lean epilogue (its early loads): per
 #           CTA its SM, start and end, three launches each (does the end spread, 2.4-2.9 us, sit on the same SMs every
-#           launch?), the epilogue phases, and ws_auto_pdl against the same with lean_epilogue
+#           launch?), the epilogue phases, ws_auto_pdl against the same with lean_epilogue, and the traced pair with
+#           the programmatic W2 (skt1p): where the pair loses time between W1's streaming and W2's (pair_trace)
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
 # on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and carried along.
 set -u
@@ -22,7 +23,8 @@ BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set lean:lean_epilogue=True --auto-set wide:wide=True --auto-set wide_lean:wide=True,lean_epilogue=True"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
-  --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True"
+  --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True
+  --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True"
 SHAPES="--shape glm-h3072=glm-5.2:hidden=3072 --shape glm-h1536=glm-5.2:hidden=1536
   --shape glm-i1024=glm-5.2:inter=1024 --shape glm-i512=glm-5.2:inter=512
   --shape ds-h2560=deepseek-v4.1-flash:hidden=2560 --shape ds-i1152=deepseek-v4.1-flash:inter=1152"
@@ -32,7 +34,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS ;;
     tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced" ;;
+             -k "lean or programmatic or traced or wide" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -47,6 +49,7 @@ for s in $steps; do
              --auto-set lean_pdl:lean_epilogue=True,pdl=True \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
+             --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True \
              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/trace.json" ;;
     *) echo "unknown step $s (build, tests, shapes, ncu, trace)"; exit 2 ;;
   esac
@@ -65,6 +68,21 @@ for (model, tokens), sets in points.items():
              + ("" if r.get("ok", True) else " FAILED") for t, r in sets.items()]
     any_row = next(iter(sets.values()))
     print(f"{model:20s} T={tokens:3d} bn {any_row['block_n']:2d} floor {any_row['floor_us']:6.1f}  " + "  ".join(cells))
+PY
+fi
+if [ -f "$OUT/trace.json" ]; then
+  python - "$OUT/trace.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("pair and sets at 1-8 tokens: cold us; the traced pair's handover (us, median / max)")
+for r in d["rows"]:
+    if r["tag"] in ("ws_auto_pdl", "lean_pdl"):
+        print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
+    p = r.get("pair_trace")
+    if p:
+        print(f"{r['model']:20s} T={r['tokens']} pair: W1 ends {p['w1_first_end_us']}-{p['w1_last_end_us']}, W2 start "
+              f"after own SM {p['w2_start_after_own_sm_w1_us']}, wait done {p['w2_wait_done_after_w1_us']}, first stage "
+              f"{p['w2_first_stage_after_w1_us']} after W1, W2 end spread {p['w2_end_spread_us']}, span {p['span_us']}")
 PY
 fi
 print_steps

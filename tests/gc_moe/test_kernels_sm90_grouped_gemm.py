@@ -549,6 +549,35 @@ def test_bench_shape_option_names_what_is_wrong():
             bench.parse_shape(spec_text)
 
 
+def test_pair_trace_summary_reads_the_handover_on_one_timer():
+    """The bench's pair trace: W1's and W2's traced stamps on the %globaltimer axis, W2's CTAs matched to the W1 CTA
+    that left their SM, its wait and first stage measured from W1's last end; CTAs without segments left out."""
+    bench = _load_script("bench_grouped_gemm_sm90")
+    tail = 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+
+    def words(rows):  # per CTA: (start, first stage, end, SM, wait) in ns after 1 s; None for an idle CTA
+        w = torch.zeros(len(rows), gg.TRACE_SLOTS, 2, dtype=torch.int64)
+        for c, r in enumerate(rows):
+            if r is None:
+                continue
+            start, first, end, sm, wait = (10**9 + v if i != 3 else v for i, v in enumerate(r))
+            w[c, 0, 0], w[c, 4, 0], w[c, tail, 0], w[c, tail + 1, 0] = start, first, end - 100, end
+            w[c, tail + 2, 0], w[c, tail + 2, 1], w[c, tail + 3, 0] = 1, sm, wait
+        return w.view(-1)
+    w1 = [(0, 3000, 30000, 7, 0), (200, 3100, 32000, 9, 0), None]
+    w2 = [(30500, 0, 50000, 7, 33000), (33000, 0, 52500, 9, 33500)]
+    for c, first in ((0, 34000), (1, 35000)):
+        w2[c] = w2[c][:1] + (first,) + w2[c][2:]
+    got = bench.pair_trace_summary(words(w1), [[(4, "whole")], [(4, "whole")], []],
+                                   words(w2), [[(2, "whole")], [(2, "whole")]])
+    assert got["w1_first_end_us"] == 30.0 and got["w1_last_end_us"] == 32.0
+    assert got["w2_first_start_us"] == 30.5 and got["w2_last_start_us"] == 33.0
+    assert got["w2_start_after_own_sm_w1_us"] == (0.75, 1.0)  # SM 7: 0.5 after its W1 CTA, SM 9: 1.0
+    assert got["w2_wait_done_after_w1_us"] == (1.25, 1.5)
+    assert got["w2_first_stage_after_w1_us"] == (2.5, 3.0)
+    assert got["w2_end_spread_us"] == 2.5 and got["span_us"] == 52.5
+
+
 def test_tile_24_is_the_two_cta_table_decodes_only():
     cfg = gg.GemmConfig("w1", 24, fold_scales=True, table_decode=True)
     assert cfg.ctas_per_sm == 2 and not cfg.table_pipelined and cfg.smem_bytes <= cfg.smem_limit
@@ -1067,6 +1096,36 @@ def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, 
               programmatic_pairs=10, return_raw=True)
 
 
+@pytest.mark.gpu
+def test_traced_programmatic_pair_stamps_the_handover_in_order():
+    """The traced stream-K pair with the programmatic W2 (the bench's pair trace): the same bytes as the plain pair,
+    and on the %globaltimer axis each W2 CTA starts after some W1 CTA ended (one CTA per SM) and its producer's
+    `griddepcontrol.wait` returns only after the last W1 CTA's end, its first full stage after that."""
+    bench = _load_script("bench_grouped_gemm_sm90")
+    case = (5120, 2304, 48, 6, 1, 8)
+    splits = []
+    traced = _run_case(*case, seed=3, stream_k=True, ctas_per_sm=1, trace=True, programmatic_pairs=4,
+                       return_raw=True, splits_out=splits)
+    _assert_same_bytes(traced, _run_case(*case, seed=3, stream_k=True, ctas_per_sm=1, return_raw=True))
+    offsets, split1, split2 = splits[0]
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    ctas = gg.device_sms("cuda")
+    tiles = sum(-(-c // 8) for c in counts)
+    seg1 = gg.stream_segments(tiles * (2 * 2304 // gg.ROWS_PER_CTA), 5120 // 128, ctas)
+    seg2 = gg.stream_segments(tiles * (5120 // gg.ROWS_PER_CTA), 2304 // 128, ctas)
+    words = [split[0][: ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(ctas, gg.TRACE_SLOTS, 2).tolist()
+             for split in (split1, split2)]
+    tail = 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+    w1_ends = [max(w[tail][0], w[tail + 1][0]) for w, seg in zip(words[0], seg1) if seg]
+    w2 = [w for w, seg in zip(words[1], seg2) if seg]
+    assert all(w[tail + 3][0] >= max(w1_ends) for w in w2), "a W2 producer passed its wait before W1's grid ended"
+    assert all(w[4][0] >= w[tail + 3][0] for w in w2)  # the first stage holds W1's rows: after the wait
+    got = bench.pair_trace_summary(split1[0][: ctas * gg.TRACE_SLOTS * 4], seg1,
+                                   split2[0][: ctas * gg.TRACE_SLOTS * 4], seg2)
+    assert got["w2_first_start_us"] >= got["w1_first_end_us"] and got["span_us"] > got["w1_last_end_us"] > 0
+    assert got["w2_wait_done_after_w1_us"][0] >= 0 and got["w2_start_after_own_sm_w1_us"][0] >= 0
+
+
 def test_programmatic_launch_is_for_the_stream_k_w2_only():
     from gc_moe.runtime.jit import KernelVariant
 
@@ -1107,7 +1166,7 @@ def test_traced_stream_k_writes_the_same_bytes_and_its_phases(hidden, inter, exp
     counts = (offsets[1:] - offsets[:-1]).tolist()
     grid_ctas = sms or gg.device_sms("cuda")  # one CTA per SM
     per, tail = gg.TRACE_SEGMENT_SLOTS, 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
-    for split, rows, k_blocks in ((split1, 2 * inter, hidden // 128), (split2, hidden, inter // 128)):
+    for role, split, rows, k_blocks in (("w1", split1, 2 * inter, hidden // 128), ("w2", split2, hidden, inter // 128)):
         words = split[0][: grid_ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(grid_ctas, gg.TRACE_SLOTS, 2)
         walks = gg.stream_segments(sum(-(-c // 8) for c in counts) * (rows // gg.ROWS_PER_CTA), k_blocks, grid_ctas)
         for cta, walk in enumerate(walks):
@@ -1121,6 +1180,8 @@ def test_traced_stream_k_writes_the_same_bytes_and_its_phases(hidden, inter, exp
                                            for j in range(4)] + [w[tail + 1][1]]
             assert clocks == sorted(clocks), (cta, clocks)
             assert w[0][1] <= w[tail][1]  # the producer's end after the CTA's start (one SM's %clock64)
+            if role == "w2":  # its producer's griddepcontrol.wait returned between the CTA's start and its end
+                assert w[0][1] <= w[tail + 3][1] <= w[tail][1], (cta, w[0][1], w[tail + 3][1], w[tail][1])
         # the SMs the working CTAs ran on: one CTA per SM, the grid resident at once
         sm_ids = [words[cta].tolist()[tail + 2][1] for cta, walk in enumerate(walks) if walk]
         assert len(set(sm_ids)) == len(sm_ids) and all(0 <= i < gg.device_sms("cuda") for i in sm_ids), sm_ids

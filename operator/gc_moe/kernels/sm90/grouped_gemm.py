@@ -135,12 +135,14 @@ STREAM_MAX_EXPERTS = 64
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
 # the cycles thread 0 waited for full stages and the producer for empty ones; the producer's and the consumers' end,
-# the segment count and the SM the CTA ran on (the bench's `trace_summary` reads them). One CTA per SM only: the traced two-CTA W1 loop
+# the segment count and the SM the CTA ran on, and W2's: when its producer's `griddepcontrol.wait` returned (the
+# bench's `trace_summary` and `pair_trace_summary` read them). One CTA per SM only: the traced two-CTA W1 loop
 # spilled 8 B and wrote other bytes than the plain loop in about one launch of eight (never root-caused; the plain
 # two-CTA loops pass the same relaunch checks), so it is not built
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
-TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3
+TRACE_TAIL_SLOTS = 4
+TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + TRACE_TAIL_SLOTS
 # tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
 # 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
 STREAM_K_MAX_WAVES = 3.2
@@ -918,6 +920,9 @@ def _make_kernel(cfg: GemmConfig):
                 for kb in cutlass.range(early):
                     issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, kb)
                 ptx.griddepcontrol_wait()
+                if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+                    if pidx == 0:  # segment 0's slots: the tail's last slot is TRACE_SEGMENTS segments and 3 slots on
+                        ptx.stamp_times(trace_seg + Int64(16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3)))
                 for kb in cutlass.range(early):
                     copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, kb)
                     for r in cutlass.range_constexpr(-(-BN // PT)):
