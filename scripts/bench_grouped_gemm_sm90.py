@@ -115,6 +115,7 @@ class Point:
         self.device = device
         self.splits = {}  # kernels that split K: their partials and counts, one pair per kernel
         self.pdl = False  # W2 launched programmatically after W1 where it can be (a set's pseudo-knob `pdl`)
+        self.pair = None  # (the stream-K pair kernel, its buffers): W1 and W2 as one launch (`--pair`)
         self.use(kernels)
 
     def use(self, kernels, max_block_n=None):
@@ -141,6 +142,15 @@ class Point:
         With self.pdl and a stream_k W2 after its W1, W2 goes out programmatically (launch_w2(programmatic=True))."""
         from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
+        if self.pair is not None:
+            from gc_moe.kernels.sm90.stream_pair import launch_pair
+
+            if tuple(roles) != ("w1", "w2"):
+                raise ValueError("the pair kernel runs W1 and W2 together: no per-role launch")
+            kernel, buffers = self.pair
+            launch_pair(kernel, self.weights.l1, self.weights.l2, self.act, self.act_scale, self.offsets, self.rw,
+                        self.mid, self.mid_scale, self.dest, self.out, self.capacity, buffers, stream)
+            return
         if "w1" in roles:
             launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
                       self.mid_scale, self.capacity, stream, split=self.split1)
@@ -347,9 +357,9 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
                    tflops=pt.flops() / (cold * 1e-6) / 1e12, flush=methods[0])
         if "write" in colds and len(colds) > 1:
             row["cold_write_flush_us"] = colds["write"]
-        if args.per_role:  # each kernel alone after the same flush: where the time over the floor goes
+        if args.per_role and pt.pair is None:  # each kernel alone after the same flush: where the time goes
             row.update(w1_cold_us=cold_us(methods[0], roles=("w1",)), w2_cold_us=cold_us(methods[0], roles=("w2",)))
-    if args.trace:
+    if args.trace and pt.pair is None:
         row["trace"] = trace_point(pt, stream, flush)
         for role, tr in row["trace"].items():
             brief = {k: v for k, v in tr.items() if k != "ctas_by_sm_runs"}  # the per-CTA lists: the JSON only
@@ -621,6 +631,9 @@ def main() -> int:
                     help="producer warps of the warp-specialized variants (default 1)")
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
+    ap.add_argument("--pair", action="store_true",
+                    help="also the set `pair`: W1 and W2's stream-K loops as one launch (kernels.sm90.stream_pair, token "
+                         "tile 8, one CTA per SM) at every point")
     ap.add_argument("--pdl", action="store_true",
                     help="with --auto-ctas: also ws_auto_pdl, W2 launched programmatically after W1 where tile_knobs "
                          "picks the stream-K loops (an --extra-set takes the pseudo-knob pdl=True alike)")
@@ -696,8 +709,11 @@ def main() -> int:
             sets.append(extra)
         auto_variants = [v for spec in args.auto_set
                          for pair in auto_set_variants(gg, parse_auto_set(spec)[1]).values() for v in pair]
+        from gc_moe.kernels.sm90 import stream_pair
+
         seen = set()
-        for v in [v for knobs in sets for v in gg.variant_set(**knobs)] + auto_variants + gg.all_variants():
+        for v in ([v for knobs in sets for v in gg.variant_set(**knobs)] + auto_variants + gg.all_variants()
+                  + stream_pair.all_variants()):
             if v.describe() in seen:
                 continue
             seen.add(v.describe())
@@ -759,7 +775,13 @@ def main() -> int:
                 continue
             auto_tiles[tag] = {bn: {(role, bn): jit.load_kernel(v, "sm_90a") for role, v in zip(("w1", "w2"), pair)}
                                for bn, pair in auto_set_variants(gg, extra, knobs).items()}
-    occupancy_report(kernel_sets)
+    pair_kernel = None
+    if args.pair:
+        from gc_moe.kernels.sm90 import stream_pair
+
+        pair_kernel = jit.load_kernel(stream_pair.variant(), "sm_90a")
+        kernel_sets["pair"] = "pair"  # W1 and W2 in one launch, at every point
+    occupancy_report({k: v for k, v in kernel_sets.items() if v != "pair"})
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -772,7 +794,7 @@ def main() -> int:
                  random_mxfp4(e_loc, model["hidden"], model["inter"], gen, device))
         weights = {"lane": wsm90.transform(*canon)}
         if auto_tiles or any(dict(k.entry.variant.params).get("table_decode")
-                             for ks in kernel_sets.values() if ks for k in ks.values()):
+                             for ks in kernel_sets.values() if isinstance(ks, dict) for k in ks.values()):
             lane = weights["lane"]
             weights["table"] = wsm90.Sm90Weights(l1=wsm90.with_nibble_order(lane.l1, "table"),
                                                  l2=wsm90.with_nibble_order(lane.l2, "table"))
@@ -783,7 +805,13 @@ def main() -> int:
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)
-                if set_kernels is None:  # ws_auto or an --auto-set
+                pt.pair = None
+                if set_kernels == "pair":
+                    from gc_moe.kernels.sm90.stream_pair import pair_buffers
+
+                    set_kernels, max_bn = kernels, 8  # the lane-order weights; the pair's own tile
+                    row_note = {"knobs": {"stream_pair": True}}
+                elif set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)
                     auto_tag = "ws_auto" if tag == "ws_auto_pdl" else tag
@@ -793,6 +821,8 @@ def main() -> int:
                     row_note = {"knobs": {**tile_set, **auto_knobs[auto_tag]} if tile_set else {}}
                 pt.use(set_kernels, max_bn)
                 pt.pdl = set_pdl.get(tag, False)
+                if tag == "pair":  # its buffers before any capture
+                    pt.pair = (pair_kernel, pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device))
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
                        "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **row_note}

@@ -9,7 +9,8 @@
 #   trace   the traced stream-K loops at 1 and 8 tokens, with and without the lean epilogue (its early loads): per
 #           CTA its SM, start and end, three launches each (does the end spread, 2.4-2.9 us, sit on the same SMs every
 #           launch?), the epilogue phases, ws_auto_pdl against the same with lean_epilogue, and the traced pair with
-#           the programmatic W2 (skt1p): where the pair loses time between W1's streaming and W2's (pair_trace)
+#           the programmatic W2 (skt1p): where the pair loses time between W1's streaming and W2's (pair_trace), and
+#           the pair kernel (W1 and W2 in one stream-K launch: the set `pair`, steps 35-36)
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
 # on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and carried along.
 set -u
@@ -34,7 +35,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS ;;
     tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide" ;;
+             -k "lean or programmatic or traced or wide or stream_pair" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -45,7 +46,7 @@ for s in $steps; do
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
-    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --per-role --trace \
+    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \
              --auto-set lean_pdl:lean_epilogue=True,pdl=True \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
@@ -76,7 +77,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print("pair and sets at 1-8 tokens: cold us; the traced pair's handover (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto_pdl", "lean_pdl"):
+    if r["tag"] in ("ws_auto_pdl", "lean_pdl", "pair"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     p = r.get("pair_trace")
     if p:

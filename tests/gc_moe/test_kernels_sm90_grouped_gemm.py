@@ -857,12 +857,14 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
               return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, programmatic_pairs=0,
-              **more_knobs):
+              pair_launches=0, **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
     (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
     launched again on the same buffers (each must write the first launch's bytes); programmatic_pairs: then that
     many times W1 and a programmatic W2 back to back on poisoned outputs, half of them replays of a captured graph
-    (each must write the same bytes)."""
+    (each must write the same bytes); pair_launches: then that many launches of the stream-K pair kernel
+    (kernels.sm90.stream_pair) on poisoned outputs and partials, half of them graph replays: each must write the
+    bytes of the two kernels (the same stream-K partition over the same SMs) and leave its hand-over words zero."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -952,6 +954,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf)
             assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
                 f"programmatic pair {launch + 1}: " + _w2_mismatch(out, want_out)
+    if pair_launches:
+        _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, pair_launches)
     if splits_out is not None:
         splits_out.append((offsets, split, split2))
     if return_raw:
@@ -970,6 +974,47 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         ref_mid[a:b] = gate * torch.sigmoid(gate) * up * rw[a:b, None]
         ref_out[dest[a:b].long()] = ref_mid[a:b] @ dequantize_fp4_ue8m0(l2[0][e], l2[1][e]).T
     return got_mid, ref_mid, out.float(), ref_out
+
+
+def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, launches):
+    """The stream-K pair kernel over `_run_case`'s tensors, `launches` times (odd ones graph replays), against the
+    bytes the two kernels wrote there (`_run_case(pair_launches=...)`)."""
+    from gc_moe.kernels.sm90 import stream_pair
+    from gc_moe.runtime import jit
+
+    torch.cuda.synchronize()
+    want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
+    kernel = jit.load_kernel(stream_pair.variant(), "sm_90a")
+    buffers = stream_pair.pair_buffers(w.l1, w.l2, cap, mid.device, sms)
+    stream = torch.cuda.current_stream()
+
+    def pair(on):
+        mid.view(torch.uint8).fill_(0x7F)
+        mid_sf.fill_(float("nan"))
+        out.fill_(float("nan"))
+        _poison_partials(buffers["w1"])
+        _poison_partials(buffers["w2"])
+        stream_pair.launch_pair(kernel, w.l1, w.l2, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, buffers,
+                                on)
+
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(stream)
+    with torch.cuda.graph(graph, stream=capture):
+        pair(capture)
+    stream.wait_stream(capture)
+    for launch in range(launches):
+        if launch % 2:
+            graph.replay()
+        else:
+            pair(stream)
+        torch.cuda.synchronize()
+        assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf), \
+            f"pair launch {launch + 1}: " + _byte_mismatch(mid, want_mid, mid_sf, want_sf)
+        assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
+            f"pair launch {launch + 1}: " + _w2_mismatch(out, want_out)
+        assert int(buffers["ready"].abs().sum()) == 0, "a hand-over word was not back at zero after the launch"
+        assert all(int(buffers[r][1].abs().sum()) == 0 for r in ("w1", "w2")), "a unit's count was not reset"
 
 
 def _poison_partials(split):
@@ -1124,6 +1169,65 @@ def test_traced_programmatic_pair_stamps_the_handover_in_order():
                                    split2[0][: ctas * gg.TRACE_SLOTS * 4], seg2)
     assert got["w2_first_start_us"] >= got["w1_first_end_us"] and got["span_us"] > got["w1_last_end_us"] > 0
     assert got["w2_wait_done_after_w1_us"][0] >= 0 and got["w2_start_after_own_sm_w1_us"][0] >= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (5120, 2304, 48, 6, 1, None),    # DeepSeek-V4.1-Flash at one token, every SM
+    (6144, 2048, 32, 8, 8, None),    # GLM-5.2 at eight tokens
+    (5120, 2304, 48, 6, 2, 7),       # units cut at odd places, W2 waiting on W1 units of other CTAs
+    (1024, 512, 10, 6, 40, 3),       # many units per CTA: W1 owners with staged pieces, then W2 on the same ring
+    (512, 256, 64, 8, 12, None)])    # the most local experts (two passes of the scan), more CTAs than W2 steps
+def test_stream_pair_matches_float32_reference_and_the_two_kernels(hidden, inter, experts, topk, tokens, sms):
+    """The stream-K pair kernel (W1 and W2 in one launch, handing over through counted words) writes the bytes of
+    the two stream-K kernels at one CTA per SM, which match the float32 reference; eight launches (half of them
+    graph replays) on poisoned outputs, each leaving its words and counts at zero."""
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + experts,
+                                           stream_k=True, ctas_per_sm=1, sms=sms, pair_launches=8)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+def test_stream_pair_host_side_names_what_is_wrong():
+    """The pair kernel's halves share one ring; its launch refuses mismatched matrices and a W2 K it cannot poll."""
+    from types import SimpleNamespace
+
+    from gc_moe.kernels.sm90 import stream_pair
+
+    cfg = stream_pair.PairConfig()
+    w1, w2 = cfg.half("w1"), cfg.half("w2")
+    assert w1.stream_pair and w2.stream_pair and w1.stages == w2.stages and w1.smem_bytes == w2.smem_bytes
+    assert w1.name.endswith("_skp_ws") and "stream_pair" not in dict(gg.variant("w1", 8, stream_k=True).params)
+    with pytest.raises(ValueError, match="stream_pair is a half"):
+        gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
+    assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
+    assert [v.describe() for v in stream_pair.all_variants()] == [stream_pair.variant().describe()]
+
+    def mat(rows, cols, interleaved, experts=4):
+        return SimpleNamespace(rows=rows, cols=cols, num_experts=experts, gate_up_interleaved=interleaved)
+    kernel = SimpleNamespace(entry=SimpleNamespace(variant=stream_pair.variant()))
+    args = (None,) * 8 + (8, {})  # the tensors, capacity, buffers
+    with pytest.raises(ValueError, match="l1 = the W1 matrix"):
+        stream_pair.pair_launch(kernel, mat(1024, 512, False), mat(512, 512, False), *args)
+    with pytest.raises(ValueError, match=r"W2 must be \[4, 512, 512\]"):
+        stream_pair.pair_launch(kernel, mat(1024, 512, True), mat(512, 256, False), *args)
+    with pytest.raises(ValueError, match="intermediate <= 4096"):
+        stream_pair.pair_launch(kernel, mat(2 * 4224, 512, True), mat(512, 4224, False), *args)
+    with pytest.raises(ValueError, match="at most 64"):
+        stream_pair.pair_launch(kernel, mat(1024, 512, True, 65), mat(512, 512, False, 65), *args)
+
+
+def test_stream_pair_builds_offline_without_local_memory(tmp_path):
+    """The pair kernel builds on a machine without a GPU: its promises (the hand-over's release, relaxed adds and
+    fence, the bounded waits' trap) and a stack of 0 bytes are checked by the build; each half's pipelined K loop
+    issues its four K32 WGMMAs twice (the first step, then the loop's) and the W2 producer polls with one warp vote."""
+    pytest.importorskip("cutlass")
+    from gc_moe.kernels.sm90 import stream_pair
+    from gc_moe.runtime import jit
+
+    entry = jit.build_variant(stream_pair.variant(), "sm_90a", cache_dir=tmp_path)
+    ptx = entry.ptx_path.read_text()
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 2 * 4
+    assert ptx.count("vote.sync.all.pred") == 1 and ptx.count("red.release.gpu.global.add.s32") >= 1
 
 
 def test_programmatic_launch_is_for_the_stream_k_w2_only():

@@ -53,11 +53,12 @@ def ring_proof(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
 
 @family
 def sm90_grouped_gemm(arch: str, profile: Mapping) -> Iterable[KernelVariant]:
-    """The SM90 FP8xFP4 grouped GEMM: both roles at every block_n its module lists."""
+    """The SM90 FP8xFP4 grouped GEMM: both roles at every block_n its module lists, and the stream-K pair kernel."""
     if arch == "sm_90a":
-        from gc_moe.kernels.sm90 import grouped_gemm  # imports without the DSL; kernels are built lazily
+        from gc_moe.kernels.sm90 import grouped_gemm, stream_pair  # import without the DSL; built lazily
 
         yield from grouped_gemm.all_variants()
+        yield from stream_pair.all_variants()  # W1 and W2's stream-K loops as one launch (opt-in)
 
 
 @family

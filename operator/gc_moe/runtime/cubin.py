@@ -195,5 +195,5 @@ def ptx_required_block(ptx: str, entry: str) -> tuple[int, int, int] | None:
 
 def ptx_instruction_count(ptx: str, mnemonic_prefix: str) -> int:
     """How many instructions in the PTX start with the given mnemonic prefix (e.g. 'wgmma.mma_async')."""
-    pattern = re.compile(r"^\s*(?:@!?%\w+\s+)?" + re.escape(mnemonic_prefix), re.MULTILINE)
+    pattern = re.compile(r"^\s*(?:@!?%?\w+\s+)?" + re.escape(mnemonic_prefix), re.MULTILINE)
     return len(pattern.findall(ptx))

@@ -250,6 +250,11 @@ class GemmConfig:
     # expert's factor: with one unit per CTA the producer stages them into shared memory with the unit's first stage;
     # in a stream_k loop each consumer thread loads its own before the segment's K loop (a few registers)
     lean_epilogue: bool = False
+    # a half of the stream-K pair kernel (`kernels.sm90.stream_pair`: W1's and then W2's stream_k ranges in one
+    # launch on one stage ring): the body walks its segments from a given step of the CTA's ring and hands over
+    # through per-(expert, token tile, K128 block) words instead of a kernel boundary (W1 publishes each finished
+    # unit, W2 waits for the units whose rows it reads)
+    stream_pair: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -327,6 +332,10 @@ class GemmConfig:
                                        and self.k_splits == 1):
             raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 (warp-specialized, no ring consumer, "
                              "no fused role2, no k_splits)")
+        if self.stream_pair and not (self.stream_k and self.ctas_per_sm == 1 and self.producer_warps == 1
+                                     and not self.trace and not self.lean_epilogue):
+            raise ValueError("stream_pair is a half of the stream-K pair kernel: stream_k=True at one CTA per SM, one "
+                             "producer warp, no trace, no lean_epilogue")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -490,7 +499,7 @@ class GemmConfig:
         if self.k_splits > 1:
             s += f"_k{self.k_splits}"
         if self.stream_k:
-            s += "_skt" if self.trace else "_sk"
+            s += "_skt" if self.trace else "_skp" if self.stream_pair else "_sk"
         if self.lean_epilogue:
             s += "_lean"
         if self.ring_consumer:
@@ -645,6 +654,15 @@ def expected_l1_empty_counts(expert_offsets: list[int], block_n: int, block_m: i
 
 
 # ---------------------------------------------------------------------------------------------- kernel
+@dataclass(frozen=True)
+class StreamHalf:
+    """The device functions of a stream_pair half (`_make_kernel`): the pair kernel calls them in order."""
+    thread_coords: object
+    init_stage_ring: object
+    unit_table: object
+    stream_walk: object
+
+
 def _make_kernel(cfg: GemmConfig):
     import cutlass  # the CuTe DSL is needed to build only; launching needs the cubin and the driver
     from cutlass import Float32, Int32, Int64, cute
@@ -666,6 +684,7 @@ def _make_kernel(cfg: GemmConfig):
     REUSE = cfg.ring_reuse
     KS = cfg.k_splits
     STREAM = cfg.stream_k
+    PAIR = cfg.stream_pair  # a half of the stream-K pair kernel: `stream_walk` with its hand-over words
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
     SPLIT = cfg.consumer_registers is not None
@@ -887,7 +906,8 @@ def _make_kernel(cfg: GemmConfig):
             ptx.cp_async_4_zfill(smem + cfg.meta_offset + BN * 4, w_factor + Int64(e) * 4, Int32(4))
 
     @cute.jit
-    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None):
+    def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None,
+                ready_words=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
@@ -899,7 +919,13 @@ def _make_kernel(cfg: GemmConfig):
 
         A stream_k W2's first segment (base 0) issues the weights of its first stages (up to half the ring), then
         waits for the grids it depends on (`griddepcontrol.wait`: W1 when launched with
-        launch_w2(programmatic=True); at once otherwise) before it copies any row of W1's output."""
+        launch_w2(programmatic=True); at once otherwise) before it copies any row of W1's output.
+
+        The pair kernel's W2 half (ready_words: the hand-over words of this segment's K128 steps, one per step) does
+        that at every segment: the weights of its first steps (up to half the ring) go out as their stages free,
+        then lane kb polls word kb until W1's unit kb of this token tile has published its rows (bounded), takes
+        one permit (the words return to zero by the launch's end) and the warp acquires (one fence), then the
+        rows follow."""
         k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
         waited = Int32(0)
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
@@ -910,7 +936,33 @@ def _make_kernel(cfg: GemmConfig):
         early = Int32(0)  # steps whose weights went out before the wait
         if cutlass.const_expr(LEAN and not STREAM):
             stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
-        if cutlass.const_expr(STREAM and not W1 and base is not None):  # noqa: SIM102 (trace-time around device)
+        if cutlass.const_expr(PAIR and not W1):
+            early = k_steps
+            if early > STAGES // 2:
+                early = Int32(STAGES // 2)
+            for kb in cutlass.range(early):
+                step = base + kb
+                if step >= STAGES:
+                    ptx.mbarrier_wait(smem + cfg.barrier_offset + (STAGES + step % STAGES) * 8,
+                                      empty_parity(step, STAGES), suspend_ns=SUSPEND)
+                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step % STAGES)
+            # lane kb: step kb's word (one producer warp, at most 32 K128 steps: the host checks); the acquire
+            # leaves no L1 line from before it, so the scales' cached copies below read what W1 wrote
+            mine = Int32(0)
+            if pidx < k_steps:
+                mine = Int32(1)
+            ptx.warp_sync()  # the vote inside wants the whole warp
+            ptx.take_permits_warp(ready_words + Int64(pidx) * 4, mine)
+            ptx.warp_sync()  # every lane's acquire before any lane's copies
+            for kb in cutlass.range(early):
+                stage = (base + kb) % STAGES
+                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
+                for r in cutlass.range_constexpr(-(-BN // PT)):
+                    if pidx + PT * r < BN:
+                        ptx.cp_async_4_zfill(smem + stage * cfg.stage_bytes + cfg.xs_offset + (pidx + PT * r) * 4,
+                                             x_src[r] + Int64(kb * 4), x_bytes[r])
+                ptx.cp_async_mbarrier_arrive_noinc(smem + cfg.barrier_offset + stage * 8)
+        if cutlass.const_expr(STREAM and not W1 and base is not None and not PAIR):  # noqa: SIM102
             if base == 0:  # the CTA's first steps: stages 0.., no empty waits
                 # half the ring: stage 0 completes only once the weights ahead of its rows have landed, and a full
                 # ring of them left the memory idle until the consumers freed stage 0 (W2 alone ~3 us slower)
@@ -1819,7 +1871,8 @@ def _make_kernel(cfg: GemmConfig):
                 for p in cutlass.range(1, pieces):
                     for i in cutlass.range_constexpr(per):
                         acc[i] = acc[i] + ptx.lds_f32(theirs + (p - 1) * (THREADS * per * 4) + i * 4)
-                # the stage is the CTA's last: no release (the next launch sets the barriers up again)
+                # the stage is the CTA's last: no release (the next launch sets the barriers up again); the pair
+                # kernel's W1 releases it after the epilogue's last barrier (`stream_walk`), W2's steps go on there
             else:
                 if tid == 0:
                     ptx.wait_at_least_acquire_gpu(count_word, pieces - 1)
@@ -1855,15 +1908,15 @@ def _make_kernel(cfg: GemmConfig):
     def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args):
         """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
-        warpgroups walk the same segments (unit, first step, steps), each side on its own. role_args: W1's
-        (routing_weight, out, out_scale), W2's (dest_row, out). With trace, thread 0 and the producer's first
-        thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer."""
+        warpgroups walk the same segments (unit, first step, steps), each side on its own (`stream_walk`).
+        role_args: W1's (routing_weight, out, out_scale), W2's (dest_row, out). With trace, thread 0 and the
+        producer's first thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer."""
         tid = cute.arch.thread_idx()[0]
         if cutlass.const_expr(W1):
             # a W2 launched programmatically after this grid may start its CTAs (and their weight stages) as SMs
             # free up; it waits for this grid's completion before reading its output (`produce`)
             ptx.griddepcontrol_launch_dependents()
-        wg, t, warp, g, q = thread_coords(tid)
+        coords = thread_coords(tid)
         cta = Int32(cute.arch.block_idx()[0])
         trace = Int64(0)
         if cutlass.const_expr(TRACE):
@@ -1879,6 +1932,27 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.stamp_times(trace + Int64(16))
             if tid == THREADS:
                 ptx.stamp_times(trace + Int64(32))
+        base, segment = stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords,
+                                    cta, smem, Int32(0), trace)
+        if tid >= THREADS:
+            ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+        if cutlass.const_expr(TRACE):
+            tail = trace + Int64(48 + 16 * TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS)
+            if tid == THREADS:
+                ptx.stamp_times(tail)
+            if tid == 0:
+                ptx.stamp_times(tail + Int64(16))
+                ptx.stg_s64(tail + Int64(32), Int64(segment))
+                ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
+
+    @cute.jit
+    def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
+                    trace, pair=None):
+        """The segments of a stream_k CTA's range over this role's units (`unit_table`), its steps numbered from
+        `base` on the CTA's stage ring; returns (base after them, segments walked). pair (a half of the stream-K
+        pair kernel, `kernels.sm90.stream_pair`): W1's (ready words, token tiles per expert in them, W2's weight-row
+        CTAs per token tile: the readers of each word), W2's (ready words, token tiles per expert)."""
+        wg, t, warp, g, q = coords
         ctas = Int32(cute.arch.grid_dim()[0])
         work = units * k_blocks
         if work < ctas:  # stream_ctas: one step at least per working CTA
@@ -1887,7 +1961,6 @@ def _make_kernel(cfg: GemmConfig):
         end = Int32(0)
         if cta < ctas:
             s, end = stream_range(cta, ctas, work)
-        base = Int32(0)
         segment = Int32(0)
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
         while s < end:
@@ -1898,6 +1971,12 @@ def _make_kernel(cfg: GemmConfig):
                 k_end = k_blocks
             steps = k_end - k_first
             e, bx, bz, row0, count = unit_lookup(table, unit)
+            staged = Int32(0)  # the pair's W1 owner: its pieces took one more stage of the ring
+            if cutlass.const_expr(PAIR):
+                if k_first == 0 and steps < k_blocks:
+                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
+                    if pieces - 1 <= STAGED_PIECES:
+                        staged = Int32(1)
             seg_stamps = trace
             if cutlass.const_expr(TRACE):
                 # a traced segment's slots (the segments past TRACE_SEGMENTS share the last ones)
@@ -1906,8 +1985,11 @@ def _make_kernel(cfg: GemmConfig):
                 if segment < TRACE_SEGMENTS:
                     seg_stamps = trace + Int64(48) + Int64(segment) * seg_bytes
             if tid >= THREADS:
+                ready = None
+                if cutlass.const_expr(PAIR and not W1):  # the W1 units whose output rows this segment reads
+                    ready = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(k_blocks) + Int64(k_first)) * 4
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
-                        trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
+                        trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready)
                 if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
                     first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
                     if pieces - 1 <= STAGED_PIECES:
@@ -1939,22 +2021,24 @@ def _make_kernel(cfg: GemmConfig):
                     rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
                 stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
                                 k_first, whole, base + steps, *rest)
+                if cutlass.const_expr(PAIR and W1):  # noqa: SIM102 (a trace-time branch around a device one)
+                    if k_first == 0:  # a whole unit or an owner: the unit's output rows are written
+                        consumer_sync()  # every thread's stores (and reads of the staged pieces) before thread 0's
+                        if tid == 0:
+                            word = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(m_tiles // TILES_PER_CTA)
+                                              + Int64(bx)) * 4
+                            ptx.red_add_release_gpu_s32(word, pair[2])  # one permit per W2 unit that reads them
+                            if staged == 1:  # the owner's pieces' stage, for every consumer warp (a warp's own
+                                # release inside the epilogue's branches cost the K loops their uniform registers)
+                                ptx.mbarrier_arrive_count(smem + cfg.barrier_offset
+                                                          + (STAGES + (base + steps) % STAGES) * 8, THREADS // 32)
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
                     if tid == 0:
                         ptx.stamp_times(seg_stamps + Int64(48))
-            base = base + steps
+            base = base + steps + staged
             s = s + steps
             segment = segment + 1
-        if tid >= THREADS:
-            ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
-        if cutlass.const_expr(TRACE):
-            tail = trace + Int64(48 + 16 * TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS)
-            if tid == THREADS:
-                ptx.stamp_times(tail)
-            if tid == 0:
-                ptx.stamp_times(tail + Int64(16))
-                ptx.stg_s64(tail + Int64(32), Int64(segment))
-                ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
+        return base, segment
 
     @cute.jit
     def split_epilogue(tid, wg, warp, g, q, factor, acc, smem, split_partials, split_counts, unit, ks_index, *rest):
@@ -2201,6 +2285,8 @@ def _make_kernel(cfg: GemmConfig):
 
     if FUSED:  # a half of the fused role2 kernel: kernels.sm90.role2 calls the body for the units it draws
         return w1_body if W1 else w2_body
+    if PAIR:  # a half of the stream-K pair kernel: kernels.sm90.stream_pair sets the ring up and walks both halves
+        return StreamHalf(thread_coords, init_stage_ring, unit_table, stream_walk)
     return kernel
 
 

@@ -321,6 +321,11 @@ def mbarrier_arrive(addr: Int32) -> None:
     asm("mbarrier.arrive.shared::cta.b64 _, [$0];", [], [addr])
 
 
+def mbarrier_arrive_count(addr: Int32, count: int) -> None:
+    """`count` arrivals at once (one thread arriving for several warps, after a barrier they all passed)."""
+    asm(f"mbarrier.arrive.shared::cta.b64 _, [$0], {count};", [], [addr])
+
+
 def mbarrier_arrive_expect_tx(addr: Int32, tx_bytes: int) -> None:
     """One arrival that also announces `tx_bytes` of bulk copies completing on this phase."""
     asm(f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {tx_bytes};", [], [addr])
@@ -519,6 +524,46 @@ def wait_at_least_acquire_gpu(addr: Int64, target: Int32, limit_ns: int = 10_000
         "trap;\nDONE:\n}",
         [],
         [addr, target],
+    )
+
+
+def wait_at_least_relaxed_gpu(addr: Int64, target: Int32, limit_ns: int = 10_000_000_000) -> None:
+    """Poll the 32-bit word at `addr` with relaxed loads (a 64 ns back-off) until it is >= target; trap once
+    `limit_ns` of %globaltimer passed since the first failed poll. Not an acquire by itself: the caller's
+    `fence_acq_rel_gpu` after it makes one (an acquire per poll would keep invalidating the SM's L1)."""
+    asm(
+        "{\n.reg .pred done, late;\n.reg .b32 seen;\n.reg .b64 t0, t1;\n"
+        "ld.relaxed.gpu.global.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n@done bra.uni DONE;\n"
+        "mov.u64 t0, %globaltimer;\n"
+        "WAIT:\nnanosleep.u32 64;\nld.relaxed.gpu.global.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n"
+        "@done bra.uni DONE;\n"
+        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n@!late bra.uni WAIT;\n"
+        "trap;\nDONE:\n}",
+        [],
+        [addr, target],
+    )
+
+
+def red_add_relaxed_gpu_s32(addr: Int64, v: Int32) -> None:
+    """Add `v` to a 32-bit word at GPU scope without ordering (a count no data depends on)."""
+    asm("red.relaxed.gpu.global.add.s32 [$0], $1;", [], [addr, v])
+
+
+def take_permits_warp(addr: Int64, mine: Int32, limit_ns: int = 10_000_000_000) -> None:
+    """The whole warp (converged) waits until each lane with `mine` != 0 sees its 32-bit word at `addr` >= 1
+    (relaxed polls, a 64 ns back-off, the loop's exit a warp vote so its control flow is uniform), then those lanes
+    take one permit each (add -1) and every lane fences (`fence.acq_rel.gpu`: with the polls, an acquire). Traps
+    once `limit_ns` of %globaltimer passed without every word set."""
+    asm(
+        "{\n.reg .pred lane, ok, all, late;\n.reg .b32 seen;\n.reg .b64 t0, t1;\n"
+        "setp.ne.s32 lane, $1, 0;\nmov.u64 t0, %globaltimer;\n"
+        "WAIT:\nsetp.eq.s32 ok, $1, 0;\n@lane ld.relaxed.gpu.global.b32 seen, [$0];\n@lane setp.ge.s32 ok, seen, 1;\n"
+        "vote.sync.all.pred all, ok, 0xffffffff;\n@all bra.uni DONE;\nnanosleep.u32 64;\n"
+        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n"
+        "vote.sync.any.pred late, late, 0xffffffff;\n@!late bra.uni WAIT;\ntrap;\n"
+        "DONE:\n@lane red.relaxed.gpu.global.add.s32 [$0], -1;\nfence.acq_rel.gpu;\n}",
+        [],
+        [addr, mine],
     )
 
 

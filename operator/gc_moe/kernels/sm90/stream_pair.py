@@ -1,0 +1,230 @@
+"""W1 and W2 of the stand-alone grouped GEMM as one stream-K launch: the pair kernel.
+
+At 1-8 tokens per rank the stream-K loops (`grouped_gemm.GemmConfig.stream_k`) stream the weights at the read
+bandwidth, and what is over the byte floor is per launch: each kernel's start (unit scan, first stage), its tail
+(owners' combine, the CTAs' end spread) and the boundary between W1 and W2, which the programmatic W2 launch only
+partly hides (docs/sm90-grouped-gemm.md, steps 27-30). Here every CTA (one per SM) walks its W1 range and then
+its W2 range on one stage ring that runs on across both (`grouped_gemm.StreamHalf`), so:
+
+- **no boundary**: W2's weights are independent of W1, so a CTA's producer streams its first W2 stages as soon as
+  its last W1 copies are out, while the slower SMs still finish W1 (the end spread is filled, not waited out);
+- **the W1-completion words** (the paper's bitmap, counted): W1 unit (e, weight-row CTA x, token tile z) writes
+  exactly K128 block x of W2's input rows of tile z; its whole-unit or owner epilogue, after a consumer barrier,
+  adds R = H / 256 (W2's weight-row CTAs per token tile: every W2 unit of the tile reads block x once) to the word
+  `ready[e, z, x]` with release. A W2 segment's producer issues the weights of its first steps, then lane k polls
+  the word of its step k (relaxed, bounded), takes one permit back (red.add -1) and the warp fences (acquire)
+  before any row copy: the words are zero again when the launch ends, so replays need no clearing;
+- **no deadlock**: the grid is resident at once (one CTA per SM), every CTA finishes its W1 range before any W2
+  wait, and W1 waits only for W1 pieces.
+
+Kernel parameters (in order): `PARAMS`. Host side (no DSL needed): `PairConfig`, `variant`, `all_variants`,
+`pair_buffers`, `pair_launch`, `launch_pair`.
+"""
+
+from dataclasses import dataclass
+
+from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+PARAMS = (
+    ("w1_codes", "u64"), ("w1_scales", "u64"), ("w1_factor", "u64"), ("act", "u64"), ("act_scale", "u64"),
+    ("expert_offsets", "u64"), ("routing_weight", "u64"), ("mid", "u64"), ("mid_scale", "u64"),
+    ("w2_codes", "u64"), ("w2_scales", "u64"), ("w2_factor", "u64"), ("dest_row", "u64"), ("out", "u64"),
+    ("w1_partials", "u64"), ("w1_counts", "u64"), ("w2_partials", "u64"), ("w2_counts", "u64"), ("ready", "u64"),
+    ("hidden_blocks", "s32"), ("w1_m_tiles", "s32"), ("inter_blocks", "s32"), ("w2_m_tiles", "s32"),
+    ("experts", "s32"), ("ready_tiles", "s32"),
+)
+# a W2 segment's producer polls one hand-over word per K128 step with one lane each
+MAX_INTER_BLOCKS = 32
+BLOCK_N = 8  # the stream-K loops' token tile
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    swiglu_alpha: float = 1.0
+    swiglu_clamp: float = 10.0
+
+    def half(self, role: str) -> gg.GemmConfig:
+        """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
+        return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
+                             warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True)
+
+    def __post_init__(self):
+        w1, w2 = self.half("w1"), self.half("w2")
+        same = ("stages", "stage_bytes", "barrier_offset", "full_arrivals", "threads", "b_offset", "xs_offset",
+                "scale_offset")
+        if any(getattr(w1, f) != getattr(w2, f) for f in same):
+            raise AssertionError(f"the pair's halves differ in their ring: {w1} / {w2}")
+
+
+def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """The runtime KernelVariant of the pair kernel."""
+    from gc_moe.runtime.jit import KernelVariant
+
+    PairConfig(swiglu_alpha, swiglu_clamp)  # validates
+    promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
+                "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
+                "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
+    return KernelVariant.make("sm90.stream_pair", __name__, "build_pair",
+                              {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}, promises=promises,
+                              extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx"))
+
+
+def all_variants():
+    return [variant()]
+
+
+def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+    """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
+    from cutlass import Int32, Int64
+
+    from gc_moe.runtime.jit import CompileRequest, LaunchShape
+
+    if arch != "sm_90a":
+        raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
+    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp))
+    args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
+    return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
+
+
+# ------------------------------------------------------------------------------------------------- host side
+def ready_words(local_experts: int, capacity: int, inter: int) -> int:
+    """Hand-over words of a launch: one per (expert, token tile, W2 K128 block)."""
+    return local_experts * max(1, -(-capacity // BLOCK_N)) * (inter // 128)
+
+
+def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None) -> dict:
+    """What a pair launch needs beside its tensors, zeroed (the kernel leaves them zero): each half's split
+    buffers (`grouped_gemm.stream_sizes` at `sms`, default the device's SMs) and the hand-over words."""
+    import torch
+
+    sms = sms or gg.device_sms(device)
+    cfg = PairConfig()
+    out = {}
+    for role, mat in (("w1", l1), ("w2", l2)):
+        partials, units = gg.stream_sizes(cfg.half(role), mat.rows, mat.num_experts, capacity, sms)
+        out[role] = (torch.zeros(partials, dtype=torch.float32, device=device),
+                     torch.zeros(units, dtype=torch.int32, device=device))
+    out["ready"] = torch.zeros(ready_words(l1.num_experts, capacity, l2.cols), dtype=torch.int32, device=device)
+    out["sms"] = sms
+    return out
+
+
+def pair_launch(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, mid, mid_scale, dest_row, out,
+                capacity: int, buffers: dict):
+    """(grid, arguments) of one pair launch or graph node; see `launch_pair`."""
+    import torch
+
+    from gc_moe.runtime.launch import i32, ptr
+
+    if not l1.gate_up_interleaved or l2.gate_up_interleaved:
+        raise ValueError("the pair kernel needs l1 = the W1 matrix (gate/up interleaved) and l2 = the W2 matrix")
+    hidden, inter, experts = l1.cols, l1.rows // 2, l1.num_experts
+    if (l2.rows, l2.cols, l2.num_experts) != (hidden, inter, experts):
+        raise ValueError(f"W2 must be [{experts}, {hidden}, {inter}] for this W1, got "
+                         f"[{l2.num_experts}, {l2.rows}, {l2.cols}]")
+    if inter // 128 > MAX_INTER_BLOCKS:
+        raise ValueError(f"intermediate {inter}: W2's {inter // 128} K128 steps exceed the {MAX_INTER_BLOCKS} hand-over "
+                         f"words one producer warp polls; allowed: intermediate <= {128 * MAX_INTER_BLOCKS}")
+    if experts > gg.STREAM_MAX_EXPERTS:
+        raise ValueError(f"{experts} local experts; the stream-K loops take at most {gg.STREAM_MAX_EXPERTS}")
+    if capacity < 1:
+        raise ValueError(f"capacity {capacity}: the most rows one expert may hold must be >= 1")
+    rows = act.shape[0]
+    gg._check_cuda("act", act, torch.float8_e4m3fn, (rows, hidden))
+    gg._check_cuda("act_scale", act_scale, torch.float32, (rows, hidden // 128))
+    gg._check_cuda("expert_offsets", expert_offsets, torch.int32, (experts + 1,))
+    gg._check_cuda("routing_weight", routing_weight, torch.float32, (rows,))
+    gg._check_cuda("mid", mid, torch.float8_e4m3fn, (rows, inter))
+    gg._check_cuda("mid_scale", mid_scale, torch.float32, (rows, inter // 128))
+    gg._check_cuda("dest_row", dest_row, torch.int32, (rows,))
+    gg._check_cuda("out", out, torch.bfloat16)
+    if out.shape[1] != hidden:
+        raise ValueError(f"out must be [P, {hidden}], got {tuple(out.shape)}")
+    cfg = PairConfig(**dict(kernel.entry.variant.params))
+    for role, mat in (("w1", l1), ("w2", l2)):
+        gg._check_nibble_order(cfg.half(role), kernel, mat)
+    sms = buffers["sms"]
+    split = {}
+    for role, mat in (("w1", l1), ("w2", l2)):
+        need, units = gg.stream_sizes(cfg.half(role), mat.rows, experts, capacity, sms)
+        part, counts = buffers[role]
+        if part.numel() < need or counts.numel() < units:
+            raise ValueError(f"the pair's {role} split buffers hold {part.numel()} partials / {counts.numel()} counts, "
+                             f"this call needs {need} / {units}: pair_buffers(l1, l2, capacity, device, sms) with this "
+                             f"capacity")
+        split[role] = (part, counts)
+    words = ready_words(experts, capacity, inter)
+    if buffers["ready"].numel() < words:
+        raise ValueError(f"the pair's hand-over words hold {buffers['ready'].numel()}, this call needs {words}: "
+                         f"pair_buffers(l1, l2, capacity, device, sms) with this capacity")
+    args = [ptr(l1.codes), ptr(l1.scales), ptr(l1.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
+            ptr(routing_weight), ptr(mid), ptr(mid_scale), ptr(l2.codes), ptr(l2.scales), ptr(l2.factor),
+            ptr(dest_row), ptr(out), ptr(split["w1"][0]), ptr(split["w1"][1]), ptr(split["w2"][0]),
+            ptr(split["w2"][1]), ptr(buffers["ready"]),
+            i32(hidden // 128), i32(l1.rows // 64), i32(inter // 128), i32(hidden // 64), i32(experts),
+            i32(max(1, -(-capacity // BLOCK_N)))]
+    return (sms, 1, 1), args
+
+
+def launch_pair(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, mid, mid_scale, dest_row, out,
+                capacity: int, buffers: dict, stream):
+    """W1 (+ SwiGLU, routing weight, FP8 requant into mid / mid_scale) and then W2 (BF16 rows out[dest_row[r]])
+    over grouped rows in one launch; the tensors as `grouped_gemm.launch_w1` / `launch_w2` take them (weights in
+    the "lane" nibble order), `buffers` from `pair_buffers` (its SMs: the launch's CTAs, all resident at once)."""
+    from gc_moe.runtime.launch import launch
+
+    g, args = pair_launch(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, mid, mid_scale, dest_row,
+                          out, capacity, buffers)
+    return launch(kernel, g, args, stream)
+
+
+# ------------------------------------------------------------------------------------------------- device code
+def _make_kernel(cfg: PairConfig):
+    """The pair kernel's host launcher and its W1 half's configuration (the launch shape)."""
+    import cutlass
+    from cutlass import Int32, Int64, cute
+
+    from gc_moe.kernels.sm90 import ptx
+
+    half1 = cfg.half("w1")
+    w1, w2 = gg._make_kernel(half1), gg._make_kernel(cfg.half("w2"))
+    rows_per_unit = gg.TILES_PER_CTA  # 64-row weight tiles per CTA: m_tiles // this = weight-row CTAs
+
+    @cute.kernel
+    def kernel(w1_codes: Int64, w1_scales: Int64, w1_factor: Int64, act: Int64, act_scale: Int64,
+               expert_offsets: Int64, routing_weight: Int64, mid: Int64, mid_scale: Int64, w2_codes: Int64,
+               w2_scales: Int64, w2_factor: Int64, dest_row: Int64, out: Int64, w1_partials: Int64,
+               w1_counts: Int64, w2_partials: Int64, w2_counts: Int64, ready: Int64, hidden_blocks: Int32,
+               w1_m_tiles: Int32, inter_blocks: Int32, w2_m_tiles: Int32, experts: Int32, ready_tiles: Int32):
+        tid = cute.arch.thread_idx()[0]
+        coords = w1.thread_coords(tid)
+        cta = Int32(cute.arch.block_idx()[0])
+        smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        w1.init_stage_ring(smem, tid)
+        table1, units1 = w1.unit_table(expert_offsets, experts, w1_m_tiles // rows_per_unit)
+        base, _ = w1.stream_walk((w1_codes, w1_scales, act, act_scale), w1_factor, table1, units1, hidden_blocks,
+                                 w1_m_tiles, (w1_partials, w1_counts), (routing_weight, mid, mid_scale), tid, coords,
+                                 cta, smem, Int32(0), Int64(0),
+                                 pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit))
+        # W2's table only now: kept across the W1 walk it cost the loops their uniform registers and spilled (96
+        # per thread); its loads hit the L1 / L2 lines W1's scan brought in, while the ring still holds W1's last
+        # stages for the consumers
+        table2, units2 = w2.unit_table(expert_offsets, experts, w2_m_tiles // rows_per_unit)
+        w2.stream_walk((w2_codes, w2_scales, mid, mid_scale), w2_factor, table2, units2, inter_blocks, w2_m_tiles,
+                       (w2_partials, w2_counts), (dest_row, out), tid, coords, cta, smem, base, Int64(0),
+                       pair=(ready, ready_tiles))
+        if tid >= gg.THREADS:
+            ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
+
+    launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
+    launch.update(gg.launch_register_bounds(half1))
+
+    @cute.jit
+    def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
+             a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
+             a17: Int64, a18: Int64, hidden_blocks: Int32, w1_m_tiles: Int32, inter_blocks: Int32,
+             w2_m_tiles: Int32, experts: Int32, ready_tiles: Int32):
+        kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, hidden_blocks,
+               w1_m_tiles, inter_blocks, w2_m_tiles, experts, ready_tiles).launch(**launch)
+
+    return host, half1
