@@ -939,18 +939,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, on, split=split2, sms=sms,
                          programmatic=True)
 
-        graph = torch.cuda.CUDAGraph()
-        capture = torch.cuda.Stream()  # a capture needs a stream of its own
-        capture.wait_stream(stream)
-        with torch.cuda.graph(graph, stream=capture):
-            pair(capture)
-        stream.wait_stream(capture)
-        for launch in range(programmatic_pairs):
-            if launch % 2:
-                graph.replay()
-            else:
-                pair(stream)
-            torch.cuda.synchronize()
+        for launch in _eager_and_replayed(pair, stream, programmatic_pairs):
             assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf)
             assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
                 f"programmatic pair {launch + 1}: " + _w2_mismatch(out, want_out)
@@ -976,6 +965,24 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     return got_mid, ref_mid, out.float(), ref_out
 
 
+def _eager_and_replayed(launch_on, stream, launches):
+    """Runs `launch_on(stream)` `launches` times, the odd ones as replays of a graph captured from it (on a stream
+    of its own), synchronizing after each; yields the launch's index for the caller's checks."""
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()  # a capture needs a stream of its own
+    capture.wait_stream(stream)
+    with torch.cuda.graph(graph, stream=capture):
+        launch_on(capture)
+    stream.wait_stream(capture)
+    for launch in range(launches):
+        if launch % 2:
+            graph.replay()
+        else:
+            launch_on(stream)
+        torch.cuda.synchronize()
+        yield launch
+
+
 def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, launches):
     """The stream-K pair kernel over `_run_case`'s tensors, `launches` times (odd ones graph replays), against the
     bytes the two kernels wrote there (`_run_case(pair_launches=...)`)."""
@@ -997,18 +1004,7 @@ def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
         stream_pair.launch_pair(kernel, w.l1, w.l2, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, buffers,
                                 on)
 
-    graph = torch.cuda.CUDAGraph()
-    capture = torch.cuda.Stream()
-    capture.wait_stream(stream)
-    with torch.cuda.graph(graph, stream=capture):
-        pair(capture)
-    stream.wait_stream(capture)
-    for launch in range(launches):
-        if launch % 2:
-            graph.replay()
-        else:
-            pair(stream)
-        torch.cuda.synchronize()
+    for launch in _eager_and_replayed(pair, stream, launches):
         assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf), \
             f"pair launch {launch + 1}: " + _byte_mismatch(mid, want_mid, mid_sf, want_sf)
         assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \

@@ -955,13 +955,7 @@ def _make_kernel(cfg: GemmConfig):
             ptx.take_permits_warp(ready_words + Int64(pidx) * 4, mine)
             ptx.warp_sync()  # every lane's acquire before any lane's copies
             for kb in cutlass.range(early):
-                stage = (base + kb) % STAGES
-                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
-                for r in cutlass.range_constexpr(-(-BN // PT)):
-                    if pidx + PT * r < BN:
-                        ptx.cp_async_4_zfill(smem + stage * cfg.stage_bytes + cfg.xs_offset + (pidx + PT * r) * 4,
-                                             x_src[r] + Int64(kb * 4), x_bytes[r])
-                ptx.cp_async_mbarrier_arrive_noinc(smem + cfg.barrier_offset + stage * 8)
+                copy_stage_inputs(smem, kb, (base + kb) % STAGES, rows_in, scales_in, pidx)
         if cutlass.const_expr(STREAM and not W1 and base is not None and not PAIR):  # noqa: SIM102
             if base == 0:  # the CTA's first steps: stages 0.., no empty waits
                 # half the ring: stage 0 completes only once the weights ahead of its rows have landed, and a full
@@ -976,12 +970,7 @@ def _make_kernel(cfg: GemmConfig):
                     if pidx == 0:  # segment 0's slots: the tail's last slot is TRACE_SEGMENTS segments and 3 slots on
                         ptx.stamp_times(trace_seg + Int64(16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3)))
                 for kb in cutlass.range(early):
-                    copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, kb)
-                    for r in cutlass.range_constexpr(-(-BN // PT)):
-                        if pidx + PT * r < BN:
-                            ptx.cp_async_4_zfill(smem + kb * cfg.stage_bytes + cfg.xs_offset + (pidx + PT * r) * 4,
-                                                 x_src[r] + Int64(kb * 4), x_bytes[r])
-                    ptx.cp_async_mbarrier_arrive_noinc(smem + cfg.barrier_offset + kb * 8)
+                    copy_stage_inputs(smem, kb, kb, rows_in, scales_in, pidx)
         for kb in cutlass.range(early, k_steps):
             step = kb if cutlass.const_expr(base is None) else base + kb
             stage = step % STAGES
@@ -1111,6 +1100,19 @@ def _make_kernel(cfg: GemmConfig):
                 if pidx == 0:
                     ptx.mbarrier_arrive(full)
             ptx.cp_async_mbarrier_arrive_noinc(full)
+
+    @cute.jit
+    def copy_stage_inputs(smem, kb, stage, rows_in, scales_in, pidx):
+        """Step kb's token rows and activation scales into stage `stage` (cp.async), then this thread's arrival
+        on its full barrier once they land: what a step whose weights went out earlier still needs."""
+        b_src, b_bytes, b_dst = rows_in
+        x_src, x_bytes = scales_in
+        copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
+        for r in cutlass.range_constexpr(-(-BN // PT)):
+            if pidx + PT * r < BN:
+                ptx.cp_async_4_zfill(smem + stage * cfg.stage_bytes + cfg.xs_offset + (pidx + PT * r) * 4,
+                                     x_src[r] + Int64(kb * 4), x_bytes[r])
+        ptx.cp_async_mbarrier_arrive_noinc(smem + cfg.barrier_offset + stage * 8)
 
     @cute.jit
     def copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage=None):
