@@ -632,8 +632,9 @@ def main() -> int:
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--pair", action="store_true",
-                    help="also the set `pair`: W1 and W2's stream-K loops as one launch (kernels.sm90.stream_pair, token "
-                         "tile 8, one CTA per SM) at every point")
+                    help="also the sets `pair` and `pair_lean`: W1 and W2's stream-K loops as one launch "
+                         "(kernels.sm90.stream_pair, token tile 8, one CTA per SM; pair_lean with the lean epilogue) at "
+                         "every point")
     ap.add_argument("--pdl", action="store_true",
                     help="with --auto-ctas: also ws_auto_pdl, W2 launched programmatically after W1 where tile_knobs "
                          "picks the stream-K loops (an --extra-set takes the pseudo-knob pdl=True alike)")
@@ -775,12 +776,14 @@ def main() -> int:
                 continue
             auto_tiles[tag] = {bn: {(role, bn): jit.load_kernel(v, "sm_90a") for role, v in zip(("w1", "w2"), pair)}
                                for bn, pair in auto_set_variants(gg, extra, knobs).items()}
-    pair_kernel = None
+    pair_kernels = {}  # set tag -> the pair kernel it runs
     if args.pair:
         from gc_moe.kernels.sm90 import stream_pair
 
-        pair_kernel = jit.load_kernel(stream_pair.variant(), "sm_90a")
-        kernel_sets["pair"] = "pair"  # W1 and W2 in one launch, at every point
+        for lean in (False, True):  # W1 and W2 in one launch, at every point; with the lean epilogue too
+            tag = "pair_lean" if lean else "pair"
+            pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
+            kernel_sets[tag] = "pair"
     occupancy_report({k: v for k, v in kernel_sets.items() if v != "pair"})
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
@@ -810,7 +813,8 @@ def main() -> int:
                     from gc_moe.kernels.sm90.stream_pair import pair_buffers
 
                     set_kernels, max_bn = kernels, 8  # the lane-order weights; the pair's own tile
-                    row_note = {"knobs": {"stream_pair": True}}
+                    row_note = {"knobs": {"stream_pair": True, **({"lean_epilogue": True} if tag == "pair_lean"
+                                                                   else {})}}
                 elif set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)
@@ -821,8 +825,8 @@ def main() -> int:
                     row_note = {"knobs": {**tile_set, **auto_knobs[auto_tag]} if tile_set else {}}
                 pt.use(set_kernels, max_bn)
                 pt.pdl = set_pdl.get(tag, False)
-                if tag == "pair":  # its buffers before any capture
-                    pt.pair = (pair_kernel, pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device))
+                if tag in pair_kernels:  # its buffers before any capture
+                    pt.pair = (pair_kernels[tag], pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device))
                 row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
                        "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **row_note}

@@ -11,6 +11,7 @@
 #           launch?), the epilogue phases, ws_auto_pdl against the same with lean_epilogue, and the traced pair with
 #           the programmatic W2 (skt1p): where the pair loses time between W1's streaming and W2's (pair_trace), and
 #           the pair kernel (W1 and W2 in one stream-K launch: the set `pair`, steps 35-36)
+# One device call may take 600 s: run `tests trace` (<= 540 s), `shapes` (<= 420 s) and `ncu` (<= 240 s) as three.
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
 # on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and carried along.
 set -u
@@ -77,7 +78,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print("pair and sets at 1-8 tokens: cold us; the traced pair's handover (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto_pdl", "lean_pdl", "pair"):
+    if r["tag"] in ("ws_auto_pdl", "lean_pdl", "pair", "pair_lean"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     p = r.get("pair_trace")
     if p:

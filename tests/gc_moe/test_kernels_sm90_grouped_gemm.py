@@ -991,26 +991,27 @@ def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
 
     torch.cuda.synchronize()
     want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
-    kernel = jit.load_kernel(stream_pair.variant(), "sm_90a")
     buffers = stream_pair.pair_buffers(w.l1, w.l2, cap, mid.device, sms)
     stream = torch.cuda.current_stream()
+    for variant in stream_pair.all_variants():  # plain and lean_epilogue: the same bytes
+        kernel = jit.load_kernel(variant, "sm_90a")
 
-    def pair(on):
-        mid.view(torch.uint8).fill_(0x7F)
-        mid_sf.fill_(float("nan"))
-        out.fill_(float("nan"))
-        _poison_partials(buffers["w1"])
-        _poison_partials(buffers["w2"])
-        stream_pair.launch_pair(kernel, w.l1, w.l2, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, buffers,
-                                on)
+        def pair(on, kernel=kernel):
+            mid.view(torch.uint8).fill_(0x7F)
+            mid_sf.fill_(float("nan"))
+            out.fill_(float("nan"))
+            _poison_partials(buffers["w1"])
+            _poison_partials(buffers["w2"])
+            stream_pair.launch_pair(kernel, w.l1, w.l2, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
+                                    buffers, on)
 
-    for launch in _eager_and_replayed(pair, stream, launches):
-        assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf), \
-            f"pair launch {launch + 1}: " + _byte_mismatch(mid, want_mid, mid_sf, want_sf)
-        assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
-            f"pair launch {launch + 1}: " + _w2_mismatch(out, want_out)
-        assert int(buffers["ready"].abs().sum()) == 0, "a hand-over word was not back at zero after the launch"
-        assert all(int(buffers[r][1].abs().sum()) == 0 for r in ("w1", "w2")), "a unit's count was not reset"
+        for launch in _eager_and_replayed(pair, stream, launches):
+            where = f"{variant.describe()} launch {launch + 1}: "
+            assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf), \
+                where + _byte_mismatch(mid, want_mid, mid_sf, want_sf)
+            assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), where + _w2_mismatch(out, want_out)
+            assert int(buffers["ready"].abs().sum()) == 0, where + "a hand-over word was not back at zero"
+            assert all(int(buffers[r][1].abs().sum()) == 0 for r in ("w1", "w2")), where + "a unit's count not reset"
 
 
 def _poison_partials(split):
@@ -1176,8 +1177,9 @@ def test_traced_programmatic_pair_stamps_the_handover_in_order():
     (512, 256, 64, 8, 12, None)])    # the most local experts (two passes of the scan), more CTAs than W2 steps
 def test_stream_pair_matches_float32_reference_and_the_two_kernels(hidden, inter, experts, topk, tokens, sms):
     """The stream-K pair kernel (W1 and W2 in one launch, handing over through counted words) writes the bytes of
-    the two stream-K kernels at one CTA per SM, which match the float32 reference; eight launches (half of them
-    graph replays) on poisoned outputs, each leaving its words and counts at zero."""
+    the two stream-K kernels at one CTA per SM, which match the float32 reference; eight launches of each variant
+    (plain and lean_epilogue; half of them graph replays) on poisoned outputs, each leaving its words and counts at
+    zero."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + experts,
                                            stream_k=True, ctas_per_sm=1, sms=sms, pair_launches=8)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
@@ -1196,7 +1198,8 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    assert [v.describe() for v in stream_pair.all_variants()] == [stream_pair.variant().describe()]
+    assert [dict(v.params).get("lean_epilogue", False) for v in stream_pair.all_variants()] == [False, True]
+    assert stream_pair.PairConfig(lean_epilogue=True).half("w2").lean_epilogue
 
     def mat(rows, cols, interleaved, experts=4):
         return SimpleNamespace(rows=rows, cols=cols, num_experts=experts, gate_up_interleaved=interleaved)
@@ -1220,10 +1223,11 @@ def test_stream_pair_builds_offline_without_local_memory(tmp_path):
     from gc_moe.kernels.sm90 import stream_pair
     from gc_moe.runtime import jit
 
-    entry = jit.build_variant(stream_pair.variant(), "sm_90a", cache_dir=tmp_path)
-    ptx = entry.ptx_path.read_text()
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 2 * 4
-    assert ptx.count("vote.sync.all.pred") == 1 and ptx.count("red.release.gpu.global.add.s32") >= 1
+    for variant in stream_pair.all_variants():
+        entry = jit.build_variant(variant, "sm_90a", cache_dir=tmp_path)
+        ptx = entry.ptx_path.read_text()
+        assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 2 * 4
+        assert ptx.count("vote.sync.all.pred") == 1 and ptx.count("red.release.gpu.global.add.s32") >= 1
 
 
 def test_programmatic_launch_is_for_the_stream_k_w2_only():

@@ -333,9 +333,9 @@ class GemmConfig:
             raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 (warp-specialized, no ring consumer, "
                              "no fused role2, no k_splits)")
         if self.stream_pair and not (self.stream_k and self.ctas_per_sm == 1 and self.producer_warps == 1
-                                     and not self.trace and not self.lean_epilogue):
+                                     and not self.trace):
             raise ValueError("stream_pair is a half of the stream-K pair kernel: stream_k=True at one CTA per SM, one "
-                             "producer warp, no trace, no lean_epilogue")
+                             "producer warp, no trace")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")

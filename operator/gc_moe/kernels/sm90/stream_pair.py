@@ -42,11 +42,15 @@ BLOCK_N = 8  # the stream-K loops' token tile
 class PairConfig:
     swiglu_alpha: float = 1.0
     swiglu_clamp: float = 10.0
+    # each segment's epilogue words (the expert's factor, W1's routing weights, W2's combine rows) loaded before its
+    # K loop, W1's amax reduced once per token (`grouped_gemm.GemmConfig.lean_epilogue`)
+    lean_epilogue: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
         return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
-                             warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True)
+                             warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
+                             lean_epilogue=self.lean_epilogue)
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -56,24 +60,27 @@ class PairConfig:
             raise AssertionError(f"the pair's halves differ in their ring: {w1} / {w2}")
 
 
-def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False):
     """The runtime KernelVariant of the pair kernel."""
     from gc_moe.runtime.jit import KernelVariant
 
-    PairConfig(swiglu_alpha, swiglu_clamp)  # validates
+    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue)  # validates
+    params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
+        params["lean_epilogue"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
-    return KernelVariant.make("sm90.stream_pair", __name__, "build_pair",
-                              {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}, promises=promises,
+    return KernelVariant.make("sm90.stream_pair", __name__, "build_pair", params, promises=promises,
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx"))
 
 
 def all_variants():
-    return [variant()]
+    return [variant(), variant(lean_epilogue=True)]
 
 
-def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0):
+def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
+               lean_epilogue: bool = False):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -81,7 +88,7 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
-    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp))
+    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
