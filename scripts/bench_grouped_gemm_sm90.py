@@ -545,6 +545,7 @@ def parse_shape(spec: str) -> tuple[str, dict]:
         shape[key.strip()] = int(value)
     if shape["hidden"] % 128 or shape["inter"] % 128:
         raise SystemExit(f"--shape {name}: hidden and inter must be multiples of 128, got {shape}")
+    shape["base"] = base  # the rows name it: scripts/analyze_unit_costs.py fits a base with its shapes
     return name, shape
 
 
@@ -827,7 +828,9 @@ def main() -> int:
                 pt.pdl = set_pdl.get(tag, False)
                 if tag in pair_kernels:  # its buffers before any capture
                     pt.pair = (pair_kernels[tag], pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device))
-                row = {"tag": tag, "model": name, "tokens": tokens, "rows": pt.rows,
+                row = {"tag": tag, "model": name, "base": model.get("base", name), "hidden": model["hidden"],
+                       "inter": model["inter"],
+                       "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
                        "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)

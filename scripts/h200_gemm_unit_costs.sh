@@ -87,4 +87,13 @@ for r in d["rows"]:
               f"{p['w2_first_stage_after_w1_us']} after W1, W2 end spread {p['w2_end_spread_us']}, span {p['span_us']}")
 PY
 fi
+# the two questions: per-unit or per-step (fit), static or random late SMs and the pair's hand-over (spread)
+# (from the step's log when its time bound cut it short before the JSON was written)
+for pair in "shapes unit-costs fit" "trace trace spread"; do
+  # shellcheck disable=SC2086
+  set -- $pair
+  src="$OUT/$2.json"; [ -f "$src" ] || src="$OUT/$1.log"
+  [ -f "$src" ] && python scripts/analyze_unit_costs.py "$3" "$src" > "$OUT/$3.txt" 2>&1
+done
+for f in "$OUT/fit.txt" "$OUT/spread.txt"; do [ -f "$f" ] && cut -c1-230 "$f" | head -40; done
 print_steps

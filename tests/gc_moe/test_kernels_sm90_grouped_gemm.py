@@ -1,5 +1,6 @@
 """SM90 grouped GEMM: offline builds of every variant (CPU, CuTe DSL) and the on-GPU check against float32."""
 
+import json
 import re
 
 import pytest
@@ -541,7 +542,8 @@ def test_bench_shape_option_names_what_is_wrong():
     """The bench's --shape: a model slice at other sizes (the same experts and top-k), refused with the allowed form."""
     bench = _load_script("bench_grouped_gemm_sm90")
     name, shape = bench.parse_shape("glm-h3072=glm-5.2:hidden=3072,inter=1024")
-    assert name == "glm-h3072" and shape == {**bench.MODELS["glm-5.2"], "hidden": 3072, "inter": 1024}
+    assert name == "glm-h3072" and shape == {**bench.MODELS["glm-5.2"], "hidden": 3072, "inter": 1024,
+                                             "base": "glm-5.2"}
     assert bench.MODELS["glm-5.2"]["hidden"] == 6144  # the base slice is not touched
     for spec_text, match in (("x=nope:hidden=128", "BASE one of"), ("x=glm-5.2:width=128", "FIELD one of"),
                              ("x=glm-5.2:hidden=100", "multiples of 128"), ("glm-5.2:hidden=128", "NAME=BASE")):
@@ -576,6 +578,45 @@ def test_pair_trace_summary_reads_the_handover_on_one_timer():
     assert got["w2_wait_done_after_w1_us"] == (1.25, 1.5)
     assert got["w2_first_stage_after_w1_us"] == (2.5, 3.0)
     assert got["w2_end_spread_us"] == 2.5 and got["span_us"] == 52.5
+
+
+def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
+    """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
+    its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
+    gives no fit; the rows read back from a bench log (a run its time bound cut short) as from its JSON."""
+    analyze = _load_script("analyze_unit_costs")
+    rows = []
+    for model, hidden, tiles in (("glm-5.2", 6144, 33), ("glm-h3072", 3072, 32), ("glm-h1536", 1536, 34)):
+        row = {"tag": "ws_auto", "model": model, "base": "glm-5.2", "hidden": hidden, "inter": 2048, "tokens": 128,
+               "block_n": 64, "tiles": {"64": tiles}, "knobs": {"fold_scales": True}, "cold_us": 1.0}
+        for role, units, steps in (("w1", tiles * 16, hidden // 128), ("w2", tiles * hidden // 256, 16)):
+            row[f"{role}_cold_us"] = -(-units // 132) * (3.0 + 0.6 * steps)
+        rows.append(row)
+    fits = {f["role"]: f for f in analyze.fit(rows)}
+    assert fits["w1"]["per_unit_us"] == 3.0 and fits["w1"]["per_step_us"] == 0.6 and fits["w1"]["max_residual"] == 0
+    assert fits["w1"]["rounds"] == [4, 5] and fits["w1"]["step_share_at_full_k"] == round(28.8 / 31.8, 2)
+    assert "w2" not in fits  # W2's K (inter) is the same in all three: no fit
+    log = tmp_path / "shapes.log"
+    log.write_text("# glm-5.2: 32 local experts\n" + "\n".join(json.dumps(r) for r in rows) + "\nTimeout\n")
+    assert analyze.load_rows(str(log)) == rows
+    assert analyze.ctas_per_sm({"block_n": 24, "knobs": {"ctas_per_sm": 2}}) == 2
+    assert analyze.ctas_per_sm({"block_n": 8, "knobs": {"stream_k": True, "ctas_per_sm": 1}}) == 1
+
+
+def test_spread_persistence_tells_static_from_random_late_sms():
+    """scripts/analyze_unit_costs.py `spread`: SMs late by the same amounts in every launch correlate (1.0) and are
+    named; lateness shuffled between launches does not correlate."""
+    analyze = _load_script("analyze_unit_costs")
+    lateness = [0.1 * (s % 4) for s in range(28)]  # the latest quarter: the 7 SMs with s % 4 == 3
+    same = [[[s, 0.0, 30.0 + lateness[s], 50] for s in range(28)] for _ in range(3)]
+    got = analyze.spread_persistence(same)
+    assert got["lateness_correlation"] == 1.0 and got["end_spreads_us"] == [0.3] * 3
+    assert got["late_in_every_launch"] == [s for s in range(28) if s % 4 == 3]
+    moved = [[[s, 0.0, 30.0 + lateness[(s * k + k) % 28], 50] for s in range(28)] for k in (1, 3, 5)]
+    assert abs(analyze.spread_persistence(moved)["lateness_correlation"]) < 0.5
+    rows = [{"tag": "skt1", "model": "glm-5.2", "tokens": 1, "trace": {"w1": {"ctas_by_sm_runs": same}},
+             "pair_trace": {"span_us": 50.0, "runs": []}}]
+    assert [r["role"] for r in analyze.spread(rows)] == ["w1", "pair"]
 
 
 def test_tile_24_is_the_two_cta_table_decodes_only():

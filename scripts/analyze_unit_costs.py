@@ -1,0 +1,151 @@
+"""Read a grouped-GEMM bench JSON (scripts/bench_grouped_gemm_sm90.py) for the two questions of its unit-cost runs
+(docs/sm90-grouped-gemm.md, steps 32-36). No GPU needed.
+
+- `fit`: per set, base model and token count, each role's cold time at several K with the same units (the bench's
+  `--shape`: hidden or inter changed, routing the same) fitted as rounds x (per-unit + steps x per-step), rounds = the
+  units over the resident CTAs (SMs x CTAs per SM), steps = K / 128: is a kernel's time over the floor per unit
+  (fill, epilogue, launch) or per K128 step (the loop)?
+- `spread`: per traced stream-K kernel, whether the late CTAs sit on the same SMs launch after launch (each SM's end
+  after the launch's median end, correlated between the launches): a static per-SM weighting of the ranges helps
+  only then; a dynamic tail helps either way. And the pair traces (W1 -> W2 on one timer), if any.
+
+    python scripts/analyze_unit_costs.py fit unit-costs.json [--sms 132]
+    python scripts/analyze_unit_costs.py spread trace.json
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+ROWS_PER_CTA = 256  # weight rows of one unit (grouped_gemm.ROWS_PER_CTA)
+
+
+def ctas_per_sm(row: dict) -> int:
+    """Resident CTAs per SM of the row's kernels: the knobs name it where it is not one (tile 8's grid, tiles 16 / 24)."""
+    knobs = row.get("knobs") or {}
+    if "ctas_per_sm" in knobs:
+        return int(knobs["ctas_per_sm"])
+    return 2 if row["block_n"] == 8 and not knobs.get("stream_k") else 1
+
+
+def role_shape(row: dict, role: str) -> tuple[int, int]:
+    """(units, K128 steps) of one role at the row's point."""
+    hidden, inter = row["hidden"], row["inter"]
+    tiles = {int(bn): n for bn, n in row["tiles"].items()}[row["block_n"]]  # JSON keys are strings
+    if role == "w1":
+        return tiles * (2 * inter // ROWS_PER_CTA), hidden // 128
+    return tiles * (hidden // ROWS_PER_CTA), inter // 128
+
+
+def fit(rows: list, sms: int = 132) -> list:
+    """Per (set, base slice, tokens, role): least squares of time / rounds = per_unit + steps x per_step over the
+    rows at different K (the base slice and its --shape variants: the same statistics, their own routing, so each
+    row's rounds are its own). Returns dicts with the fit, its largest relative residual and the share of the time
+    the per-step term takes at the largest K."""
+    groups = {}
+    for r in rows:
+        if "hidden" not in r or r.get("cold_us") is None:
+            continue
+        for role in ("w1", "w2"):
+            t = r.get(f"{role}_cold_us")
+            if t is None or not math.isfinite(t):
+                continue
+            units, steps = role_shape(r, role)
+            rounds = math.ceil(units / (sms * ctas_per_sm(r)))
+            key = (r["tag"], r.get("base", r["model"]), r["tokens"], role)
+            groups.setdefault(key, []).append((steps, t / rounds, t, rounds, r["model"], units))
+    out = []
+    for (tag, base, tokens, role), pts in sorted(groups.items()):
+        if len({p[0] for p in pts}) < 2:
+            continue
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        per_step = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        per_unit = my - per_step * mx
+        resid = max(abs(per_unit + per_step * x - y) / y for x, y in zip(xs, ys))
+        top = max(pts)
+        out.append({"set": tag, "base": base, "tokens": tokens, "role": role, "units": sorted({p[5] for p in pts}),
+                    "rounds": sorted({p[3] for p in pts}), "models": sorted({p[4] for p in pts}),
+                    "per_unit_us": round(per_unit, 2),
+                    "per_step_us": round(per_step, 3), "max_residual": round(resid, 3),
+                    "step_share_at_full_k": round(per_step * top[0] / top[1], 2)})
+    return out
+
+
+def pearson(a: list, b: list) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    den = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return num / den if den else float("nan")
+
+
+def spread_persistence(runs: list) -> dict:
+    """runs: a traced kernel's launches, each [[SM, start, end, steps], ...] (the bench's `ctas_by_sm_runs`). Each
+    SM's lateness = its CTA's end minus the launch's median end; returns the launches' end spreads, the mean
+    correlation of lateness between pairs of launches (SMs present in both), and the SMs late in every launch."""
+    late = []
+    for run in runs:
+        med = statistics.median(c[2] for c in run)
+        late.append({c[0]: c[2] - med for c in run})
+    pairs = []
+    for i in range(len(late)):
+        for j in range(i + 1, len(late)):
+            common = sorted(set(late[i]) & set(late[j]))
+            if len(common) > 2:
+                pairs.append(pearson([late[i][s] for s in common], [late[j][s] for s in common]))
+    spreads = [round(max(c[2] for c in run) - min(c[2] for c in run), 2) for run in runs]
+    quarter = [sorted(d, key=d.get)[-max(1, len(d) // 4):] for d in late]  # each launch's latest quarter of SMs
+    always = sorted(set.intersection(*map(set, quarter))) if quarter else []
+    return {"launches": len(runs), "end_spreads_us": spreads,
+            "lateness_correlation": round(statistics.fmean(pairs), 2) if pairs else None,
+            "late_in_every_launch": always}
+
+
+def spread(rows: list) -> list:
+    out = []
+    for r in rows:
+        for role, tr in (r.get("trace") or {}).items():
+            runs = tr.get("ctas_by_sm_runs")
+            if runs:
+                out.append({"set": r["tag"], "model": r["model"], "tokens": r["tokens"], "role": role,
+                            **spread_persistence(runs)})
+        if r.get("pair_trace"):
+            p = {k: v for k, v in r["pair_trace"].items() if k != "runs"}
+            out.append({"set": r["tag"], "model": r["model"], "tokens": r["tokens"], "role": "pair", **p})
+    return out
+
+
+def load_rows(path: str) -> list:
+    """The rows of a bench JSON, or of a bench log (one JSON row per line: what a run cut short by its time bound
+    left, since the JSON is written at the end)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return json.loads(text)["rows"]
+    except ValueError:
+        return [json.loads(line) for line in text.splitlines() if line.startswith('{"tag"')]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("fit", "spread"))
+    ap.add_argument("json", help="a bench JSON (its rows), or the log of a bench run cut short (its row lines)")
+    ap.add_argument("--sms", type=int, default=132, help="the SMs the kernels ran on (rounds of units)")
+    args = ap.parse_args()
+    rows = load_rows(args.json)
+    results = fit(rows, args.sms) if args.what == "fit" else spread(rows)
+    if not results:
+        print(f"nothing to {args.what} in {args.json}: "
+              + ("no rows with W1 / W2 times at two K or more (--per-role with --shape)" if args.what == "fit"
+                 else "no traced rows (--trace with a traced set)"))
+        return 1
+    for res in results:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
