@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -247,9 +248,9 @@ def time_graph(fn, stream, replays: int, windows: int) -> float:
     return res[len(res) // 2]
 
 
-def local_ops_in_mma_loops(lines: list[str]) -> int:
-    """LDL / STL inside the SASS loops that issue QGMMA (a backward branch's target to the branch): the main loops,
-    which the issue's SASS rule keeps free of local memory (an epilogue may spill once per CTA)."""
+def mma_loops(lines: list[str]) -> list[tuple[int, int, list[str]]]:
+    """The SASS loops that issue QGMMA (a backward branch's target to the branch, per-lane BRA.U.ANY loops left out):
+    each loop's (first, last instruction index, instructions), outer loops included."""
     import re
 
     ins = []
@@ -258,7 +259,7 @@ def local_ops_in_mma_loops(lines: list[str]) -> int:
         if m:
             ins.append((int(m.group(1), 16), m.group(2)))
     index = {a: i for i, (a, _) in enumerate(ins)}
-    total = 0
+    loops = []
     for i, (a, text) in enumerate(ins):
         m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if not m or "U.ANY" in text:
@@ -267,8 +268,23 @@ def local_ops_in_mma_loops(lines: list[str]) -> int:
         if target < a and target in index:
             body = [t for _, t in ins[index[target]:i + 1]]
             if any("QGMMA" in t for t in body):
-                total += sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
-    return total
+                loops.append((index[target], i, body))
+    return loops
+
+
+def local_ops_in_mma_loops(lines: list[str]) -> int:
+    """LDL / STL inside the SASS loops that issue QGMMA: the main loops, which the issue's SASS rule keeps free of
+    local memory (an epilogue may spill once per CTA)."""
+    import re
+
+    return sum(1 for _, _, body in mma_loops(lines) for t in body if re.search(r"\b(LDL|STL)\b", t))
+
+
+def k_loop_sizes(lines: list[str]) -> list[int]:
+    """Instructions of each innermost QGMMA loop (one holding no other), in order: a K loop's SASS per trip."""
+    loops = mma_loops(lines)
+    return [len(body) for a, b, body in loops
+            if not any((c, d) != (a, b) and a <= c and d <= b for c, d, _ in loops)]
 
 
 def sass_report(gg, jit) -> None:
@@ -277,10 +293,12 @@ def sass_report(gg, jit) -> None:
     import shutil
     import subprocess
 
-    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    from gc_moe.kernels.sm90 import stream_pair
+
+    tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     print(f"{'variant':100s} {'regs':>4s} {'frame':>5s} {'QGMMA':>5s} {'LDL':>4s} {'STL':>4s} {'LDS.128':>7s} "
-          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s} {'loop L/S':>8s}")
-    for v in gg.all_variants():
+          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s} {'loop L/S':>8s} K loops (instructions per trip)")
+    for v in gg.all_variants() + stream_pair.all_variants():
         entry = jit.get_entry(v, "sm_90a")
         lines = subprocess.run([tool, "-sass", str(entry.cubin_path)], capture_output=True, text=True,
                                check=False).stdout.splitlines()
@@ -291,7 +309,8 @@ def sass_report(gg, jit) -> None:
         res = entry.resources.get(entry.entry_name, entry.resources)
         print(f"{v.describe():100s} {res.get('registers', -1):4} {res.get('frame_bytes', -1):5} "
               f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d} "
-              f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d} {local_ops_in_mma_loops(lines):8d}", flush=True)
+              f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d} {local_ops_in_mma_loops(lines):8d} "
+              f"{' '.join(map(str, k_loop_sizes(lines)))}", flush=True)
 
 
 def occupancy_report(kernel_sets) -> None:
@@ -621,7 +640,9 @@ def main() -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--build-only", action="store_true", help="compile every variant into the cubin cache and exit")
-    ap.add_argument("--sass", action="store_true", help="disassemble each cubin (cuobjdump): QGMMA, LDL/STL counts")
+    ap.add_argument("--sass", action="store_true",
+                    help="disassemble each cubin (cuobjdump): registers, stack, QGMMA, LDL/STL counts, the K loops' "
+                         "instructions per trip; alone (no --check / --time) it needs no GPU")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after W1 (locates a failing kernel)")
     ap.add_argument("--l2-hint", action="store_true", help="variants with the evict-first L2 policy (see docs)")
     ap.add_argument("--stages", type=int, default=None,
@@ -724,7 +745,9 @@ def main() -> int:
         return 0
 
     if args.sass:
-        sass_report(gg, jit)
+        sass_report(gg, jit)  # offline: the cubins and cuobjdump ($CUOBJDUMP or PATH), no GPU
+        if not (args.check or args.time or args.profile):
+            return 0
 
     device = torch.device("cuda")
     torch.zeros(1, device=device)  # make the primary context current before the driver-level kernel loads

@@ -538,6 +538,27 @@ def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
     assert bench.local_ops_in_mma_loops(listing[:2] + listing[3:]) == 0
 
 
+def test_sass_k_loop_sizes_are_the_innermost_qgmma_loops():
+    """The bench's K-loop column: instructions per trip of each innermost QGMMA loop, two loops with the same text
+    inside one outer loop counted apart (the fitted loops of one kernel look alike)."""
+    bench = _load_script("bench_grouped_gemm_sm90")
+    body = ["QGMMA.64x8x32.F32.E4M3.E4M3 R24, R40, gdesc[UR8], R24", "FFMA R1, R2, R3, R1"]
+    listing, addr = [], 0x100
+
+    def emit(text):
+        nonlocal addr
+        listing.append(f"        /*{addr:04x}*/ {text} ;")
+        addr += 0x10
+    emit("MOV R0, RZ")  # the outer loop's head
+    for _ in range(2):
+        start = addr
+        for text in body:
+            emit(text)
+        emit(f"@P0 BRA 0x{start:x}")
+    emit("@P1 BRA 0x100")
+    assert bench.k_loop_sizes(listing) == [3, 3] and bench.local_ops_in_mma_loops(listing) == 0
+
+
 def test_bench_shape_option_names_what_is_wrong():
     """The bench's --shape: a model slice at other sizes (the same experts and top-k), refused with the allowed form."""
     bench = _load_script("bench_grouped_gemm_sm90")
