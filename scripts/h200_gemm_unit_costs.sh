@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Where a grouped-GEMM unit's time goes at 64-256 tokens per rank, and the lean epilogue against the default, in one
-# bounded device call (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-33):
-#   tests   GPU tests of the lean epilogue (opt-in), the programmatic W2 pair and the traced stream-K loops
-#   shapes  ws_auto, ws_auto + lean_epilogue, and both with the wide tile (65-96 rows at tile 96), per role at both
-#           models and at half / quarter K (--shape: the same units, fewer K128 steps), so each kernel's time fits
-#           rounds x (per-unit + steps x per-step)
+# Where the grouped GEMM's time over its floor goes, and the prepared candidates against the default, in bounded
+# steps (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-36):
+#   tests   GPU tests of everything opt-in and unmeasured: the lean epilogue, the wide tile, the stream-K pair
+#           kernel, the programmatic W2 pair and the traced stream-K loops (with the pair's hand-over stamps)
+#   pair    1-8 tokens: ws_auto_pdl (the programmatic W2) against the pair kernel (W1 and W2 in one stream-K launch,
+#           `pair`, and with the lean epilogue, `pair_lean`), each checked
+#   shapes  64-256 tokens: ws_auto, ws_auto + lean_epilogue, and both with the wide tile (65-96 rows at tile 96), per
+#           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
+#           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
+#   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
+#           SM, start and end, three launches each (does the end spread sit on the same SMs every launch?
+#           scripts/analyze_unit_costs.py spread), and the traced pair with the programmatic W2 (skt1p): where the
+#           pair loses time between W1's streaming and W2's (pair_trace)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
-#   trace   the traced stream-K loops at 1 and 8 tokens, with and without the lean epilogue (its early loads): per
-#           CTA its SM, start and end, three launches each (does the end spread, 2.4-2.9 us, sit on the same SMs every
-#           launch?), the epilogue phases, ws_auto_pdl against the same with lean_epilogue, and the traced pair with
-#           the programmatic W2 (skt1p): where the pair loses time between W1's streaming and W2's (pair_trace), and
-#           the pair kernel (W1 and W2 in one stream-K launch: the set `pair`, steps 35-36)
-# One device call may take 600 s: run `tests trace` (<= 540 s), `shapes` (<= 420 s) and `ncu` (<= 240 s) as three.
+# One device call may take 600 s: run `tests pair` (<= 480 s), `shapes` (<= 420 s) and `trace ncu` (<= 540 s), in
+# that order (the first decides the 1-8 token default, the second the 64-256 token levers).
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
 # on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and carried along.
 set -u
@@ -20,7 +23,7 @@ OUT=${OUT:-device-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEOUT_S=${GC_MOE_WAIT_TIMEOUT_S:-30}
 source scripts/steps.sh
-steps=${*:-tests shapes ncu trace}
+steps=${*:-tests pair shapes trace ncu}
 BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set lean:lean_epilogue=True --auto-set wide:wide=True --auto-set wide_lean:wide=True,lean_epilogue=True"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True
@@ -47,13 +50,15 @@ for s in $steps; do
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
-    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \
-             --auto-set lean_pdl:lean_epilogue=True,pdl=True \
+    pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
+            --auto-set lean_pdl:lean_epilogue=True,pdl=True \
+            --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
+    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --per-role --trace \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
              --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True \
-             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/trace.json" ;;
-    *) echo "unknown step $s (build, tests, shapes, ncu, trace)"; exit 2 ;;
+             --tokens 1,8 --windows 5 --replays 10 --json "$OUT/trace.json" ;;
+    *) echo "unknown step $s (build, tests, pair, shapes, trace, ncu)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
@@ -72,13 +77,14 @@ for (model, tokens), sets in points.items():
     print(f"{model:20s} T={tokens:3d} bn {any_row['block_n']:2d} floor {any_row['floor_us']:6.1f}  " + "  ".join(cells))
 PY
 fi
-if [ -f "$OUT/trace.json" ]; then
-  python - "$OUT/trace.json" <<'PY'
+for f in "$OUT/pair.json" "$OUT/trace.json"; do
+  [ -f "$f" ] || continue
+  python - "$f" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-print("pair and sets at 1-8 tokens: cold us; the traced pair's handover (us, median / max)")
+print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto_pdl", "lean_pdl", "pair", "pair_lean"):
+    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "pair", "pair_lean"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     p = r.get("pair_trace")
     if p:
@@ -86,7 +92,7 @@ for r in d["rows"]:
               f"after own SM {p['w2_start_after_own_sm_w1_us']}, wait done {p['w2_wait_done_after_w1_us']}, first stage "
               f"{p['w2_first_stage_after_w1_us']} after W1, W2 end spread {p['w2_end_spread_us']}, span {p['span_us']}")
 PY
-fi
+done
 # the two questions: per-unit or per-step (fit), static or random late SMs and the pair's hand-over (spread)
 # (from the step's log when its time bound cut it short before the JSON was written)
 for pair in "shapes unit-costs fit" "trace trace spread"; do
