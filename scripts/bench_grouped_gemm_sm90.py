@@ -666,7 +666,8 @@ def main() -> int:
                          "one CTA per SM (`ws1`)")
     ap.add_argument("--auto-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="with --auto-ctas: also a set like ws_auto (tile_knobs per point) with these knobs added where "
-                         "they apply (e.g. lean:lean_epilogue=True; pdl=True launches its stream-K W2 programmatically)")
+                         "they apply (e.g. lean:lean_epilogue=True; pdl=True launches its stream-K W2 programmatically; "
+                         "pair=True runs the stream-K pair kernel where the rule picks stream-K)")
     ap.add_argument("--shape", action="append", default=[], metavar="NAME=BASE:hidden=H,inter=I",
                     help="a model slice for --models: BASE's with other sizes (e.g. half K, to split a kernel's time "
                          "into per-unit and per-step parts)")
@@ -730,8 +731,9 @@ def main() -> int:
             (_, extra), = parse_extra_set(spec, {}).items()
             extra.pop("pdl", None)
             sets.append(extra)
-        auto_variants = [v for spec in args.auto_set
-                         for pair in auto_set_variants(gg, parse_auto_set(spec)[1]).values() for v in pair]
+        auto_variants = [v for spec in args.auto_set  # (the pair kernels are built below in any case)
+                         for pair in auto_set_variants(gg, {k: x for k, x in parse_auto_set(spec)[1].items()
+                                                            if k != "pair"}).values() for v in pair]
         from gc_moe.kernels.sm90 import stream_pair
 
         seen = set()
@@ -768,8 +770,11 @@ def main() -> int:
             kernel_sets["ws_auto_pdl"] = None  # the same, W2 launched programmatically where it is stream-K
     auto_knobs = {"ws_auto": {}, "ws_auto_pdl": {}}  # per tile_knobs set: the knobs it adds
     auto_pdl = {}  # --auto-set sets that launch a stream-K W2 programmatically (pseudo-knob pdl=True)
+    auto_pair = set()  # --auto-set sets that run the stream-K pair kernel where tile_knobs picks stream-K (pair=True)
     for spec in args.auto_set if args.auto_ctas else ():
         tag, auto_knobs[tag], auto_pdl[tag] = parse_auto_set(spec)
+        if auto_knobs[tag].pop("pair", False):  # the pseudo-knob pair: the pair kernel where the rule picks stream-K
+            auto_pair.add(tag)
         kernel_sets[tag] = None
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
@@ -800,14 +805,18 @@ def main() -> int:
                 continue
             auto_tiles[tag] = {bn: {(role, bn): jit.load_kernel(v, "sm_90a") for role, v in zip(("w1", "w2"), pair)}
                                for bn, pair in auto_set_variants(gg, extra, knobs).items()}
-    pair_kernels = {}  # set tag -> the pair kernel it runs
-    if args.pair:
+    pair_kernels = {}  # set tag -> the pair kernel it runs (at every point, or an --auto-set's stream-K points)
+    if args.pair or auto_pair:
         from gc_moe.kernels.sm90 import stream_pair
 
-        for lean in (False, True):  # W1 and W2 in one launch, at every point; with the lean epilogue too
-            tag = "pair_lean" if lean else "pair"
+        if args.pair:
+            for lean in (False, True):  # W1 and W2 in one launch, at every point; with the lean epilogue too
+                tag = "pair_lean" if lean else "pair"
+                pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
+                kernel_sets[tag] = "pair"
+        for tag in auto_pair:
+            lean = bool(auto_knobs[tag].get("lean_epilogue", False))
             pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
-            kernel_sets[tag] = "pair"
     occupancy_report({k: v for k, v in kernel_sets.items() if v != "pair"})
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
@@ -847,9 +856,15 @@ def main() -> int:
                     max_bn, tile_set = rule(pt.capacity, w1_units, sms)
                     set_kernels = auto_tiles[auto_tag][max_bn] if tile_set else kernels  # no knobs: the default set
                     row_note = {"knobs": {**tile_set, **auto_knobs[auto_tag]} if tile_set else {}}
+                    if tag in auto_pair and tile_set.get("stream_k"):
+                        from gc_moe.kernels.sm90.stream_pair import pair_buffers
+
+                        row_note["knobs"] = {**row_note["knobs"], "stream_pair": True}
+                    elif tag in auto_pair:
+                        row_note["knobs"] = {**row_note["knobs"], "stream_pair": False}
                 pt.use(set_kernels, max_bn)
                 pt.pdl = set_pdl.get(tag, False)
-                if tag in pair_kernels:  # its buffers before any capture
+                if tag in pair_kernels and row_note.get("knobs", {}).get("stream_pair"):  # buffers before any capture
                     pt.pair = (pair_kernels[tag], pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device))
                 row = {"tag": tag, "model": name, "base": model.get("base", name), "hidden": model["hidden"],
                        "inter": model["inter"],

@@ -4,7 +4,8 @@
 #   tests   GPU tests of everything opt-in and unmeasured: the lean epilogue, the wide tile, the stream-K pair
 #           kernel, the programmatic W2 pair and the traced stream-K loops (with the pair's hand-over stamps)
 #   pair    1-8 tokens: ws_auto_pdl (the programmatic W2) against the pair kernel (W1 and W2 in one stream-K launch,
-#           `pair`, and with the lean epilogue, `pair_lean`), each checked
+#           `pair`, with the lean epilogue `pair_lean`, and `ws_auto_pair`: tile_knobs's choice with the pair kernel
+#           where it picks stream-K, the candidate default), each checked
 #   shapes  64-256 tokens: ws_auto, ws_auto + lean_epilogue, and both with the wide tile (65-96 rows at tile 96), per
 #           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
 #           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
@@ -51,7 +52,7 @@ for s in $steps; do
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
-            --auto-set lean_pdl:lean_epilogue=True,pdl=True \
+            --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
     trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --per-role --trace \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
@@ -84,7 +85,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "pair", "pair_lean"):
+    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_pair", "pair", "pair_lean"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     p = r.get("pair_trace")
     if p:
