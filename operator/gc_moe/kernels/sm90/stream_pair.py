@@ -104,7 +104,11 @@ def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None) -> dict:
     buffers (`grouped_gemm.stream_sizes` at `sms`, default the device's SMs) and the hand-over words."""
     import torch
 
-    sms = sms or gg.device_sms(device)
+    have = gg.device_sms(device)
+    sms = sms or have
+    if not 1 <= sms <= have:
+        raise ValueError(f"sms {sms}: the pair kernel's CTAs (one per SM) must all be resident at once; allowed 1.."
+                         f"{have} (this device's SMs, or fewer for a green context's partition)")
     cfg = PairConfig()
     out = {}
     for role, mat in (("w1", l1), ("w2", l2)):
