@@ -5,7 +5,7 @@
 #           pipeline (--baseline), token tiles up to bn 32 ($GEMM_TOKENS, $GEMM_ARGS add options)
 #   bench2  the default set with two producer warps (separate process: tag ws_p2)
 #   bench64 the same default set with token tiles up to bn 64 at $GEMM64_TOKENS (time only)
-# Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) carried along.
+# Needs the cubin cache built offline (python scripts/bench_grouped_gemm_sm90.py --build-only) copied to the GPU machine.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}; mkdir -p "$OUT"

@@ -14,10 +14,10 @@
 #           scripts/analyze_unit_costs.py spread), and the traced pair with the programmatic W2 (skt1p): where the
 #           pair loses time between W1's streaming and W2's (pair_trace)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
-# One device call may take 600 s: run `tests pair` (<= 480 s), `shapes` (<= 420 s) and `trace ncu` (<= 540 s), in
+# For GPU runs of at most 10 minutes each: `tests pair` (<= 480 s), `shapes` (<= 420 s) and `trace ncu` (<= 540 s), in
 # that order (the first decides the 1-8 token default, the second the 64-256 token levers).
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
-# on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and carried along.
+# on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and copied to the GPU machine.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}; mkdir -p "$OUT"

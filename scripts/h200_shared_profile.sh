@@ -4,7 +4,7 @@
 # --profile model:tokens`, the full section set (ncu flushes the caches before each kernel), the details page as
 # text and the SASS source page as CSV; everything packed into $OUT/shared-prof.tgz.
 #   PROFILE_POINTS="glm-5.2:1 deepseek-v4.1-flash:8"   (model:tokens; default below)
-# Needs the cubin cache built offline (gcmoe-bench build --arch sm_90a --profile h200) carried along.
+# Needs the cubin cache built offline (gcmoe-bench build --arch sm_90a --profile h200) copied to the GPU machine.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}; mkdir -p "$OUT/shared-prof"
