@@ -1277,6 +1277,22 @@ def test_stream_pair_host_side_names_what_is_wrong():
         stream_pair.pair_launch(kernel, mat(1024, 512, True, 65), mat(512, 512, False, 65), *args)
 
 
+@pytest.mark.parametrize("counts,hidden,inter,sms", [
+    ([1, 0, 3, 2, 0, 1, 1, 1, 2], 5120, 2304, 132),   # DeepSeek-V4.1-Flash's K at one token
+    ([9, 0, 17, 8, 40, 1], 6144, 2048, 132),          # several token tiles per expert
+    ([5, 0, 30, 2], 1024, 512, 3),                    # few SMs: many segments per CTA
+    ([3] * 64, 512, 256, 132)])                        # the most experts; more CTAs than W2 steps
+def test_stream_pair_hand_over_words_end_at_zero(counts, hidden, inter, sms):
+    """The pair kernel's host twin of its hand-over: with the kernel's unit order and stream-K partition, every
+    word a W2 segment reads is one a W1 unit publishes, and each ends the launch at zero (W1 adds H / 256 readers,
+    the W2 units of its token tile take one permit each), so a replay starts from clean words."""
+    from gc_moe.kernels.sm90 import stream_pair
+
+    words = stream_pair.hand_over_balance(counts, hidden, inter, sms)
+    assert words and all(v == 0 for v in words.values()), {k: v for k, v in words.items() if v}
+    assert max(words) < stream_pair.ready_words(len(counts), max(counts), inter)
+
+
 def test_stream_pair_builds_offline_without_local_memory(tmp_path):
     """The pair kernel builds on a machine without a GPU: its promises (the hand-over's release, relaxed adds and
     fence, the bounded waits' trap) and a stack of 0 bytes are checked by the build; each half's pipelined K loop

@@ -99,6 +99,38 @@ def ready_words(local_experts: int, capacity: int, inter: int) -> int:
     return local_experts * max(1, -(-capacity // BLOCK_N)) * (inter // 128)
 
 
+def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int) -> dict:
+    """Host twin of the hand-over words for one launch: {word index: value at the launch's end} after every W1 unit
+    (whole or owner) added its readers and every W2 segment took one permit per K128 step it covers, with the units
+    ordered and indexed as the kernel does (`grouped_gemm.unit_table` / `unit_lookup`, `stream_range`). Every value
+    is 0 when the readers per word (H / 256) match the W2 segments that read it. Raises if a W2 segment would wait
+    for a word no W1 unit publishes."""
+    tiles = [-(-c // BLOCK_N) for c in counts]
+    ready_tiles = max(1, max(tiles, default=0))
+    k2, w1_ctas, w2_ctas = inter // 128, 2 * inter // gg.ROWS_PER_CTA, hidden // gg.ROWS_PER_CTA
+
+    def units_of(row_ctas):  # unit -> (expert, weight-row CTA, token tile): expert, then weight-row CTA, then tile
+        return [(e, x, z) for e, te in enumerate(tiles) for x in range(row_ctas) for z in range(te)]
+    words = {}
+    for e, x, z in units_of(w1_ctas):  # each W1 unit is finished once (a whole unit or its owner)
+        key = (e * ready_tiles + z) * w1_ctas + x
+        words[key] = words.get(key, 0) + w2_ctas
+    published = set(words)
+    w2_units = units_of(w2_ctas)
+    for cta, segments in enumerate(gg.stream_segments(len(w2_units), k2, sms)):
+        s = gg.stream_range(cta, gg.stream_ctas(sms, len(w2_units) * k2), len(w2_units) * k2)[0] if segments else 0
+        for steps, _ in segments:
+            unit, k_first = divmod(s, k2)
+            e, _, z = w2_units[unit]
+            for kb in range(k_first, k_first + steps):
+                key = (e * ready_tiles + z) * k2 + kb
+                if key not in published:
+                    raise AssertionError(f"W2 unit {unit} step {kb} waits for word {key}, which no W1 unit publishes")
+                words[key] -= 1
+            s += steps
+    return words
+
+
 def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None) -> dict:
     """What a pair launch needs beside its tensors, zeroed (the kernel leaves them zero): each half's split
     buffers (`grouped_gemm.stream_sizes` at `sms`, default the device's SMs) and the hand-over words."""
