@@ -9,8 +9,12 @@
   after the launch's median end, correlated between the launches): a static per-SM weighting of the ranges helps
   only then; a dynamic tail helps either way. And the pair traces (W1 -> W2 on one timer), if any.
 
+- `weights`: each SM's streaming rate over the traced launches, as the JSON the bench's `--sm-weights` reads (the
+  stream-K pair kernel's ranges sized by them).
+
     python scripts/analyze_unit_costs.py fit unit-costs.json [--sms 132]
     python scripts/analyze_unit_costs.py spread trace.json
+    python scripts/analyze_unit_costs.py weights trace.json > sm-rates.json
 """
 
 import argparse
@@ -129,13 +133,40 @@ def load_rows(path: str) -> list:
         return [json.loads(line) for line in text.splitlines() if line.startswith('{"tag"')]
 
 
+def sm_rates(rows: list) -> dict:
+    """{%smid: K128 steps per us} over every traced stream-K launch of the rows (each CTA's steps over its span from
+    start to end, summed per SM): the rates `kernels.sm90.stream_pair.sm_weight_table` turns into the sm_weights
+    variant's table. Only launches whose CTAs covered the same SMs count (the whole device)."""
+    steps, span, sets = {}, {}, []
+    for r in rows:
+        for tr in (r.get("trace") or {}).values():
+            for run in tr.get("ctas_by_sm_runs") or []:
+                sets.append(frozenset(c[0] for c in run))
+                for sm, start, end, n in run:
+                    steps[sm] = steps.get(sm, 0) + n
+                    span[sm] = span.get(sm, 0.0) + (end - start)
+    if not sets:
+        return {}
+    common = frozenset.intersection(*sets)
+    return {sm: round(steps[sm] / span[sm], 4) for sm in sorted(common) if span[sm] > 0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("fit", "spread"))
+    ap.add_argument("what", choices=("fit", "spread", "weights"),
+                    help="fit: per-unit / per-step costs; spread: late SMs and the pair's hand-over; weights: each "
+                         "SM's rate as JSON for the bench's --sm-weights")
     ap.add_argument("json", help="a bench JSON (its rows), or the log of a bench run cut short (its row lines)")
     ap.add_argument("--sms", type=int, default=132, help="the SMs the kernels ran on (rounds of units)")
     args = ap.parse_args()
     rows = load_rows(args.json)
+    if args.what == "weights":
+        rates = sm_rates(rows)
+        if not rates:
+            print(f"no traced stream-K launches with per-CTA SM lists in {args.json} (--trace with a traced set)")
+            return 1
+        print(json.dumps(rates))
+        return 0
     results = fit(rows, args.sms) if args.what == "fit" else spread(rows)
     if not results:
         print(f"nothing to {args.what} in {args.json}: "

@@ -657,6 +657,9 @@ def main() -> int:
                     help="also the sets `pair` and `pair_lean`: W1 and W2's stream-K loops as one launch "
                          "(kernels.sm90.stream_pair, token tile 8, one CTA per SM; pair_lean with the lean epilogue) at "
                          "every point")
+    ap.add_argument("--sm-weights", default=None, metavar="JSON",
+                    help="with --pair: also `pair_w`, the pair kernel with ranges sized by per-SM weights from this "
+                         "JSON of {smid: rate} (scripts/analyze_unit_costs.py weights on a --trace run's JSON)")
     ap.add_argument("--pdl", action="store_true",
                     help="with --auto-ctas: also ws_auto_pdl, W2 launched programmatically after W1 where tile_knobs "
                          "picks the stream-K loops (an --extra-set takes the pseudo-knob pdl=True alike)")
@@ -806,6 +809,7 @@ def main() -> int:
             auto_tiles[tag] = {bn: {(role, bn): jit.load_kernel(v, "sm_90a") for role, v in zip(("w1", "w2"), pair)}
                                for bn, pair in auto_set_variants(gg, extra, knobs).items()}
     pair_kernels = {}  # set tag -> the pair kernel it runs (at every point, or an --auto-set's stream-K points)
+    sm_table = None  # pair_w's per-SM weights (--sm-weights)
     if args.pair or auto_pair:
         from gc_moe.kernels.sm90 import stream_pair
 
@@ -814,6 +818,13 @@ def main() -> int:
                 tag = "pair_lean" if lean else "pair"
                 pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
                 kernel_sets[tag] = "pair"
+        if args.sm_weights:
+            if not args.pair:
+                raise SystemExit("--sm-weights sizes the pair kernel's ranges: pass --pair too")
+            with open(args.sm_weights) as f:
+                sm_table = stream_pair.sm_weight_table({int(k): float(v) for k, v in json.load(f).items()})
+            pair_kernels["pair_w"] = jit.load_kernel(stream_pair.variant(sm_weights=True), "sm_90a")
+            kernel_sets["pair_w"] = "pair"
         for tag in auto_pair:
             lean = bool(auto_knobs[tag].get("lean_epilogue", False))
             pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
@@ -847,6 +858,7 @@ def main() -> int:
 
                     set_kernels, max_bn = kernels, 8  # the lane-order weights; the pair's own tile
                     row_note = {"knobs": {"stream_pair": True, **({"lean_epilogue": True} if tag == "pair_lean"
+                                                                   else {"sm_weights": True} if tag == "pair_w"
                                                                    else {})}}
                 elif set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -865,7 +877,8 @@ def main() -> int:
                 pt.use(set_kernels, max_bn)
                 pt.pdl = set_pdl.get(tag, False)
                 if tag in pair_kernels and row_note.get("knobs", {}).get("stream_pair"):  # buffers before any capture
-                    pt.pair = (pair_kernels[tag], pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device))
+                    pt.pair = (pair_kernels[tag], pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device,
+                                                               sm_weights=sm_table if tag == "pair_w" else None))
                 row = {"tag": tag, "model": name, "base": model.get("base", name), "hidden": model["hidden"],
                        "inter": model["inter"],
                        "tokens": tokens, "rows": pt.rows,

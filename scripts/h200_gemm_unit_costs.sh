@@ -5,7 +5,8 @@
 #           kernel, the programmatic W2 pair and the traced stream-K loops (with the pair's hand-over stamps)
 #   pair    1-8 tokens: ws_auto_pdl (the programmatic W2) against the pair kernel (W1 and W2 in one stream-K launch,
 #           `pair`, with the lean epilogue `pair_lean`, and `ws_auto_pair`: tile_knobs's choice with the pair kernel
-#           where it picks stream-K, the candidate default), each checked
+#           where it picks stream-K, the candidate default), each checked; after `trace` in the same run also
+#           `pair_w`, its ranges sized by the SMs' rates the traces measured
 #   shapes  64-256 tokens: ws_auto, ws_auto + lean_epilogue, and both with the wide tile (65-96 rows at tile 96), per
 #           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
 #           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
@@ -14,8 +15,8 @@
 #           scripts/analyze_unit_costs.py spread), and the traced pair with the programmatic W2 (skt1p): where the
 #           pair loses time between W1's streaming and W2's (pair_trace)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
-# For GPU runs of at most 10 minutes each: `tests pair` (<= 480 s), `shapes` (<= 420 s) and `trace ncu` (<= 540 s), in
-# that order (the first decides the 1-8 token default, the second the 64-256 token levers).
+# For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 480 s) and
+# `shapes` (<= 420 s: the 64-256 token levers), in that order.
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
 # on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and copied to the GPU machine.
 set -u
@@ -24,7 +25,7 @@ OUT=${OUT:-device-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEOUT_S=${GC_MOE_WAIT_TIMEOUT_S:-30}
 source scripts/steps.sh
-steps=${*:-tests pair shapes trace ncu}
+steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set lean:lean_epilogue=True --auto-set wide:wide=True --auto-set wide_lean:wide=True,lean_epilogue=True"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True
@@ -51,14 +52,19 @@ for s in $steps; do
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
          python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
+    # shellcheck disable=SC2046
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
+            $([ -s "$OUT/sm-rates.json" ] && echo --sm-weights "$OUT/sm-rates.json") \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
     trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --per-role --trace \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
              --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True \
-             --tokens 1,8 --windows 5 --replays 10 --json "$OUT/trace.json" ;;
+             --tokens 1,8 --windows 5 --replays 10 --json "$OUT/trace.json"
+           # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
+           python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
+             || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, trace, ncu)"; exit 2 ;;
   esac
 done
@@ -85,7 +91,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_pair", "pair", "pair_lean"):
+    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_pair", "pair", "pair_lean", "pair_w"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     p = r.get("pair_trace")
     if p:

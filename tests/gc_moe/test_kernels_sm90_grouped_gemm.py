@@ -638,6 +638,9 @@ def test_spread_persistence_tells_static_from_random_late_sms():
     rows = [{"tag": "skt1", "model": "glm-5.2", "tokens": 1, "trace": {"w1": {"ctas_by_sm_runs": same}},
              "pair_trace": {"span_us": 50.0, "runs": []}}]
     assert [r["role"] for r in analyze.spread(rows)] == ["w1", "pair"]
+    # `weights`: each SM's steps over its spans, over the launches (SMs missing from one launch left out)
+    rates = analyze.sm_rates(rows + [{"trace": {"w2": {"ctas_by_sm_runs": [[[s, 1.0, 11.0, 20] for s in range(27)]]}}}])
+    assert sorted(rates) == list(range(27)) and rates[0] == round((3 * 50 + 20) / (3 * 30.0 + 10.0), 4)
 
 
 def test_tile_24_is_the_two_cta_table_decodes_only():
@@ -919,14 +922,16 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
               return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, programmatic_pairs=0,
-              pair_launches=0, **more_knobs):
+              pair_launches=0, pair_sm_weights=None, **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
     (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
     launched again on the same buffers (each must write the first launch's bytes); programmatic_pairs: then that
     many times W1 and a programmatic W2 back to back on poisoned outputs, half of them replays of a captured graph
     (each must write the same bytes); pair_launches: then that many launches of the stream-K pair kernel
     (kernels.sm90.stream_pair) on poisoned outputs and partials, half of them graph replays: each must write the
-    bytes of the two kernels (the same stream-K partition over the same SMs) and leave its hand-over words zero."""
+    bytes of the two kernels (the same stream-K partition over the same SMs) and leave its hand-over words zero;
+    pair_sm_weights: a table, or a function of (offsets, W1's split buffers, W2's) that makes one from the traced
+    loops' SM ids, for the sm_weights variant instead (its outputs are then what the function returns checks)."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -1006,7 +1011,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
                 f"programmatic pair {launch + 1}: " + _w2_mismatch(out, want_out)
     if pair_launches:
-        _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, pair_launches)
+        weights = pair_sm_weights((offsets, split, split2)) if callable(pair_sm_weights) else pair_sm_weights
+        _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, pair_launches, weights)
     if splits_out is not None:
         splits_out.append((offsets, split, split2))
     if return_raw:
@@ -1045,17 +1051,22 @@ def _eager_and_replayed(launch_on, stream, launches):
         yield launch
 
 
-def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, launches):
-    """The stream-K pair kernel over `_run_case`'s tensors, `launches` times (odd ones graph replays), against the
-    bytes the two kernels wrote there (`_run_case(pair_launches=...)`)."""
+def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, launches, sm_weights=None):
+    """The stream-K pair kernel over `_run_case`'s tensors, `launches` times per variant (odd ones graph replays).
+    Without `sm_weights` its equal-range variants (plain and lean_epilogue), each against the bytes the two kernels
+    wrote there (`_run_case(pair_launches=...)`); with a table (`stream_pair.sm_weight_table` over the SMs the
+    launch runs on) the sm_weights variant, every launch against its first (other piece boundaries: other last bits),
+    its outputs left in mid / mid_sf / out."""
     from gc_moe.kernels.sm90 import stream_pair
     from gc_moe.runtime import jit
 
     torch.cuda.synchronize()
-    want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
-    buffers = stream_pair.pair_buffers(w.l1, w.l2, cap, mid.device, sms)
+    want = (mid.clone(), mid_sf.clone(), out.clone()) if sm_weights is None else None
+    buffers = stream_pair.pair_buffers(w.l1, w.l2, cap, mid.device, sms, sm_weights=sm_weights)
     stream = torch.cuda.current_stream()
-    for variant in stream_pair.all_variants():  # plain and lean_epilogue: the same bytes
+    variants = [v for v in stream_pair.all_variants()
+                if bool(dict(v.params).get("sm_weights")) == (sm_weights is not None)]
+    for variant in variants:
         kernel = jit.load_kernel(variant, "sm_90a")
 
         def pair(on, kernel=kernel):
@@ -1068,6 +1079,9 @@ def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
                                     buffers, on)
 
         for launch in _eager_and_replayed(pair, stream, launches):
+            if want is None:  # the weighted variant: its first launch is the reference of the others
+                want = (mid.clone(), mid_sf.clone(), out.clone())
+            want_mid, want_sf, want_out = want
             where = f"{variant.describe()} launch {launch + 1}: "
             assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf), \
                 where + _byte_mismatch(mid, want_mid, mid_sf, want_sf)
@@ -1201,6 +1215,35 @@ def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [
+    (5120, 2304, 48, 6, 1),          # DeepSeek-V4.1-Flash at one token
+    (6144, 2048, 32, 8, 8),          # GLM-5.2 at eight tokens
+    (1024, 512, 10, 6, 40)])         # many units per CTA
+def test_stream_pair_with_sm_weights_matches_float32_reference(hidden, inter, experts, topk, tokens):
+    """The sm_weights pair kernel: ranges sized by per-SM weights (random within the allowed ratio, over the SMs the
+    traced stream-K loops ran on) give other piece boundaries, so its bytes are checked against the float32
+    reference; eight launches (half graph replays) write the same bytes and leave the words at zero."""
+    import random
+
+    from gc_moe.kernels.sm90 import stream_pair
+
+    tail = 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+    ctas = gg.device_sms("cuda")
+
+    def table_from_trace(splits):
+        words = splits[1][0][: ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(ctas, gg.TRACE_SLOTS, 2)
+        smids = {int(words[c, tail + 2, 1]) for c in range(ctas)}
+        assert len(smids) == ctas, "every SM runs one traced CTA"
+        rng = random.Random(hidden + tokens)
+        return stream_pair.sm_weight_table({s: rng.uniform(0.7, 1.3) for s in smids})
+
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + 1,
+                                           stream_k=True, ctas_per_sm=1, trace=True, pair_launches=8,
+                                           pair_sm_weights=table_from_trace)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)  # the weighted pair's outputs, left in place
+
+
+@pytest.mark.gpu
 def test_traced_programmatic_pair_stamps_the_handover_in_order():
     """The traced stream-K pair with the programmatic W2 (the bench's pair trace): the same bytes as the plain pair,
     and on the %globaltimer axis each W2 CTA starts after some W1 CTA ended (one CTA per SM) and its producer's
@@ -1260,8 +1303,14 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    assert [dict(v.params).get("lean_epilogue", False) for v in stream_pair.all_variants()] == [False, True]
+    assert [(dict(v.params).get("lean_epilogue", False), dict(v.params).get("sm_weights", False))
+            for v in stream_pair.all_variants()] == [(False, False), (True, False), (False, True)]
     assert stream_pair.PairConfig(lean_epilogue=True).half("w2").lean_epilogue
+    weighted = stream_pair.PairConfig(sm_weights=True).half("w1")
+    assert weighted.name.endswith("_skpw_ws") and weighted.smem_bytes == w1.smem_bytes + 2 * gg.SM_TABLE_BYTES
+    assert weighted.stages == w1.stages and weighted.smem_bytes <= weighted.smem_limit
+    with pytest.raises(ValueError, match="sm_weights sizes the ranges"):
+        gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, sm_weights=True)
 
     def mat(rows, cols, interleaved, experts=4):
         return SimpleNamespace(rows=rows, cols=cols, num_experts=experts, gate_up_interleaved=interleaved)
@@ -1291,6 +1340,41 @@ def test_stream_pair_hand_over_words_end_at_zero(counts, hidden, inter, sms):
     words = stream_pair.hand_over_balance(counts, hidden, inter, sms)
     assert words and all(v == 0 for v in words.values()), {k: v for k, v in words.items() if v}
     assert max(words) < stream_pair.ready_words(len(counts), max(counts), inter)
+
+
+def test_stream_pair_weighted_ranges_tile_the_work_and_find_their_owners():
+    """The sm_weights variant's ranges (host twin): nonempty, in %smid order, covering every K128 step once; the
+    kernel's owner search (the largest smid s with work W_s < (step + 1) W, then its rank) names the rank whose range
+    holds each step; below SM_WEIGHT_MIN_STEPS per SM the equal ranges by rank; the hand-over words still end at 0."""
+    import random
+
+    from gc_moe.kernels.sm90 import stream_pair
+
+    rng = random.Random(3)
+    smids = sorted(rng.sample(range(gg.MAX_SM_IDS), 132))  # not contiguous: the table names the launch's SMs
+    table = stream_pair.sm_weight_table({s: rng.uniform(0.5, 1.5) for s in smids})
+    weighted = [w for w in table if w > 0]
+    assert len(weighted) == 132 and max(weighted) <= gg.SM_WEIGHT_RATIO * min(weighted)
+    assert abs(sum(weighted) / 132 - 1000) < 60
+    prefix = [sum(table[:i]) for i in range(gg.MAX_SM_IDS + 1)]
+    rank_prefix = [sum(1 for w in table[:i] if w > 0) for i in range(gg.MAX_SM_IDS + 1)]
+    for work in (4 * 132, 6077, 99991):
+        ranges = stream_pair.weighted_ranges(table, work)
+        assert ranges[0][0] == 0 and ranges[-1][1] == work
+        assert all(a < b for a, b in ranges) and all(ranges[r][1] == ranges[r + 1][0] for r in range(131))
+        for step in range(0, work, max(1, work // 997)):
+            lo = 0  # the kernel's binary search, bit by bit from 2^7
+            for bit in range(7, -1, -1):
+                if work * prefix[lo + (1 << bit)] < (step + 1) * prefix[-1]:
+                    lo += 1 << bit
+            owner = rank_prefix[lo]
+            assert ranges[owner][0] <= step < ranges[owner][1], (work, step, owner)
+    small = stream_pair.weighted_ranges(table, 100)  # fewer than 4 steps per SM: equal ranges, 100 ranks working
+    assert [b - a for a, b in small] == [1] * 100 + [0] * 32
+    words = stream_pair.hand_over_balance([1, 0, 3, 2, 0, 1, 1, 1, 2], 5120, 2304, 132, table)
+    assert all(v == 0 for v in words.values())
+    with pytest.raises(ValueError, match="positive rate"):
+        stream_pair.sm_weight_table({300: 1.0})
 
 
 def test_stream_pair_builds_offline_without_local_memory(tmp_path):

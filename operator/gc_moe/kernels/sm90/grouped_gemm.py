@@ -139,6 +139,14 @@ STREAM_MAX_EXPERTS = 64
 # bench's `trace_summary` and `pair_trace_summary` read them). One CTA per SM only: the traced two-CTA W1 loop
 # spilled 8 B and wrote other bytes than the plain loop in about one launch of eight (never root-caused; the plain
 # two-CTA loops pass the same relaunch checks), so it is not built
+# stream_pair with sm_weights: the per-SM weight table has one int32 per %smid below this (0: no CTA there); its two
+# exclusive prefixes (weight, working SMs) live in shared memory, MAX_SM_IDS + 1 entries each
+MAX_SM_IDS = 256
+SM_TABLE_BYTES = -(-4 * (MAX_SM_IDS + 1) // 16) * 16
+# below this many K128 steps per working SM the weighted ranges fall back to equal ones (every range nonempty: the
+# host keeps the weights within SM_WEIGHT_RATIO of each other)
+SM_WEIGHT_MIN_STEPS = 4
+SM_WEIGHT_RATIO = 1.5
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
 TRACE_TAIL_SLOTS = 4
@@ -255,6 +263,10 @@ class GemmConfig:
     # through per-(expert, token tile, K128 block) words instead of a kernel boundary (W1 publishes each finished
     # unit, W2 waits for the units whose rows it reads)
     stream_pair: bool = False
+    # stream_pair: the CTAs' ranges sized by per-SM weights (a table indexed by %smid, from each SM's measured rate)
+    # instead of equal steps, so that SMs that stream slower get fewer steps and the launch's CTAs end together; a
+    # CTA's place in the order is its SM's rank among the weighted SMs. Same arithmetic, other piece boundaries
+    sm_weights: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -336,6 +348,8 @@ class GemmConfig:
                                      and not self.trace):
             raise ValueError("stream_pair is a half of the stream-K pair kernel: stream_k=True at one CTA per SM, one "
                              "producer warp, no trace")
+        if self.sm_weights and not self.stream_pair:
+            raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -373,7 +387,8 @@ class GemmConfig:
     @property
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
-        fixed = 16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
+        fixed = (16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
+                 + self.sm_table_bytes)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -413,6 +428,11 @@ class GemmConfig:
         return -(-4 * (self.block_n + 1) // 16) * 16 if self.lean_epilogue and not self.stream_k else 0
 
     @property
+    def sm_table_offset(self) -> int:
+        """sm_weights: the two prefix tables (`load_sm_table`), after the barriers."""
+        return self.ticket_offset
+
+    @property
     def ticket_offset(self) -> int:
         """fused_role2: the unit slots (ticket, expert, weight-row CTA, token tile) thread 0 broadcasts through."""
         return self.barrier_offset + (16 * self.stages if self.warp_specialized else 0)
@@ -447,8 +467,13 @@ class GemmConfig:
         return self.producer_threads + 1 + (1 if self.fused_role2 else 0)
 
     @property
+    def sm_table_bytes(self) -> int:
+        """sm_weights: the weight prefix and the rank prefix over %smid, at `ticket_offset` (no fused role2 here)."""
+        return 2 * SM_TABLE_BYTES if self.sm_weights else 0
+
+    @property
     def smem_bytes(self) -> int:
-        return self.ticket_offset + (self.fused_bytes if self.fused_role2 else 0)
+        return self.ticket_offset + (self.fused_bytes if self.fused_role2 else 0) + self.sm_table_bytes
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -499,7 +524,7 @@ class GemmConfig:
         if self.k_splits > 1:
             s += f"_k{self.k_splits}"
         if self.stream_k:
-            s += "_skt" if self.trace else "_skp" if self.stream_pair else "_sk"
+            s += "_skt" if self.trace else ("_skpw" if self.sm_weights else "_skp") if self.stream_pair else "_sk"
         if self.lean_epilogue:
             s += "_lean"
         if self.ring_consumer:
@@ -661,6 +686,8 @@ class StreamHalf:
     init_stage_ring: object
     unit_table: object
     stream_walk: object
+    load_sm_table: object
+    sm_rank: object
 
 
 def _make_kernel(cfg: GemmConfig):
@@ -685,6 +712,7 @@ def _make_kernel(cfg: GemmConfig):
     KS = cfg.k_splits
     STREAM = cfg.stream_k
     PAIR = cfg.stream_pair  # a half of the stream-K pair kernel: `stream_walk` with its hand-over words
+    WEIGHTED = cfg.sm_weights  # its ranges by per-SM weights (`load_sm_table`, `weighted_range`, `weighted_owner`)
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
     SPLIT = cfg.consumer_registers is not None
@@ -1807,10 +1835,85 @@ def _make_kernel(cfg: GemmConfig):
     STAGED_PIECES = cfg.stage_bytes // (THREADS * (BN // 2) * 4)
 
     @cute.jit
-    def owner_pieces(unit, k_blocks, ctas, work):
-        """A shared unit's owner CTA and its piece count (the owner's own included)."""
+    def owner_pieces(unit, k_blocks, ctas, work, smem=None, wmode=None):
+        """A shared unit's owner CTA and its piece count (the owner's own included). wmode (sm_weights): 1 where
+        the ranges follow the weights (`weighted_owner` over the table in `smem`), 0 where they are equal."""
+        if cutlass.const_expr(wmode is None):
+            first_cta = stream_owner(unit * k_blocks, ctas, work)
+            return first_cta, stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
         first_cta = stream_owner(unit * k_blocks, ctas, work)
-        return first_cta, stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
+        last_cta = stream_owner((unit + 1) * k_blocks - 1, ctas, work)
+        if wmode == 1:
+            first_cta = weighted_owner(smem, unit * k_blocks, work)
+            last_cta = weighted_owner(smem, (unit + 1) * k_blocks - 1, work)
+        return first_cta, last_cta - first_cta + 1
+
+    @cute.jit
+    def load_sm_table(weights, smem, tid):
+        """sm_weights, consumer warp 0: the per-SM weights (`weights[smid]`, int32, 0 where no CTA of the launch runs)
+        as two exclusive prefixes over %smid in shared memory, the weight before each SM (where its range starts)
+        and the weighted SMs before it (its rank); entry MAX_SM_IDS holds the totals. Before the ring's barrier."""
+        if tid < 32:
+            wbase = smem + cfg.sm_table_offset
+            rbase = wbase + SM_TABLE_BYTES
+            carry_w = Int32(0)
+            carry_r = Int32(0)
+            for c in cutlass.range_constexpr(MAX_SM_IDS // 32):
+                i = c * 32 + tid
+                w = ptx.ldg_s32(weights + Int64(i) * 4)
+                r = Int32(0)
+                if w > 0:
+                    r = Int32(1)
+                incl_w = w
+                incl_r = r
+                for d in cutlass.range_constexpr(5):
+                    up_w = ptx.shfl_up_s32(incl_w, 1 << d)
+                    up_r = ptx.shfl_up_s32(incl_r, 1 << d)
+                    if tid >= (1 << d):
+                        incl_w = incl_w + up_w
+                        incl_r = incl_r + up_r
+                ptx.sts_s32(wbase + i * 4, carry_w + incl_w - w)
+                ptx.sts_s32(rbase + i * 4, carry_r + incl_r - r)
+                carry_w = carry_w + ptx.shfl_idx_s32(incl_w, Int32(31))
+                carry_r = carry_r + ptx.shfl_idx_s32(incl_r, Int32(31))
+            if tid == 0:
+                ptx.sts_s32(wbase + MAX_SM_IDS * 4, carry_w)
+                ptx.sts_s32(rbase + MAX_SM_IDS * 4, carry_r)
+
+    @cute.jit
+    def sm_rank(smem, smid):
+        """sm_weights: (this SM's rank among the weighted SMs, their count); the rank is the count where the SM has
+        no weight (its CTA then gets no steps)."""
+        wbase = smem + cfg.sm_table_offset
+        rbase = wbase + SM_TABLE_BYTES
+        n = ptx.lds_s32(rbase + MAX_SM_IDS * 4)
+        rank = ptx.lds_s32(rbase + smid * 4)
+        if ptx.lds_s32(rbase + smid * 4 + 4) == rank:  # weight 0: no steps
+            rank = n
+        return rank, n
+
+    @cute.jit
+    def weighted_range(smem, smid, work):
+        """sm_weights: the K128 steps [start, end) of the SM `smid`: its share of `work` by weight."""
+        wbase = smem + cfg.sm_table_offset
+        total = Int64(ptx.lds_s32(wbase + MAX_SM_IDS * 4))
+        first = Int64(work) * Int64(ptx.lds_s32(wbase + smid * 4)) // total
+        end = Int64(work) * Int64(ptx.lds_s32(wbase + smid * 4 + 4)) // total
+        return Int32(first), Int32(end)
+
+    @cute.jit
+    def weighted_owner(smem, step, work):
+        """sm_weights: the rank of the SM whose weighted range holds `step`: the largest smid s whose range starts
+        at or before it (floor(work W_s / W) <= step, i.e. work W_s < (step + 1) W: no division), which has a
+        weight (an SM without one starts where the next does)."""
+        wbase = smem + cfg.sm_table_offset
+        total = Int64(ptx.lds_s32(wbase + MAX_SM_IDS * 4))
+        limit = Int64(step + 1) * total
+        lo = Int32(0)
+        for bit in cutlass.range_constexpr(7, -1, -1):  # MAX_SM_IDS = 2^8
+            if Int64(work) * Int64(ptx.lds_s32(wbase + (lo + (1 << bit)) * 4)) < limit:
+                lo = lo + (1 << bit)
+        return ptx.lds_s32(wbase + SM_TABLE_BYTES + lo * 4)
 
     @cute.jit
     def stage_pieces(smem, split, unit, first_cta, pieces, step, pidx):
@@ -1840,7 +1943,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, k_first,
-                        whole, next_step, *rest):
+                        whole, next_step, *rest, wmode=None):
         """A stream_k segment's consumer thread: a whole unit (whole = 1) goes to the role's epilogue (`rest`: its
         arguments). A shared unit is finished by its owner, the CTA with its first steps (k_first = 0: the last
         segment of that CTA's range, while the other pieces are the first segments of the CTAs after it). The
@@ -1853,7 +1956,7 @@ def _make_kernel(cfg: GemmConfig):
         per = BN // 2
         last = Float32(1.0)
         if whole == 0:
-            first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
+            first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
             count_word = split_counts + Int64(unit) * 4
             if k_first != 0:
                 mine = split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * (per * 4)
@@ -1949,20 +2052,36 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
-                    trace, pair=None):
+                    trace, pair=None, smid=None):
         """The segments of a stream_k CTA's range over this role's units (`unit_table`), its steps numbered from
         `base` on the CTA's stage ring; returns (base after them, segments walked). pair (a half of the stream-K
         pair kernel, `kernels.sm90.stream_pair`): W1's (ready words, token tiles per expert in them, W2's weight-row
-        CTAs per token tile: the readers of each word), W2's (ready words, token tiles per expert)."""
+        CTAs per token tile: the readers of each word), W2's (ready words, token tiles per expert). sm_weights: `cta`
+        is the SM's rank (`sm_rank`), `smid` its SM: the range is its weighted share (`weighted_range`) wherever
+        every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
         wg, t, warp, g, q = coords
         ctas = Int32(cute.arch.grid_dim()[0])
         work = units * k_blocks
-        if work < ctas:  # stream_ctas: one step at least per working CTA
-            ctas = work
         s = Int32(0)
         end = Int32(0)
-        if cta < ctas:
-            s, end = stream_range(cta, ctas, work)
+        wmode = None
+        if cutlass.const_expr(WEIGHTED):
+            ctas = ptx.lds_s32(smem + cfg.sm_table_offset + SM_TABLE_BYTES + MAX_SM_IDS * 4)  # the weighted SMs
+            wmode = Int32(0)
+            if work >= SM_WEIGHT_MIN_STEPS * ctas:
+                wmode = Int32(1)
+            if work < ctas:
+                ctas = work
+            if cta < ctas:
+                if wmode == 1:
+                    s, end = weighted_range(smem, smid, work)
+                else:
+                    s, end = stream_range(cta, ctas, work)
+        else:
+            if work < ctas:  # stream_ctas: one step at least per working CTA
+                ctas = work
+            if cta < ctas:
+                s, end = stream_range(cta, ctas, work)
         segment = Int32(0)
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
         while s < end:
@@ -1976,7 +2095,7 @@ def _make_kernel(cfg: GemmConfig):
             staged = Int32(0)  # the pair's W1 owner: its pieces took one more stage of the ring
             if cutlass.const_expr(PAIR):
                 if k_first == 0 and steps < k_blocks:
-                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
+                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
                     if pieces - 1 <= STAGED_PIECES:
                         staged = Int32(1)
             seg_stamps = trace
@@ -1993,7 +2112,7 @@ def _make_kernel(cfg: GemmConfig):
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
                         trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready)
                 if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
-                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
+                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
                     if pieces - 1 <= STAGED_PIECES:
                         stage_pieces(smem, split, unit, first_cta, pieces, base + steps, tid - THREADS)
             else:
@@ -2022,7 +2141,7 @@ def _make_kernel(cfg: GemmConfig):
                     dest_row, out = role_args
                     rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
                 stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
-                                k_first, whole, base + steps, *rest)
+                                k_first, whole, base + steps, *rest, wmode=wmode)
                 if cutlass.const_expr(PAIR and W1):  # noqa: SIM102 (a trace-time branch around a device one)
                     if k_first == 0:  # a whole unit or an owner: the unit's output rows are written
                         consumer_sync()  # every thread's stores (and reads of the staged pieces) before thread 0's
@@ -2288,7 +2407,7 @@ def _make_kernel(cfg: GemmConfig):
     if FUSED:  # a half of the fused role2 kernel: kernels.sm90.role2 calls the body for the units it draws
         return w1_body if W1 else w2_body
     if PAIR:  # a half of the stream-K pair kernel: kernels.sm90.stream_pair sets the ring up and walks both halves
-        return StreamHalf(thread_coords, init_stage_ring, unit_table, stream_walk)
+        return StreamHalf(thread_coords, init_stage_ring, unit_table, stream_walk, load_sm_table, sm_rank)
     return kernel
 
 

@@ -86,6 +86,10 @@ def sts_f32(addr: Int32, v: Float32) -> None:
     asm("st.shared.f32 [$0], $1;", [], [addr, v])
 
 
+def sts_s32(addr: Int32, v: Int32) -> None:
+    asm("st.shared.b32 [$0], $1;", [], [addr, v])
+
+
 def lds_f32(addr: Int32) -> Float32:
     return asm("ld.shared.f32 $0, [$1];", [Float32], [addr])
 

@@ -21,6 +21,7 @@ Kernel parameters (in order): `PARAMS`. Host side (no DSL needed): `PairConfig`,
 `pair_buffers`, `pair_launch`, `launch_pair`.
 """
 
+import math
 from dataclasses import dataclass
 
 from gc_moe.kernels.sm90 import grouped_gemm as gg
@@ -32,6 +33,7 @@ PARAMS = (
     ("w1_partials", "u64"), ("w1_counts", "u64"), ("w2_partials", "u64"), ("w2_counts", "u64"), ("ready", "u64"),
     ("hidden_blocks", "s32"), ("w1_m_tiles", "s32"), ("inter_blocks", "s32"), ("w2_m_tiles", "s32"),
     ("experts", "s32"), ("ready_tiles", "s32"),
+    ("sm_weights", "u64"),  # the sm_weights variant's int32 per %smid (`sm_weight_table`); 0 for the others
 )
 # a W2 segment's producer polls one hand-over word per K128 step with one lane each
 MAX_INTER_BLOCKS = 32
@@ -45,12 +47,15 @@ class PairConfig:
     # each segment's epilogue words (the expert's factor, W1's routing weights, W2's combine rows) loaded before its
     # K loop, W1's amax reduced once per token (`grouped_gemm.GemmConfig.lean_epilogue`)
     lean_epilogue: bool = False
+    # the CTAs' ranges sized by per-SM weights (`grouped_gemm.GemmConfig.sm_weights`, the table from
+    # `sm_weight_table`) rather than equal: the same arithmetic with other piece boundaries (other last bits)
+    sm_weights: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
         return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
-                             lean_epilogue=self.lean_epilogue)
+                             lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights)
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -60,14 +65,17 @@ class PairConfig:
             raise AssertionError(f"the pair's halves differ in their ring: {w1} / {w2}")
 
 
-def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False):
+def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False,
+            sm_weights: bool = False):
     """The runtime KernelVariant of the pair kernel."""
     from gc_moe.runtime.jit import KernelVariant
 
-    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue)  # validates
+    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights)  # validates
     params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
         params["lean_epilogue"] = True
+    if sm_weights:
+        params["sm_weights"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
@@ -76,11 +84,11 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
 
 
 def all_variants():
-    return [variant(), variant(lean_epilogue=True)]
+    return [variant(), variant(lean_epilogue=True), variant(sm_weights=True)]
 
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-               lean_epilogue: bool = False):
+               lean_epilogue: bool = False, sm_weights: bool = False):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -88,7 +96,7 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
-    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue))
+    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
@@ -99,12 +107,57 @@ def ready_words(local_experts: int, capacity: int, inter: int) -> int:
     return local_experts * max(1, -(-capacity // BLOCK_N)) * (inter // 128)
 
 
-def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int) -> dict:
+def sm_weight_table(rates: dict, ratio: float = gg.SM_WEIGHT_RATIO) -> list[int]:
+    """The per-SM weights of the sm_weights variant from each SM's measured streaming rate ({%smid: K128 steps per
+    us}, e.g. from the stream-K trace's per-CTA lists): int32 per %smid below MAX_SM_IDS, the mean 1000, clamped so
+    that the largest is at most `ratio` times the smallest (every weighted range stays nonempty), 0 where no rate
+    is named (no CTA of the launch runs there). The table names exactly the SMs the launch runs on."""
+    if not rates:
+        raise ValueError("sm_weight_table needs at least one SM's rate")
+    bad = {k: v for k, v in rates.items() if not 0 <= int(k) < gg.MAX_SM_IDS or not v > 0}
+    if bad:
+        raise ValueError(f"rates {bad}: allowed %smid in 0..{gg.MAX_SM_IDS - 1} with a positive rate")
+    mean = sum(rates.values()) / len(rates)
+    # around the mean, hi / lo <= ratio after rounding
+    lo, hi = math.ceil(2000 / (1 + ratio)), math.floor(2000 * ratio / (1 + ratio))
+    table = [0] * gg.MAX_SM_IDS
+    for smid, rate in rates.items():
+        table[int(smid)] = min(hi, max(lo, round(1000 * rate / mean)))
+    return table
+
+
+def weighted_ranges(table: list[int], work: int) -> list[tuple[int, int]]:
+    """Host twin of `grouped_gemm`'s weighted ranges: per rank (the weighted SMs in %smid order) its K128 steps
+    [first, end) of `work`, or the equal ranges by rank where some SM would get fewer than SM_WEIGHT_MIN_STEPS."""
+    smids = [i for i, w in enumerate(table) if w > 0]
+    n, total = len(smids), sum(table)
+    if work < gg.SM_WEIGHT_MIN_STEPS * n:
+        ctas = gg.stream_ctas(n, work)
+        return [gg.stream_range(r, ctas, work) if r < ctas else (0, 0) for r in range(n)]
+    prefix = [sum(table[:i]) for i in range(gg.MAX_SM_IDS + 1)]
+    return [(work * prefix[i] // total, work * prefix[i + 1] // total) for i in smids]
+
+
+def weighted_segments(units: int, k_blocks: int, table: list[int]) -> list:
+    """`grouped_gemm.stream_segments` for the weighted ranges: per rank its [(steps, kind)]."""
+    out = []
+    for s, end in weighted_ranges(table, units * k_blocks):
+        segments = []
+        while s < end:
+            unit, k_first = divmod(s, k_blocks)
+            steps = min(end - unit * k_blocks, k_blocks) - k_first
+            segments.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
+            s += steps
+        out.append(segments)
+    return out
+
+
+def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int, table: list[int] | None = None) -> dict:
     """Host twin of the hand-over words for one launch: {word index: value at the launch's end} after every W1 unit
     (whole or owner) added its readers and every W2 segment took one permit per K128 step it covers, with the units
-    ordered and indexed as the kernel does (`grouped_gemm.unit_table` / `unit_lookup`, `stream_range`). Every value
-    is 0 when the readers per word (H / 256) match the W2 segments that read it. Raises if a W2 segment would wait
-    for a word no W1 unit publishes."""
+    ordered and indexed as the kernel does (`grouped_gemm.unit_table` / `unit_lookup`, `stream_range`, or the
+    weighted ranges of `table`). Every value is 0 when the readers per word (H / 256) match the W2 segments that
+    read it. Raises if a W2 segment would wait for a word no W1 unit publishes."""
     tiles = [-(-c // BLOCK_N) for c in counts]
     ready_tiles = max(1, max(tiles, default=0))
     k2, w1_ctas, w2_ctas = inter // 128, 2 * inter // gg.ROWS_PER_CTA, hidden // gg.ROWS_PER_CTA
@@ -117,8 +170,16 @@ def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int) -> d
         words[key] = words.get(key, 0) + w2_ctas
     published = set(words)
     w2_units = units_of(w2_ctas)
-    for cta, segments in enumerate(gg.stream_segments(len(w2_units), k2, sms)):
-        s = gg.stream_range(cta, gg.stream_ctas(sms, len(w2_units) * k2), len(w2_units) * k2)[0] if segments else 0
+    work = len(w2_units) * k2
+    if table is None:
+        starts = [gg.stream_range(c, gg.stream_ctas(sms, work), work)[0] if c < gg.stream_ctas(sms, work) else 0
+                  for c in range(sms)]
+        walks = gg.stream_segments(len(w2_units), k2, sms)
+    else:
+        starts = [first for first, _ in weighted_ranges(table, work)]
+        walks = weighted_segments(len(w2_units), k2, table)
+    for cta, segments in enumerate(walks):
+        s = starts[cta]
         for steps, _ in segments:
             unit, k_first = divmod(s, k2)
             e, _, z = w2_units[unit]
@@ -131,7 +192,7 @@ def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int) -> d
     return words
 
 
-def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None) -> dict:
+def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None, sm_weights: list[int] | None = None) -> dict:
     """What a pair launch needs beside its tensors, zeroed (the kernel leaves them zero): each half's split
     buffers (`grouped_gemm.stream_sizes` at `sms`, default the device's SMs) and the hand-over words."""
     import torch
@@ -149,6 +210,14 @@ def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None) -> dict:
                      torch.zeros(units, dtype=torch.int32, device=device))
     out["ready"] = torch.zeros(ready_words(l1.num_experts, capacity, l2.cols), dtype=torch.int32, device=device)
     out["sms"] = sms
+    if sm_weights is not None:  # the sm_weights variant's table (`sm_weight_table`), checked here, not per launch
+        weighted = [w for w in sm_weights if w > 0]
+        if len(sm_weights) != gg.MAX_SM_IDS or min(sm_weights) < 0 or len(weighted) != sms \
+                or max(weighted) > gg.SM_WEIGHT_RATIO * min(weighted):
+            raise ValueError(f"sm_weights must be {gg.MAX_SM_IDS} int32 per %smid, >= 0, positive for exactly the "
+                             f"launch's {sms} SMs and within {gg.SM_WEIGHT_RATIO}x of each other "
+                             f"(sm_weight_table); got {len(weighted)} positive of {len(sm_weights)}")
+        out["sm_weights"] = torch.tensor(sm_weights, dtype=torch.int32, device=device)
     return out
 
 
@@ -157,7 +226,7 @@ def pair_launch(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, 
     """(grid, arguments) of one pair launch or graph node; see `launch_pair`."""
     import torch
 
-    from gc_moe.runtime.launch import i32, ptr
+    from gc_moe.runtime.launch import i32, i64, ptr
 
     if not l1.gate_up_interleaved or l2.gate_up_interleaved:
         raise ValueError("the pair kernel needs l1 = the W1 matrix (gate/up interleaved) and l2 = the W2 matrix")
@@ -200,12 +269,16 @@ def pair_launch(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, 
     if buffers["ready"].numel() < words:
         raise ValueError(f"the pair's hand-over words hold {buffers['ready'].numel()}, this call needs {words}: "
                          f"pair_buffers(l1, l2, capacity, device, sms) with this capacity")
+    if cfg.sm_weights and "sm_weights" not in buffers:
+        raise ValueError(f"{kernel.name} sizes its ranges by per-SM weights: pair_buffers(..., sm_weights="
+                         f"sm_weight_table(rates)) with the rates of the SMs it runs on")
+    table = ptr(buffers["sm_weights"]) if cfg.sm_weights else i64(0)
     args = [ptr(l1.codes), ptr(l1.scales), ptr(l1.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
             ptr(routing_weight), ptr(mid), ptr(mid_scale), ptr(l2.codes), ptr(l2.scales), ptr(l2.factor),
             ptr(dest_row), ptr(out), ptr(split["w1"][0]), ptr(split["w1"][1]), ptr(split["w2"][0]),
             ptr(split["w2"][1]), ptr(buffers["ready"]),
             i32(hidden // 128), i32(l1.rows // 64), i32(inter // 128), i32(hidden // 64), i32(experts),
-            i32(max(1, -(-capacity // BLOCK_N)))]
+            i32(max(1, -(-capacity // BLOCK_N))), table]
     return (sms, 1, 1), args
 
 
@@ -238,24 +311,31 @@ def _make_kernel(cfg: PairConfig):
                expert_offsets: Int64, routing_weight: Int64, mid: Int64, mid_scale: Int64, w2_codes: Int64,
                w2_scales: Int64, w2_factor: Int64, dest_row: Int64, out: Int64, w1_partials: Int64,
                w1_counts: Int64, w2_partials: Int64, w2_counts: Int64, ready: Int64, hidden_blocks: Int32,
-               w1_m_tiles: Int32, inter_blocks: Int32, w2_m_tiles: Int32, experts: Int32, ready_tiles: Int32):
+               w1_m_tiles: Int32, inter_blocks: Int32, w2_m_tiles: Int32, experts: Int32, ready_tiles: Int32,
+               sm_weights: Int64):
         tid = cute.arch.thread_idx()[0]
         coords = w1.thread_coords(tid)
         cta = Int32(cute.arch.block_idx()[0])
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        smid = None
+        if cutlass.const_expr(cfg.sm_weights):
+            w1.load_sm_table(sm_weights, smem, tid)  # read after the ring's barrier below
         w1.init_stage_ring(smem, tid)
+        if cutlass.const_expr(cfg.sm_weights):
+            smid = ptx.sm_id()
+            cta, _ = w1.sm_rank(smem, smid)  # the CTA's place in the order: its SM's rank by weight
         table1, units1 = w1.unit_table(expert_offsets, experts, w1_m_tiles // rows_per_unit)
         base, _ = w1.stream_walk((w1_codes, w1_scales, act, act_scale), w1_factor, table1, units1, hidden_blocks,
                                  w1_m_tiles, (w1_partials, w1_counts), (routing_weight, mid, mid_scale), tid, coords,
                                  cta, smem, Int32(0), Int64(0),
-                                 pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit))
+                                 pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit), smid=smid)
         # W2's table only now: kept across the W1 walk it cost the loops their uniform registers and spilled (96
         # per thread); its loads hit the L1 / L2 lines W1's scan brought in, while the ring still holds W1's last
         # stages for the consumers
         table2, units2 = w2.unit_table(expert_offsets, experts, w2_m_tiles // rows_per_unit)
         w2.stream_walk((w2_codes, w2_scales, mid, mid_scale), w2_factor, table2, units2, inter_blocks, w2_m_tiles,
                        (w2_partials, w2_counts), (dest_row, out), tid, coords, cta, smem, base, Int64(0),
-                       pair=(ready, ready_tiles))
+                       pair=(ready, ready_tiles), smid=smid)
         if tid >= gg.THREADS:
             ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
 
@@ -266,8 +346,8 @@ def _make_kernel(cfg: PairConfig):
     def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64, a8: Int64,
              a9: Int64, a10: Int64, a11: Int64, a12: Int64, a13: Int64, a14: Int64, a15: Int64, a16: Int64,
              a17: Int64, a18: Int64, hidden_blocks: Int32, w1_m_tiles: Int32, inter_blocks: Int32,
-             w2_m_tiles: Int32, experts: Int32, ready_tiles: Int32):
+             w2_m_tiles: Int32, experts: Int32, ready_tiles: Int32, sm_weights: Int64):
         kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, hidden_blocks,
-               w1_m_tiles, inter_blocks, w2_m_tiles, experts, ready_tiles).launch(**launch)
+               w1_m_tiles, inter_blocks, w2_m_tiles, experts, ready_tiles, sm_weights).launch(**launch)
 
     return host, half1
