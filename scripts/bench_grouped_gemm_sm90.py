@@ -823,8 +823,12 @@ def main() -> int:
                 raise SystemExit("--sm-weights sizes the pair kernel's ranges: pass --pair too")
             with open(args.sm_weights) as f:
                 sm_table = stream_pair.sm_weight_table({int(k): float(v) for k, v in json.load(f).items()})
-            pair_kernels["pair_w"] = jit.load_kernel(stream_pair.variant(sm_weights=True), "sm_90a")
-            kernel_sets["pair_w"] = "pair"
+            named, sms = sum(1 for w in sm_table if w > 0), torch.cuda.get_device_properties(device).multi_processor_count
+            if named != sms:  # the launch's CTAs run on every SM: the table must name each of them
+                print(f"# --sm-weights names {named} SMs, the device has {sms}: no pair_w rows", flush=True)
+            else:
+                pair_kernels["pair_w"] = jit.load_kernel(stream_pair.variant(sm_weights=True), "sm_90a")
+                kernel_sets["pair_w"] = "pair"
         for tag in auto_pair:
             lean = bool(auto_knobs[tag].get("lean_epilogue", False))
             pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
