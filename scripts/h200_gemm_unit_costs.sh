@@ -15,7 +15,7 @@
 #           scripts/analyze_unit_costs.py spread), and the traced pair with the programmatic W2 (skt1p): where the
 #           pair loses time between W1's streaming and W2's (pair_trace)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
-# For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 480 s) and
+# For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
 # on the build machine, no GPU: the bench's --build-only with the same --auto-set / --extra-set) and copied to the GPU machine.
@@ -40,7 +40,7 @@ for s in $steps; do
   case $s in
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS ;;
-    tests) run tests 240 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
+    tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
