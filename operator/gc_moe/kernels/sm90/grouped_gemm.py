@@ -613,18 +613,20 @@ def stream_segments(units: int, k_blocks: int, ctas: int) -> list:
     other pieces) or "piece"; [] for a CTA without steps."""
     work = units * k_blocks
     working = stream_ctas(ctas, work)
-    out = []
-    for cta in range(ctas):
-        segments = []
-        if cta < working:
-            s, end = stream_range(cta, working, work)
-            while s < end:
-                unit, k_first = divmod(s, k_blocks)
-                steps = min(end - unit * k_blocks, k_blocks) - k_first
-                segments.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
-                s += steps
-        out.append(segments)
-    return out
+    return [range_segments(*stream_range(cta, working, work), k_blocks) if cta < working else []
+            for cta in range(ctas)]
+
+
+def range_segments(first: int, end: int, k_blocks: int) -> list:
+    """The segments of the K128 steps [first, end) of a stream_k range over units of `k_blocks` steps, as the
+    kernel walks them: [(steps, kind)] (`stream_segments`)."""
+    segments = []
+    while first < end:
+        unit, k_first = divmod(first, k_blocks)
+        steps = min(end - unit * k_blocks, k_blocks) - k_first
+        segments.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
+        first += steps
+    return segments
 
 
 def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int | None = None) -> tuple[int, int, int]:

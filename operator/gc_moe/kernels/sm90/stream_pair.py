@@ -140,16 +140,7 @@ def weighted_ranges(table: list[int], work: int) -> list[tuple[int, int]]:
 
 def weighted_segments(units: int, k_blocks: int, table: list[int]) -> list:
     """`grouped_gemm.stream_segments` for the weighted ranges: per rank its [(steps, kind)]."""
-    out = []
-    for s, end in weighted_ranges(table, units * k_blocks):
-        segments = []
-        while s < end:
-            unit, k_first = divmod(s, k_blocks)
-            steps = min(end - unit * k_blocks, k_blocks) - k_first
-            segments.append((steps, "whole" if steps == k_blocks else "owner" if k_first == 0 else "piece"))
-            s += steps
-        out.append(segments)
-    return out
+    return [gg.range_segments(first, end, k_blocks) for first, end in weighted_ranges(table, units * k_blocks)]
 
 
 def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int, table: list[int] | None = None) -> dict:
