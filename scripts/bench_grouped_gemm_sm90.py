@@ -378,12 +378,15 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
             row["cold_write_flush_us"] = colds["write"]
         if args.per_role and pt.pair is None:  # each kernel alone after the same flush: where the time goes
             row.update(w1_cold_us=cold_us(methods[0], roles=("w1",)), w2_cold_us=cold_us(methods[0], roles=("w2",)))
-    if args.trace and pt.pair is None:
-        row["trace"] = trace_point(pt, stream, flush)
+    if args.trace:
+        if pt.pair is None:
+            row["trace"] = trace_point(pt, stream, flush)
+            pair = pair_trace_point(pt, stream, flush)
+        else:  # the pair kernel: traced only in its trace variant
+            row["trace"], pair = pair_kernel_trace_point(pt, stream, flush)
         for role, tr in row["trace"].items():
             brief = {k: v for k, v in tr.items() if k != "ctas_by_sm_runs"}  # the per-CTA lists: the JSON only
             print(f"# trace {row['tag']} {pt.name} T={pt.tokens} {role}: {json.dumps(brief)}", flush=True)
-        pair = pair_trace_point(pt, stream, flush)
         if pair is not None:
             row["pair_trace"] = pair
             brief = {k: v for k, v in pair.items() if k != "runs"}
@@ -549,6 +552,35 @@ def pair_trace_point(pt, stream, flush, runs: int = 3) -> dict | None:
     return {**by_span[len(by_span) // 2], "runs": results}
 
 
+def pair_kernel_trace_point(pt, stream, flush, runs: int = 3) -> tuple[dict, dict | None]:
+    """The traced pair kernel (`stream_pair.variant(trace=True)`) launched after a read flush `runs` times: each
+    half's `trace_summary` (W2's start and scan: its walk's and its table's) with every run's per-CTA lists, and the
+    hand-over's `pair_trace_summary`, of the run with the median span. ({}, None) for an untraced pair kernel."""
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+
+    kernel, buffers = pt.pair
+    if not dict(kernel.entry.variant.params).get("trace"):
+        return {}, None
+    ctas = buffers["sms"]
+    tiles = sum(-(-int(c) // 8) for c in pt.counts.tolist())
+    segments = {role: gg.stream_segments(tiles * (mat.rows // gg.ROWS_PER_CTA), mat.cols // 128, ctas)
+                for role, mat in (("w1", pt.weights.l1), ("w2", pt.weights.l2))}
+    results = []
+    for _ in range(runs):
+        with torch.cuda.stream(stream):
+            torch.amax(flush.view(torch.float16))
+            pt.launch(stream)
+        stream.synchronize()
+        words = {role: buffers[role][0][: ctas * gg.TRACE_SLOTS * 4] for role in ("w1", "w2")}
+        results.append({**{role: trace_summary(words[role], segments[role]) for role in ("w1", "w2")},
+                        "pair": pair_trace_summary(words["w1"], segments["w1"], words["w2"], segments["w2"])})
+    results.sort(key=lambda r: r["pair"]["span_us"])
+    median = results[len(results) // 2]
+    trace = {role: {**median[role], "ctas_by_sm_runs": [r[role].pop("ctas_by_sm") for r in results]}
+             for role in ("w1", "w2")}
+    return trace, {**median["pair"], "runs": [r["pair"] for r in results]}
+
+
 def parse_shape(spec: str) -> tuple[str, dict]:
     """'NAME=BASE:hidden=H,inter=I' -> (NAME, BASE's slice with those fields replaced): the same routing statistics
     at another K, to separate a kernel's per-unit cost from its per-step cost."""
@@ -656,7 +688,7 @@ def main() -> int:
     ap.add_argument("--pair", action="store_true",
                     help="also the sets `pair` and `pair_lean`: W1 and W2's stream-K loops as one launch "
                          "(kernels.sm90.stream_pair, token tile 8, one CTA per SM; pair_lean with the lean epilogue) at "
-                         "every point")
+                         "every point; with --trace also `pair_t`, the traced pair kernel")
     ap.add_argument("--sm-weights", default=None, metavar="JSON",
                     help="with --pair: also `pair_w`, the pair kernel with ranges sized by per-SM weights from this "
                          "JSON of {smid: rate} (scripts/analyze_unit_costs.py weights on a --trace run's JSON)")
@@ -818,6 +850,9 @@ def main() -> int:
                 tag = "pair_lean" if lean else "pair"
                 pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
                 kernel_sets[tag] = "pair"
+            if args.trace:  # and traced: where the pair's time over the floor goes
+                pair_kernels["pair_t"] = jit.load_kernel(stream_pair.variant(trace=True), "sm_90a")
+                kernel_sets["pair_t"] = "pair"
         if args.sm_weights:
             if not args.pair:
                 raise SystemExit("--sm-weights sizes the pair kernel's ranges: pass --pair too")
@@ -863,6 +898,7 @@ def main() -> int:
                     set_kernels, max_bn = kernels, 8  # the lane-order weights; the pair's own tile
                     row_note = {"knobs": {"stream_pair": True, **({"lean_epilogue": True} if tag == "pair_lean"
                                                                    else {"sm_weights": True} if tag == "pair_w"
+                                                                   else {"trace": True} if tag == "pair_t"
                                                                    else {})}}
                 elif set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count

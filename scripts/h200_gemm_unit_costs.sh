@@ -12,8 +12,8 @@
 #           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
 #   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
 #           SM, start and end, three launches each (does the end spread sit on the same SMs every launch?
-#           scripts/analyze_unit_costs.py spread), and the traced pair with the programmatic W2 (skt1p): where the
-#           pair loses time between W1's streaming and W2's (pair_trace)
+#           scripts/analyze_unit_costs.py spread), the traced pair with the programmatic W2 (skt1p): where the
+#           pair loses time between W1's streaming and W2's (pair_trace), and the traced pair kernel (pair_t)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
@@ -57,7 +57,7 @@ for s in $steps; do
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
             $([ -s "$OUT/sm-rates.json" ] && echo --sm-weights "$OUT/sm-rates.json") \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
-    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --per-role --trace \
+    trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
              --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True \

@@ -1088,6 +1088,29 @@ def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
             assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), where + _w2_mismatch(out, want_out)
             assert int(buffers["ready"].abs().sum()) == 0, where + "a hand-over word was not back at zero"
             assert all(int(buffers[r][1].abs().sum()) == 0 for r in ("w1", "w2")), where + "a unit's count not reset"
+        if dict(variant.params).get("trace"):  # each half's walk as the host partitions it, W2's wait after W1's end
+            _check_pair_trace(buffers, w, offsets)
+
+
+def _check_pair_trace(buffers, w, offsets):
+    """The traced pair kernel's stamps (its last launch): every working CTA walked the host's segments in each half,
+    its clocks in order, and each side of a CTA began W2 after its own W1 walk."""
+    ctas = buffers["sms"]
+    tail = 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+    tiles = sum(-(-int(c) // 8) for c in (offsets[1:] - offsets[:-1]).tolist())
+    words = {}
+    for role, mat in (("w1", w.l1), ("w2", w.l2)):
+        walks = gg.stream_segments(tiles * (mat.rows // gg.ROWS_PER_CTA), mat.cols // 128, ctas)
+        words[role] = buffers[role][0][: ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(ctas, gg.TRACE_SLOTS,
+                                                                                              2).tolist()
+        for cta, walk in enumerate(walks):
+            if walk:
+                assert words[role][cta][tail + 2][0] == len(walk), (role, cta, words[role][cta][tail + 2], len(walk))
+                assert words[role][cta][0][1] <= words[role][cta][1][1] <= words[role][cta][tail + 1][1]
+    for cta in range(ctas):
+        w1, w2 = words["w1"][cta], words["w2"][cta]
+        if w2[tail + 2][0]:  # a W2 walk: thread 0 starts it after its W1 walk, the producer waits after its own
+            assert w1[tail + 1][1] <= w2[0][1] and w1[tail][1] <= w2[tail + 3][1], (cta, w1[tail], w2[tail + 3])
 
 
 def _poison_partials(split):
@@ -1303,8 +1326,13 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    assert [(dict(v.params).get("lean_epilogue", False), dict(v.params).get("sm_weights", False))
-            for v in stream_pair.all_variants()] == [(False, False), (True, False), (False, True)]
+    assert [tuple(dict(v.params).get(k, False) for k in ("lean_epilogue", "sm_weights", "trace"))
+            for v in stream_pair.all_variants()] == [(False,) * 3, (True, False, False), (False, True, False),
+                                                     (False, False, True)]
+    traced = stream_pair.PairConfig(trace=True).half("w2")
+    assert traced.name.endswith("_skpt_ws") and traced.trace
+    with pytest.raises(ValueError, match="not traced"):
+        stream_pair.PairConfig(trace=True, sm_weights=True)
     assert stream_pair.PairConfig(lean_epilogue=True).half("w2").lean_epilogue
     weighted = stream_pair.PairConfig(sm_weights=True).half("w1")
     assert weighted.name.endswith("_skpw_ws") and weighted.smem_bytes == w1.smem_bytes + 2 * gg.SM_TABLE_BYTES

@@ -344,12 +344,12 @@ class GemmConfig:
                                        and self.k_splits == 1):
             raise ValueError("lean_epilogue is a knob of the stand-alone W1 / W2 (warp-specialized, no ring consumer, "
                              "no fused role2, no k_splits)")
-        if self.stream_pair and not (self.stream_k and self.ctas_per_sm == 1 and self.producer_warps == 1
-                                     and not self.trace):
+        if self.stream_pair and not (self.stream_k and self.ctas_per_sm == 1 and self.producer_warps == 1):
             raise ValueError("stream_pair is a half of the stream-K pair kernel: stream_k=True at one CTA per SM, one "
-                             "producer warp, no trace")
-        if self.sm_weights and not self.stream_pair:
-            raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True")
+                             "producer warp")
+        if self.sm_weights and not (self.stream_pair and not self.trace):
+            raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
+                             "traced: the trace reads the equal ranges)")
         if self.side_threads and (not self.fused_role2 or self.side_threads % 32 or self.side_threads < 0):
             raise ValueError(f"side_threads {self.side_threads}: allowed 0, or whole warps (a multiple of 32) beside "
                              f"a fused_role2 half")
@@ -524,7 +524,8 @@ class GemmConfig:
         if self.k_splits > 1:
             s += f"_k{self.k_splits}"
         if self.stream_k:
-            s += "_skt" if self.trace else ("_skpw" if self.sm_weights else "_skp") if self.stream_pair else "_sk"
+            s += ("_skp" + ("t" if self.trace else "") + ("w" if self.sm_weights else "") if self.stream_pair
+                  else "_skt" if self.trace else "_sk")
         if self.lean_epilogue:
             s += "_lean"
         if self.ring_consumer:
@@ -690,6 +691,9 @@ class StreamHalf:
     stream_walk: object
     load_sm_table: object
     sm_rank: object
+    trace_slots: object
+    trace_scanned: object
+    trace_tail: object
 
 
 def _make_kernel(cfg: GemmConfig):
@@ -937,7 +941,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None,
-                ready_words=None):
+                ready_words=None, wait_stamp=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
@@ -984,6 +988,9 @@ def _make_kernel(cfg: GemmConfig):
             ptx.warp_sync()  # the vote inside wants the whole warp
             ptx.take_permits_warp(ready_words + Int64(pidx) * 4, mine)
             ptx.warp_sync()  # every lane's acquire before any lane's copies
+            if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+                if pidx == 0 and wait_stamp != 0:  # the walk's first segment: when its rows could go out
+                    ptx.stamp_times(wait_stamp)
             for kb in cutlass.range(early):
                 copy_stage_inputs(smem, kb, (base + kb) % STAGES, rows_in, scales_in, pidx)
         if cutlass.const_expr(STREAM and not W1 and base is not None and not PAIR):  # noqa: SIM102
@@ -2027,30 +2034,47 @@ def _make_kernel(cfg: GemmConfig):
         cta = Int32(cute.arch.block_idx()[0])
         trace = Int64(0)
         if cutlass.const_expr(TRACE):
-            trace = split[0] + Int64(cta) * (TRACE_SLOTS * 16)
-            split = (split[0] + Int64(cute.arch.grid_dim()[0]) * (TRACE_SLOTS * 16), split[1])
-            if tid == 0:
-                ptx.stamp_times(trace)
+            trace, split = trace_slots(split, cta, tid)
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         init_stage_ring(smem, tid)
         table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
         if cutlass.const_expr(TRACE):
-            if tid == 0:
-                ptx.stamp_times(trace + Int64(16))
-            if tid == THREADS:
-                ptx.stamp_times(trace + Int64(32))
+            trace_scanned(trace, tid)
         base, segment = stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords,
                                     cta, smem, Int32(0), trace)
         if tid >= THREADS:
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
         if cutlass.const_expr(TRACE):
-            tail = trace + Int64(48 + 16 * TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS)
-            if tid == THREADS:
-                ptx.stamp_times(tail)
-            if tid == 0:
-                ptx.stamp_times(tail + Int64(16))
-                ptx.stg_s64(tail + Int64(32), Int64(segment))
-                ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
+            trace_tail(trace, tid, segment)
+
+    @cute.jit
+    def trace_slots(split, cta, tid):
+        """trace: (CTA `cta`'s slots at the head of the partials buffer, the split buffers past the launch's slots);
+        thread 0 stamps the entry."""
+        trace = split[0] + Int64(cta) * (TRACE_SLOTS * 16)
+        split = (split[0] + Int64(cute.arch.grid_dim()[0]) * (TRACE_SLOTS * 16), split[1])
+        if tid == 0:
+            ptx.stamp_times(trace)
+        return trace, split
+
+    @cute.jit
+    def trace_scanned(trace, tid):
+        """trace: the unit scan's end, thread 0's and the producer's."""
+        if tid == 0:
+            ptx.stamp_times(trace + Int64(16))
+        if tid == THREADS:
+            ptx.stamp_times(trace + Int64(32))
+
+    @cute.jit
+    def trace_tail(trace, tid, segment):
+        """trace: the producer's and the consumers' end, the segments walked and the SM."""
+        tail = trace + Int64(48 + 16 * TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS)
+        if tid == THREADS:
+            ptx.stamp_times(tail)
+        if tid == 0:
+            ptx.stamp_times(tail + Int64(16))
+            ptx.stg_s64(tail + Int64(32), Int64(segment))
+            ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
 
     @cute.jit
     def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
@@ -2111,8 +2135,14 @@ def _make_kernel(cfg: GemmConfig):
                 ready = None
                 if cutlass.const_expr(PAIR and not W1):  # the W1 units whose output rows this segment reads
                     ready = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(k_blocks) + Int64(k_first)) * 4
+                wait_stamp = None
+                if cutlass.const_expr(PAIR and TRACE and not W1):  # the tail's last slot, in the first segment only
+                    wait_stamp = Int64(0)
+                    if segment == 0:
+                        wait_stamp = trace + Int64(48 + 16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3))
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
-                        trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready)
+                        trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready,
+                        wait_stamp=wait_stamp)
                 if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
                     first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
                     if pieces - 1 <= STAGED_PIECES:
@@ -2409,7 +2439,8 @@ def _make_kernel(cfg: GemmConfig):
     if FUSED:  # a half of the fused role2 kernel: kernels.sm90.role2 calls the body for the units it draws
         return w1_body if W1 else w2_body
     if PAIR:  # a half of the stream-K pair kernel: kernels.sm90.stream_pair sets the ring up and walks both halves
-        return StreamHalf(thread_coords, init_stage_ring, unit_table, stream_walk, load_sm_table, sm_rank)
+        return StreamHalf(thread_coords, init_stage_ring, unit_table, stream_walk, load_sm_table, sm_rank,
+                          trace_slots, trace_scanned, trace_tail)
     return kernel
 
 

@@ -38,6 +38,7 @@ PARAMS = (
 # a W2 segment's producer polls one hand-over word per K128 step with one lane each
 MAX_INTER_BLOCKS = 32
 BLOCK_N = 8  # the stream-K loops' token tile
+TRACE_LOCAL_BYTES = 16  # stack the traced variant may take, never inside a K loop (SASS checked: 8 B)
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,16 @@ class PairConfig:
     # the CTAs' ranges sized by per-SM weights (`grouped_gemm.GemmConfig.sm_weights`, the table from
     # `sm_weight_table`) rather than equal: the same arithmetic with other piece boundaries (other last bits)
     sm_weights: bool = False
+    # each half stamps its phases into the head of its partials buffer as the traced stream-K loops do
+    # (`grouped_gemm.GemmConfig.trace`; W2's "start" is its walk's, its wait the first segment's hand-over): where the
+    # pair's time over the floor goes. A measuring variant
+    trace: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
         return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
-                             lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights)
+                             lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights, trace=self.trace)
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -66,29 +71,33 @@ class PairConfig:
 
 
 def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False,
-            sm_weights: bool = False):
+            sm_weights: bool = False, trace: bool = False):
     """The runtime KernelVariant of the pair kernel."""
     from gc_moe.runtime.jit import KernelVariant
 
-    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights)  # validates
+    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace)  # validates
     params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
         params["lean_epilogue"] = True
     if sm_weights:
         params["sm_weights"] = True
+    if trace:
+        params["trace"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
+    # the traced variant keeps the halves' trace addresses across both walks: 8 B spilled outside the K loops
     return KernelVariant.make("sm90.stream_pair", __name__, "build_pair", params, promises=promises,
+                              local_bytes_budget=TRACE_LOCAL_BYTES if trace else 0,
                               extra_sources=("gc_moe.kernels.sm90.grouped_gemm", "gc_moe.kernels.sm90.ptx"))
 
 
 def all_variants():
-    return [variant(), variant(lean_epilogue=True), variant(sm_weights=True)]
+    return [variant(), variant(lean_epilogue=True), variant(sm_weights=True), variant(trace=True)]
 
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-               lean_epilogue: bool = False, sm_weights: bool = False):
+               lean_epilogue: bool = False, sm_weights: bool = False, trace: bool = False):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -96,7 +105,7 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
-    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights))
+    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
@@ -185,7 +194,8 @@ def hand_over_balance(counts: list[int], hidden: int, inter: int, sms: int, tabl
 
 def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None, sm_weights: list[int] | None = None) -> dict:
     """What a pair launch needs beside its tensors, zeroed (the kernel leaves them zero): each half's split
-    buffers (`grouped_gemm.stream_sizes` at `sms`, default the device's SMs) and the hand-over words."""
+    buffers (`grouped_gemm.stream_sizes` at `sms`, default the device's SMs, with room for the traced variant's
+    slots ahead of the partials) and the hand-over words; with `sm_weights` the sm_weights variant's table."""
     import torch
 
     have = gg.device_sms(device)
@@ -193,7 +203,7 @@ def pair_buffers(l1, l2, capacity: int, device, sms: int | None = None, sm_weigh
     if not 1 <= sms <= have:
         raise ValueError(f"sms {sms}: the pair kernel's CTAs (one per SM) must all be resident at once; allowed 1.."
                          f"{have} (this device's SMs, or fewer for a green context's partition)")
-    cfg = PairConfig()
+    cfg = PairConfig(trace=True)  # room for the traced variant's slots too (~64 KB a half): one set of buffers
     out = {}
     for role, mat in (("w1", l1), ("w2", l2)):
         partials, units = gg.stream_sizes(cfg.half(role), mat.rows, mat.num_experts, capacity, sms)
@@ -311,24 +321,39 @@ def _make_kernel(cfg: PairConfig):
         smid = None
         if cutlass.const_expr(cfg.sm_weights):
             w1.load_sm_table(sm_weights, smem, tid)  # read after the ring's barrier below
+        split1, split2 = (w1_partials, w1_counts), (w2_partials, w2_counts)
+        trace1, trace2 = Int64(0), Int64(0)
+        if cutlass.const_expr(cfg.trace):  # each half's slots at the head of its partials buffer
+            trace1, split1 = w1.trace_slots(split1, cta, tid)
+            trace2, split2 = w2.trace_slots(split2, cta, gg.THREADS + 1)  # W2's entry is stamped at its walk
         w1.init_stage_ring(smem, tid)
         if cutlass.const_expr(cfg.sm_weights):
             smid = ptx.sm_id()
             cta, _ = w1.sm_rank(smem, smid)  # the CTA's place in the order: its SM's rank by weight
         table1, units1 = w1.unit_table(expert_offsets, experts, w1_m_tiles // rows_per_unit)
-        base, _ = w1.stream_walk((w1_codes, w1_scales, act, act_scale), w1_factor, table1, units1, hidden_blocks,
-                                 w1_m_tiles, (w1_partials, w1_counts), (routing_weight, mid, mid_scale), tid, coords,
-                                 cta, smem, Int32(0), Int64(0),
-                                 pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit), smid=smid)
+        if cutlass.const_expr(cfg.trace):
+            w1.trace_scanned(trace1, tid)
+        base, segments1 = w1.stream_walk((w1_codes, w1_scales, act, act_scale), w1_factor, table1, units1,
+                                         hidden_blocks, w1_m_tiles, split1, (routing_weight, mid, mid_scale), tid,
+                                         coords, cta, smem, Int32(0), trace1,
+                                         pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit), smid=smid)
+        if cutlass.const_expr(cfg.trace):
+            w1.trace_tail(trace1, tid, segments1)
+            if tid == 0:
+                ptx.stamp_times(trace2)  # W2's walk begins (thread 0 is past W1's last epilogue)
         # W2's table only now: kept across the W1 walk it cost the loops their uniform registers and spilled (96
         # per thread); its loads hit the L1 / L2 lines W1's scan brought in, while the ring still holds W1's last
         # stages for the consumers
         table2, units2 = w2.unit_table(expert_offsets, experts, w2_m_tiles // rows_per_unit)
-        w2.stream_walk((w2_codes, w2_scales, mid, mid_scale), w2_factor, table2, units2, inter_blocks, w2_m_tiles,
-                       (w2_partials, w2_counts), (dest_row, out), tid, coords, cta, smem, base, Int64(0),
-                       pair=(ready, ready_tiles), smid=smid)
+        if cutlass.const_expr(cfg.trace):
+            w2.trace_scanned(trace2, tid)
+        base, segments2 = w2.stream_walk((w2_codes, w2_scales, mid, mid_scale), w2_factor, table2, units2,
+                                         inter_blocks, w2_m_tiles, split2, (dest_row, out), tid, coords, cta, smem,
+                                         base, trace2, pair=(ready, ready_tiles), smid=smid)
         if tid >= gg.THREADS:
             ptx.cp_async_wait_all()  # the producer leaves only once its last copies have landed
+        if cutlass.const_expr(cfg.trace):
+            w2.trace_tail(trace2, tid, segments2)
 
     launch = {"grid": (1, 1, 1), "block": (half1.threads, 1, 1), "smem": half1.smem_bytes}
     launch.update(gg.launch_register_bounds(half1))
