@@ -7,7 +7,8 @@ partly hides (docs/sm90-grouped-gemm.md, steps 27-30). Here every CTA (one per S
 its W2 range on one stage ring that runs on across both (`grouped_gemm.StreamHalf`), so:
 
 - **no boundary**: W2's weights are independent of W1, so a CTA's producer streams its first W2 stages as soon as
-  its last W1 copies are out, while the slower SMs still finish W1 (the end spread is filled, not waited out);
+  its last W1 copies are out, while the slower SMs still finish W1 (the memory does not idle between the two;
+  an SM that streams slower stays behind through both, which the sm_weights variant's ranges address);
 - **the W1-completion words** (the paper's bitmap, counted): W1 unit (e, weight-row CTA x, token tile z) writes
   exactly K128 block x of W2's input rows of tile z; its whole-unit or owner epilogue, after a consumer barrier,
   adds R = H / 256 (W2's weight-row CTAs per token tile: every W2 unit of the tile reads block x once) to the word
@@ -17,8 +18,10 @@ its W2 range on one stage ring that runs on across both (`grouped_gemm.StreamHal
 - **no deadlock**: the grid is resident at once (one CTA per SM), every CTA finishes its W1 range before any W2
   wait, and W1 waits only for W1 pieces.
 
+Variants: plain, `lean_epilogue`, `sm_weights` (ranges by per-SM weights) and `trace` (a measuring variant).
 Kernel parameters (in order): `PARAMS`. Host side (no DSL needed): `PairConfig`, `variant`, `all_variants`,
-`pair_buffers`, `pair_launch`, `launch_pair`.
+`pair_buffers`, `pair_launch`, `launch_pair`, `sm_weight_table`, and the host twins `weighted_ranges`,
+`weighted_segments`, `hand_over_balance`.
 """
 
 import math
