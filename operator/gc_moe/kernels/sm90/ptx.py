@@ -531,28 +531,6 @@ def wait_at_least_acquire_gpu(addr: Int64, target: Int32, limit_ns: int = 10_000
     )
 
 
-def wait_at_least_relaxed_gpu(addr: Int64, target: Int32, limit_ns: int = 10_000_000_000) -> None:
-    """Poll the 32-bit word at `addr` with relaxed loads (a 64 ns back-off) until it is >= target; trap once
-    `limit_ns` of %globaltimer passed since the first failed poll. Not an acquire by itself: the caller's
-    `fence_acq_rel_gpu` after it makes one (an acquire per poll would keep invalidating the SM's L1)."""
-    asm(
-        "{\n.reg .pred done, late;\n.reg .b32 seen;\n.reg .b64 t0, t1;\n"
-        "ld.relaxed.gpu.global.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n@done bra.uni DONE;\n"
-        "mov.u64 t0, %globaltimer;\n"
-        "WAIT:\nnanosleep.u32 64;\nld.relaxed.gpu.global.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n"
-        "@done bra.uni DONE;\n"
-        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n@!late bra.uni WAIT;\n"
-        "trap;\nDONE:\n}",
-        [],
-        [addr, target],
-    )
-
-
-def red_add_relaxed_gpu_s32(addr: Int64, v: Int32) -> None:
-    """Add `v` to a 32-bit word at GPU scope without ordering (a count no data depends on)."""
-    asm("red.relaxed.gpu.global.add.s32 [$0], $1;", [], [addr, v])
-
-
 def take_permits_warp(addr: Int64, mine: Int32, limit_ns: int = 10_000_000_000) -> None:
     """The whole warp (converged) waits until each lane with `mine` != 0 sees its 32-bit word at `addr` >= 1
     (relaxed polls, a 64 ns back-off, the loop's exit a warp vote so its control flow is uniform), then those lanes
