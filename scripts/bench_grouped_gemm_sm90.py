@@ -455,6 +455,17 @@ def trace_summary(words, segments) -> dict:
     }
 
 
+def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2")):
+    """Launches the point's kernels (`roles`) `runs` times, each after a read flush of the L2 and synchronized:
+    yields after each, for the caller to read what the launch stamped."""
+    for run in range(runs):
+        with torch.cuda.stream(stream):
+            torch.amax(flush.view(torch.float16))
+            pt.launch(stream, roles=roles)
+        stream.synchronize()
+        yield run
+
+
 def trace_point(pt, stream, flush, runs: int = 3) -> dict:
     """Each traced stream_k kernel of the point launched after a read flush `runs` times: the summary of the run
     with the median span (`trace_summary`), with every run's per-CTA (SM, start, end, steps) lists."""
@@ -465,13 +476,8 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
         if not dict(kernel.entry.variant.params).get("trace"):
             continue
         ctas, segments = traced_segments(pt, kernel, mat)
-        results = []
-        for _ in range(runs):
-            with torch.cuda.stream(stream):
-                torch.amax(flush.view(torch.float16))
-                pt.launch(stream, roles=(role,))  # W2 reads the W1 output of the runs before
-            stream.synchronize()
-            results.append(trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments))
+        results = [trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments)  # W2 reads the last W1's output
+                   for _ in after_read_flush(pt, stream, flush, runs, roles=(role,))]
         runs_by_sm = [r.pop("ctas_by_sm") for r in results]  # every run's, in launch order
         results.sort(key=lambda r: r["span_us"])
         out[role] = {**results[len(results) // 2], "ctas_by_sm_runs": runs_by_sm}
@@ -540,14 +546,9 @@ def pair_trace_point(pt, stream, flush, runs: int = 3) -> dict | None:
 
     ctas1, seg1 = traced_segments(pt, pt.k1, pt.weights.l1)
     ctas2, seg2 = traced_segments(pt, pt.k2, pt.weights.l2)
-    results = []
-    for _ in range(runs):
-        with torch.cuda.stream(stream):
-            torch.amax(flush.view(torch.float16))
-            pt.launch(stream)
-        stream.synchronize()
-        results.append(pair_trace_summary(pt.split1[0][: ctas1 * gg.TRACE_SLOTS * 4], seg1,
-                                          pt.split2[0][: ctas2 * gg.TRACE_SLOTS * 4], seg2))
+    results = [pair_trace_summary(pt.split1[0][: ctas1 * gg.TRACE_SLOTS * 4], seg1,
+                                  pt.split2[0][: ctas2 * gg.TRACE_SLOTS * 4], seg2)
+               for _ in after_read_flush(pt, stream, flush, runs)]
     by_span = sorted(results, key=lambda r: r["span_us"])
     return {**by_span[len(by_span) // 2], "runs": results}
 
@@ -566,11 +567,7 @@ def pair_kernel_trace_point(pt, stream, flush, runs: int = 3) -> tuple[dict, dic
     segments = {role: gg.stream_segments(tiles * (mat.rows // gg.ROWS_PER_CTA), mat.cols // 128, ctas)
                 for role, mat in (("w1", pt.weights.l1), ("w2", pt.weights.l2))}
     results = []
-    for _ in range(runs):
-        with torch.cuda.stream(stream):
-            torch.amax(flush.view(torch.float16))
-            pt.launch(stream)
-        stream.synchronize()
+    for _ in after_read_flush(pt, stream, flush, runs):
         words = {role: buffers[role][0][: ctas * gg.TRACE_SLOTS * 4] for role in ("w1", "w2")}
         results.append({**{role: trace_summary(words[role], segments[role]) for role in ("w1", "w2")},
                         "pair": pair_trace_summary(words["w1"], segments["w1"], words["w2"], segments["w2"])})
