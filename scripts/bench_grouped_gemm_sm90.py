@@ -607,7 +607,7 @@ def parse_auto_set(spec: str) -> tuple[str, dict, bool]:
 def tile_rule(gg, extra: dict):
     """grouped_gemm.tile_knobs as an --auto-set asks for it (wide=True: the wide tile for 65-96 rows), and the
     knobs the set adds (without the pseudo-knob)."""
-    wide = bool(extra.get("wide", False))
+    wide = bool(extra.get("wide", True))  # tile_knobs's default: the wide tile for 65-96 rows
     return (lambda capacity, *a: gg.tile_knobs(capacity, *a, wide_tile=wide)), {
         k: v for k, v in extra.items() if k != "wide"}
 

@@ -157,11 +157,12 @@ def test_tile_knobs_follow_the_measured_points():
     assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 422, 132) == (8, stream)
     assert gg.tile_knobs(4, 423, 132) == (8, {}) and gg.tile_knobs(6, 630, 132) == (8, {})
     assert gg.tile_knobs(9, 5000, 132)[0] == 16  # the units decide at tile 8 only
-    table = {"fold_scales": True, "table_decode": True, "fit_n": True}
+    table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}  # steps 33-34
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
     assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24
     assert gg.tile_knobs(25) == (32, table) and gg.tile_knobs(32) == (32, table)
     assert gg.tile_knobs(33) == (64, table) and gg.tile_knobs(500) == (64, table)
+    assert gg.tile_knobs(65) == (96, table) and gg.tile_knobs(96) == (96, table)  # the wide tile by default
     for cap in (1, 9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
         bn, knobs = gg.tile_knobs(cap)
         for role in ("w1", "w2"):
@@ -170,8 +171,9 @@ def test_tile_knobs_follow_the_measured_points():
             assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)
-    # the wide tile (opt-in): 65-96 rows at tile 96, the rest as without it
-    assert [gg.tile_knobs(cap, wide_tile=True)[0] for cap in (8, 33, 64, 65, 96, 97)] == [8, 64, 64, 96, 96, 64]
+    # the wide tile: 65-96 rows at tile 96, the rest as without it; wide_tile=False keeps tile 64 there
+    assert [gg.tile_knobs(cap)[0] for cap in (8, 33, 64, 65, 96, 97)] == [8, 64, 64, 96, 96, 64]
+    assert gg.tile_knobs(80, wide_tile=False)[0] == 64
     for role in ("w1", "w2"):
         assert gg.variant(role, 96, **gg.tile_knobs(80, wide_tile=True)[1]) in gg.all_variants()
 

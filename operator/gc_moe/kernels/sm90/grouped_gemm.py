@@ -2757,7 +2757,7 @@ def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
 
 
 def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = None,
-               wide_tile: bool = False) -> tuple[int, dict]:
+               wide_tile: bool = True) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
     measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16, 24): up to 8 rows tile 8 as stream-K
     loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; against the grid of units at two CTAs per
@@ -2769,15 +2769,17 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     (5-8% faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64
     tokens: 20-35% faster than two or three 32-token tiles). Knobs past tile 8 need weights in the table nibble
     order (`weights.sm90.with_nibble_order`); stream_k needs its grid resident at once (`GemmConfig.stream_k`).
-    wide_tile (opt-in until measured, docs step 34): 65-96 rows at the wide tile (TABLE_WIDE_BLOCK_N: one decode of
-    the weights per K128 step for both chains) instead of two 64-token tiles."""
+    The table tiles run the lean epilogue (no global load after the K loop, W1's amax once per token: 1.4-4.2%
+    faster at 64-256 tokens, step 33 as measured); wide_tile: 65-96 rows at the wide tile (TABLE_WIDE_BLOCK_N: one
+    decode of the weights per K128 step for both chains) instead of two 64-token tiles (GLM-5.2 at 256 tokens 11%
+    faster, 13.5% with the lean epilogue, step 34); False keeps tile 64 there."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
         if w1_units is not None and sms and w1_units > STREAM_K_MAX_WAVES * sms:
             return 8, {}
         return 8, {"stream_k": True, "ctas_per_sm": 1}
-    table = {"fold_scales": True, "table_decode": True, "fit_n": True}
+    table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
     if capacity <= 16:
         return 16, {**table, "ctas_per_sm": 2}
     if capacity <= 24:
