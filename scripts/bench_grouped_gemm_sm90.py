@@ -117,12 +117,13 @@ class Point:
         self.splits = {}  # kernels that split K: their partials and counts, one pair per kernel
         self.pdl = False  # W2 launched programmatically after W1 where it can be (a set's pseudo-knob `pdl`)
         self.pair = None  # (the stream-K pair kernel, its buffers): W1 and W2 as one launch (`--pair`)
+        self.ready = None  # a handover set's hand-over words (one buffer for its W1 and W2)
         self.use(kernels)
 
     def use(self, kernels, max_block_n=None):
         """Run with this variant set's kernels: {(role, block_n): loaded kernel}, token tiles up to max_block_n
         (None: the point's), on the weights in the nibble order the kernels read."""
-        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, split_buffers
+        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, handover_words, split_buffers
 
         self.block_n = block_n_for(self.capacity, max_block_n or self.max_block_n, {bn for _, bn in kernels})
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
@@ -132,6 +133,10 @@ class Point:
             if k.name not in self.splits:  # allocated before any capture
                 self.splits[k.name] = split_buffers(k, mat, self.capacity, self.device)
         self.split1, self.split2 = self.splits[self.k1.name], self.splits[self.k2.name]
+        self.ready = None
+        if GemmConfig(**dict(self.k1.entry.variant.params)).handover:  # allocated before any capture
+            self.ready = self.splits.setdefault(("ready", self.k1.name), handover_words(
+                self.weights.l2.num_experts, self.capacity, self.model["inter"], self.device))
 
     def poison(self):
         self.mid.view(torch.uint8).fill_(0x7F)  # E4M3FN NaN
@@ -152,16 +157,18 @@ class Point:
             launch_pair(kernel, self.weights.l1, self.weights.l2, self.act, self.act_scale, self.offsets, self.rw,
                         self.mid, self.mid_scale, self.dest, self.out, self.capacity, buffers, stream)
             return
+        if self.ready is not None and tuple(roles) != ("w1", "w2"):
+            raise ValueError("a handover set's W1 and W2 run as a pair (W1 alone leaves the hand-over words set)")
         if "w1" in roles:
             launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
-                      self.mid_scale, self.capacity, stream, split=self.split1)
+                      self.mid_scale, self.capacity, stream, split=self.split1, ready=self.ready)
             if sync_each:
                 torch.cuda.synchronize()
                 print("# w1 ran", flush=True)
         if "w2" in roles:
             programmatic = self.programmatic_w2() and "w1" in roles and not sync_each
             launch_w2(self.k2, self.weights.l2, self.mid, self.mid_scale, self.offsets, self.dest, self.out,
-                      self.capacity, stream, split=self.split2, programmatic=programmatic)
+                      self.capacity, stream, split=self.split2, programmatic=programmatic, ready=self.ready)
 
     def programmatic_w2(self) -> bool:
         """W2 goes out programmatically after W1: the set asks for it (pdl) and W2 is a stream-K loop."""
@@ -376,11 +383,12 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
                    tflops=pt.flops() / (cold * 1e-6) / 1e12, flush=methods[0])
         if "write" in colds and len(colds) > 1:
             row["cold_write_flush_us"] = colds["write"]
-        if args.per_role and pt.pair is None:  # each kernel alone after the same flush: where the time goes
+        if args.per_role and pt.pair is None and pt.ready is None:  # each kernel alone after the same flush
             row.update(w1_cold_us=cold_us(methods[0], roles=("w1",)), w2_cold_us=cold_us(methods[0], roles=("w2",)))
     if args.trace:
         if pt.pair is None:
-            row["trace"] = trace_point(pt, stream, flush)
+            # a handover set's kernels run in pairs only: its trace is the pair's
+            row["trace"] = trace_point(pt, stream, flush) if pt.ready is None else {}
             pair = pair_trace_point(pt, stream, flush)
         else:  # the pair kernel: traced only in its trace variant
             row["trace"], pair = pair_kernel_trace_point(pt, stream, flush)

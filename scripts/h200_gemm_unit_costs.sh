@@ -6,14 +6,16 @@
 #   pair    1-8 tokens: ws_auto_pdl (the programmatic W2) against the pair kernel (W1 and W2 in one stream-K launch,
 #           `pair`, with the lean epilogue `pair_lean`, and `ws_auto_pair`: tile_knobs's choice with the pair kernel
 #           where it picks stream-K, the candidate default), each checked; after `trace` in the same run also
-#           `pair_w`, its ranges sized by the SMs' rates the traces measured
+#           `pair_w`, its ranges sized by the SMs' rates the traces measured, and `ws_auto_ho`: ws_auto_pdl with the
+#           hand-over words (W2 takes W1's rows per K128 step as W1 publishes them, GemmConfig.handover)
 #   shapes  64-256 tokens: ws_auto, ws_auto + lean_epilogue, and both with the wide tile (65-96 rows at tile 96), per
 #           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
 #           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
 #   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
 #           SM, start and end, three launches each (does the end spread sit on the same SMs every launch?
 #           scripts/analyze_unit_costs.py spread), the traced pair with the programmatic W2 (skt1p): where the
-#           pair loses time between W1's streaming and W2's (pair_trace), and the traced pair kernel (pair_t)
+#           pair loses time between W1's streaming and W2's (pair_trace), the same with the hand-over words (skt1h)
+#           and the traced pair kernel (pair_t)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
@@ -28,7 +30,8 @@ source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set lean:lean_epilogue=True --auto-set wide:wide=True --auto-set wide_lean:wide=True,lean_epilogue=True"
-SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True
+SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True
+  --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
   --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True
   --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True"
@@ -41,7 +44,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide or stream_pair" ;;
+             -k "lean or programmatic or traced or wide or stream_pair or handover" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -55,12 +58,14 @@ for s in $steps; do
     # shellcheck disable=SC2046
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
+            --auto-set ws_auto_ho:handover=True,pdl=True \
             $([ -s "$OUT/sm-rates.json" ] && echo --sm-weights "$OUT/sm-rates.json") \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
     trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \
              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
              --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True \
+             --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True \
              --tokens 1,8 --windows 5 --replays 10 --json "$OUT/trace.json"
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
@@ -91,7 +96,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_pair", "pair", "pair_lean", "pair_w"):
+    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_ho", "ws_auto_pair", "pair", "pair_lean",
+                    "pair_w"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     p = r.get("pair_trace")
     if p:

@@ -118,11 +118,13 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
         with pytest.raises(ValueError, match="stream_k is a knob of the stand-alone"):
             gg.GemmConfig(**{"role": "w1", "block_n": 8, "stream_k": True, **bad})
     built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
-                    dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False))
+                    dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False),
+                    dict(v.params).get("handover", False))
                    for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
-    assert built == sorted([(role, 8, ctas, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
-                           + [(role, 8, 1, True, False) for role in ("w1", "w2")]
-                           + [(role, 8, 1, trace, True) for role in ("w1", "w2") for trace in (False, True)])
+    assert built == sorted([(role, 8, ctas, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
+                           + [(role, 8, 1, True, False, False) for role in ("w1", "w2")]
+                           + [(role, 8, 1, trace, True, False) for role in ("w1", "w2") for trace in (False, True)]
+                           + [(role, 8, 1, trace, False, True) for role in ("w1", "w2") for trace in (False, True)])
     # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
     # phases ahead of the partials
     with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
@@ -924,7 +926,7 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
               return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, programmatic_pairs=0,
-              pair_launches=0, pair_sm_weights=None, **more_knobs):
+              pair_launches=0, pair_sm_weights=None, handover_pairs=0, **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
     (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
     launched again on the same buffers (each must write the first launch's bytes); programmatic_pairs: then that
@@ -933,7 +935,10 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     (kernels.sm90.stream_pair) on poisoned outputs and partials, half of them graph replays: each must write the
     bytes of the two kernels (the same stream-K partition over the same SMs) and leave its hand-over words zero;
     pair_sm_weights: a table, or a function of (offsets, W1's split buffers, W2's) that makes one from the traced
-    loops' SM ids, for the sm_weights variant instead (its outputs are then what the function returns checks)."""
+    loops' SM ids, for the sm_weights variant instead (its outputs are then what the function returns checks);
+    handover_pairs: then that many W1 + W2 pairs of the handover variants (`GemmConfig.handover`, W2 launched
+    programmatically) on poisoned outputs, half of them graph replays: each must write the bytes of the plain
+    stream-K kernels (the same partition over the same SMs) and leave the hand-over words zero."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -1012,6 +1017,28 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf)
             assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
                 f"programmatic pair {launch + 1}: " + _w2_mismatch(out, want_out)
+    if handover_pairs:
+        want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
+        h1 = jit.load_kernel(gg.variant("w1", block_n, **knobs, handover=True), "sm_90a")
+        h2 = jit.load_kernel(gg.variant("w2", block_n, **knobs, handover=True), "sm_90a")
+        hsplit1, hsplit2 = gg.split_buffers(h1, w.l1, cap, dev, sms), gg.split_buffers(h2, w.l2, cap, dev, sms)
+        ready = gg.handover_words(experts, cap, inter, dev)
+
+        def handover_pair(on):
+            mid.view(torch.uint8).fill_(0x7F)
+            mid_sf.fill_(float("nan"))
+            out.fill_(float("nan"))
+            gg.launch_w1(h1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, on, split=hsplit1, sms=sms,
+                         ready=ready)
+            gg.launch_w2(h2, w.l2, mid, mid_sf, offsets, dest, out, cap, on, split=hsplit2, sms=sms,
+                         programmatic=True, ready=ready)
+
+        for launch in _eager_and_replayed(handover_pair, stream, handover_pairs):
+            assert torch.equal(mid.view(torch.uint8), want_mid.view(torch.uint8)) and torch.equal(mid_sf, want_sf), \
+                f"handover pair {launch + 1}: " + _byte_mismatch(mid, want_mid, mid_sf, want_sf)
+            assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), \
+                f"handover pair {launch + 1}: " + _w2_mismatch(out, want_out)
+            assert int(ready.abs().sum()) == 0, f"handover pair {launch + 1} left hand-over words set"
     if pair_launches:
         weights = pair_sm_weights((offsets, split, split2)) if callable(pair_sm_weights) else pair_sm_weights
         _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, pair_launches, weights)
@@ -1240,6 +1267,20 @@ def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (5120, 2304, 48, 6, 1, None),    # DeepSeek-V4.1-Flash at one token: W2's SMs start while W1's tail runs
+    (6144, 2048, 32, 8, 8, None),    # GLM-5.2 at eight tokens
+    (1024, 512, 10, 6, 40, 3)])      # many units per CTA, W2's segments waiting on W1 units of other CTAs
+def test_handover_pair_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms):
+    """The handover W1 + W2 (W2 programmatic, taking W1's rows per K128 step through the hand-over words instead of
+    waiting for W1's grid): ten pairs, half graph replays, on poisoned outputs write the plain stream-K kernels'
+    bytes (which match the float32 reference) and leave every word at zero."""
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + 5,
+                                           stream_k=True, ctas_per_sm=1, sms=sms, handover_pairs=10)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [
     (5120, 2304, 48, 6, 1),          # DeepSeek-V4.1-Flash at one token
     (6144, 2048, 32, 8, 8),          # GLM-5.2 at eight tokens
@@ -1420,6 +1461,48 @@ def test_stream_pair_builds_offline_without_local_memory(tmp_path):
         ptx = entry.ptx_path.read_text()
         assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 2 * 4
         assert ptx.count("vote.sync.all.pred") == 1 and ptx.count("red.release.gpu.global.add.s32") >= 1
+
+
+def test_handover_knob_its_parameters_and_what_it_refuses():
+    """The stand-alone stream-K pair's hand-over words (`GemmConfig.handover`): a knob of the stream-K loops at one
+    CTA per SM (the variant's default there), its own name and parameters: W1's three, W2's two."""
+    w1, w2 = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, handover=True), \
+        gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, handover=True)
+    assert [n for n, _ in w1.params] == [n for n, _ in gg.PARAMS_W1 + gg.STREAM_PARAMS + gg.HANDOVER_PARAMS_W1]
+    assert [n for n, _ in w2.params] == [n for n, _ in gg.PARAMS_W2 + gg.STREAM_PARAMS + gg.HANDOVER_PARAMS_W2]
+    assert "_sk_ho" in w1.name and "_sk_ho" in w2.name
+    assert dict(gg.variant("w1", 8, stream_k=True, handover=True).params)["ctas_per_sm"] == 1
+    assert "handover" not in dict(gg.variant("w1", 16, stream_k=True, handover=True).params)  # no stream_k there
+    for bad in ({}, {"stream_k": True, "ctas_per_sm": 2}, {"stream_k": True, "ctas_per_sm": 1, "producer_warps": 2},
+                {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True}):
+        with pytest.raises(ValueError, match="handover is a knob of the stand-alone stream-K"):
+            gg.GemmConfig(**{"role": "w2", "block_n": 8, "handover": True, **bad})
+
+
+def test_handover_launch_names_the_words_it_needs():
+    """The launch helpers check the hand-over words before they touch the driver: missing, too few, the wrong
+    dtype, or given to a kernel without the knob; W2's K blocks bounded by the producer warp's lanes."""
+    import types
+
+    from gc_moe.runtime.jit import KernelVariant
+
+    def fake(v: KernelVariant):
+        return types.SimpleNamespace(entry=types.SimpleNamespace(variant=v), name=v.describe())
+
+    ho = fake(gg.variant("w2", 8, stream_k=True, handover=True))
+    cfg = gg.GemmConfig(**dict(ho.entry.variant.params))
+    with pytest.raises(ValueError, match=r"pass ready=handover_words\(4, 9, 512, device\) \(int32 >= 32"):
+        gg._handover_args(cfg, ho, 4, 9, 512, 1024, None)
+    with pytest.raises(ValueError, match="int32 >= 32"):
+        gg._handover_args(cfg, ho, 4, 9, 512, 1024, torch.zeros(32, dtype=torch.int64))
+    with pytest.raises(ValueError, match="at most 32 K128 blocks"):
+        gg._handover_args(cfg, ho, 4, 9, 33 * 128, 1024, None)
+    plain = fake(gg.variant("w2", 8, stream_k=True))
+    plain_cfg = gg.GemmConfig(**dict(plain.entry.variant.params))
+    with pytest.raises(ValueError, match="has no hand-over words"):
+        gg._handover_args(plain_cfg, plain, 4, 9, 512, 1024, torch.zeros(32, dtype=torch.int32))
+    assert gg._handover_args(plain_cfg, plain, 4, 9, 512, 1024, None) == []
+    assert gg.handover_words(4, 9, 512, "cpu").shape == (4 * 2 * 4,)  # 2 token tiles of 8 at capacity 9
 
 
 def test_programmatic_launch_is_for_the_stream_k_w2_only():

@@ -129,6 +129,13 @@ SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 # stream_k appends these: the split buffers (partials per piece: [unit + CTA, consumer thread, BN / 2]; counts per
 # unit) and the local experts, whose units with tokens the CTAs share (the grid holds no unit coordinates)
 STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
+# stream_k with handover appends these: the hand-over words (int32 per (expert, token tile, W2 K128 block) = W1
+# weight-row CTA; zero before the first launch, a W1 + W2 pair leaves them zero), the token tiles per expert they
+# are laid out for, and (W1) the permits one finished W1 unit publishes: W2's weight-row CTAs per token tile
+HANDOVER_PARAMS_W1 = (("ready", "u64"), ("ready_tiles", "s32"), ("ready_readers", "s32"))
+HANDOVER_PARAMS_W2 = (("ready", "u64"), ("ready_tiles", "s32"))
+# a handover W2 segment's producer polls one word per K128 step with one lane each
+HANDOVER_MAX_K_BLOCKS = 32
 # a stream_k CTA keeps each warp's scan of the experts' units in registers (two lanes' worth of experts per lane)
 STREAM_MAX_EXPERTS = 64
 # stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
@@ -267,6 +274,13 @@ class GemmConfig:
     # instead of equal steps, so that SMs that stream slower get fewer steps and the launch's CTAs end together; a
     # CTA's place in the order is its SM's rank among the weighted SMs. Same arithmetic, other piece boundaries
     sm_weights: bool = False
+    # stream_k at one CTA per SM, the stand-alone pair W1 -> W2 with the pair kernel's hand-over words: W1 adds
+    # W2's weight-row CTAs per token tile to the word of each (expert, token tile, weight-row CTA) it finishes
+    # (release), and W2's producer, instead of `griddepcontrol.wait` for W1's whole grid, takes one permit from
+    # the word of each K128 step it reads (acquire) before copying its rows. With W2 launched programmatically, its
+    # CTAs on the SMs W1 leaves first run the steps whose rows are written while W1's last CTAs still run. W1 and W2
+    # must run in pairs on one word buffer (`handover_words`): W1 alone leaves them non-zero
+    handover: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -347,6 +361,11 @@ class GemmConfig:
         if self.stream_pair and not (self.stream_k and self.ctas_per_sm == 1 and self.producer_warps == 1):
             raise ValueError("stream_pair is a half of the stream-K pair kernel: stream_k=True at one CTA per SM, one "
                              "producer warp")
+        if self.handover and not (self.stream_k and self.ctas_per_sm == 1 and self.producer_warps == 1
+                                  and not self.stream_pair):
+            raise ValueError("handover is a knob of the stand-alone stream-K W1 / W2 at one CTA per SM with one "
+                             "producer warp: pass stream_k=True, ctas_per_sm=1 (the pair kernel hands over within "
+                             "its launch)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -506,6 +525,8 @@ class GemmConfig:
     @property
     def params(self):
         tail = STREAM_PARAMS if self.stream_k else SPLIT_PARAMS if self.k_splits > 1 else ()
+        if self.handover:
+            tail += HANDOVER_PARAMS_W1 if self.role == "w1" else HANDOVER_PARAMS_W2
         if self.role == "w1":
             return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + tail
         return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + tail
@@ -525,7 +546,7 @@ class GemmConfig:
             s += f"_k{self.k_splits}"
         if self.stream_k:
             s += ("_skp" + ("t" if self.trace else "") + ("w" if self.sm_weights else "") if self.stream_pair
-                  else "_skt" if self.trace else "_sk")
+                  else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
         if self.lean_epilogue:
             s += "_lean"
         if self.ring_consumer:
@@ -718,6 +739,7 @@ def _make_kernel(cfg: GemmConfig):
     KS = cfg.k_splits
     STREAM = cfg.stream_k
     PAIR = cfg.stream_pair  # a half of the stream-K pair kernel: `stream_walk` with its hand-over words
+    HANDOVER = cfg.handover  # the stand-alone stream_k pair's hand-over words (W1 publishes, W2 takes permits)
     WEIGHTED = cfg.sm_weights  # its ranges by per-SM weights (`load_sm_table`, `weighted_range`, `weighted_owner`)
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
@@ -970,7 +992,7 @@ def _make_kernel(cfg: GemmConfig):
         early = Int32(0)  # steps whose weights went out before the wait
         if cutlass.const_expr(LEAN and not STREAM):
             stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
-        if cutlass.const_expr(PAIR and not W1):
+        if cutlass.const_expr((PAIR or HANDOVER) and not W1):
             early = k_steps
             if early > STAGES // 2:
                 early = Int32(STAGES // 2)
@@ -985,15 +1007,18 @@ def _make_kernel(cfg: GemmConfig):
             mine = Int32(0)
             if pidx < k_steps:
                 mine = Int32(1)
-            ptx.warp_sync()  # the vote inside wants the whole warp
+            # the producer warp's own named barrier, not bar.warp.sync: with bar.warp.sync here ptxas kept the
+            # ring's stage index in vector registers in every K loop of the kernel (docs/sm90-grouped-gemm.md,
+            # step 40); a bar.sync among the warp's 32 threads orders their memory accesses as well
+            ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # the vote inside wants the whole warp
             ptx.take_permits_warp(ready_words + Int64(pidx) * 4, mine)
-            ptx.warp_sync()  # every lane's acquire before any lane's copies
+            ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # every lane's acquire before any lane's copies
             if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
                 if pidx == 0 and wait_stamp != 0:  # the walk's first segment: when its rows could go out
                     ptx.stamp_times(wait_stamp)
             for kb in cutlass.range(early):
                 copy_stage_inputs(smem, kb, (base + kb) % STAGES, rows_in, scales_in, pidx)
-        if cutlass.const_expr(STREAM and not W1 and base is not None and not PAIR):  # noqa: SIM102
+        if cutlass.const_expr(STREAM and not W1 and base is not None and not PAIR and not HANDOVER):  # noqa: SIM102
             if base == 0:  # the CTA's first steps: stages 0.., no empty waits
                 # half the ring: stage 0 completes only once the weights ahead of its rows have landed, and a full
                 # ring of them left the memory idle until the consumers freed stage 0 (W2 alone ~3 us slower)
@@ -2019,12 +2044,14 @@ def _make_kernel(cfg: GemmConfig):
         return factor, words
 
     @cute.jit
-    def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args):
+    def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args, handover=None):
         """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
         warpgroups walk the same segments (unit, first step, steps), each side on its own (`stream_walk`).
         role_args: W1's (routing_weight, out, out_scale), W2's (dest_row, out). With trace, thread 0 and the
-        producer's first thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer."""
+        producer's first thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer. handover:
+        W1's (ready words, token tiles per expert in them, permits per finished unit), W2's (ready words, token
+        tiles per expert) (`GemmConfig.handover`)."""
         tid = cute.arch.thread_idx()[0]
         if cutlass.const_expr(W1):
             # a W2 launched programmatically after this grid may start its CTAs (and their weight stages) as SMs
@@ -2041,7 +2068,7 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(TRACE):
             trace_scanned(trace, tid)
         base, segment = stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords,
-                                    cta, smem, Int32(0), trace)
+                                    cta, smem, Int32(0), trace, pair=handover)
         if tid >= THREADS:
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
         if cutlass.const_expr(TRACE):
@@ -2133,10 +2160,10 @@ def _make_kernel(cfg: GemmConfig):
                     seg_stamps = trace + Int64(48) + Int64(segment) * seg_bytes
             if tid >= THREADS:
                 ready = None
-                if cutlass.const_expr(PAIR and not W1):  # the W1 units whose output rows this segment reads
+                if cutlass.const_expr((PAIR or HANDOVER) and not W1):  # the W1 units whose rows this segment reads
                     ready = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(k_blocks) + Int64(k_first)) * 4
                 wait_stamp = None
-                if cutlass.const_expr(PAIR and TRACE and not W1):  # the tail's last slot, in the first segment only
+                if cutlass.const_expr((PAIR or HANDOVER) and TRACE and not W1):  # the tail's last slot, segment 0
                     wait_stamp = Int64(0)
                     if segment == 0:
                         wait_stamp = trace + Int64(48 + 16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3))
@@ -2174,7 +2201,7 @@ def _make_kernel(cfg: GemmConfig):
                     rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
                 stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
                                 k_first, whole, base + steps, *rest, wmode=wmode)
-                if cutlass.const_expr(PAIR and W1):  # noqa: SIM102 (a trace-time branch around a device one)
+                if cutlass.const_expr((PAIR or HANDOVER) and W1):  # noqa: SIM102 (a trace-time branch)
                     if k_first == 0:  # a whole unit or an owner: the unit's output rows are written
                         consumer_sync()  # every thread's stores (and reads of the staged pieces) before thread 0's
                         if tid == 0:
@@ -2330,7 +2357,16 @@ def _make_kernel(cfg: GemmConfig):
                 tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args,
                                    ksplit)
 
-        if cutlass.const_expr(STREAM):
+        if cutlass.const_expr(STREAM and HANDOVER):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32, split_partials: Int64, split_counts: Int64, experts: Int32,
+                       ready: Int64, ready_tiles: Int32, ready_readers: Int32):
+                stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
+                            (split_partials, split_counts), (routing_weight, out, out_scale),
+                            handover=(ready, ready_tiles, ready_readers))
+        elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
@@ -2407,7 +2443,14 @@ def _make_kernel(cfg: GemmConfig):
                 tile_with_epilogue(a, w_factor, e, bx, row0, count, k_blocks, m_tiles, smem, epilogue, fused_args,
                                    ksplit)
 
-        if cutlass.const_expr(STREAM):
+        if cutlass.const_expr(STREAM and HANDOVER):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
+                       split_partials: Int64, split_counts: Int64, experts: Int32, ready: Int64, ready_tiles: Int32):
+                stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
+                            (split_partials, split_counts), (dest_row, out), handover=(ready, ready_tiles))
+        elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
                        expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
@@ -2463,7 +2506,14 @@ def _host_launcher(cfg: GemmConfig, kernel):
 
     launch = {"grid": (1, 1, 1), "block": (cfg.threads, 1, 1), "smem": cfg.smem_bytes}
     launch.update(launch_register_bounds(cfg))
-    if cfg.role == "w1" and cfg.stream_k:
+    if cfg.role == "w1" and cfg.handover:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32, ready: Int64,
+                 ready_tiles: Int32, ready_readers: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1, experts, ready, ready_tiles,
+                   ready_readers).launch(**launch)
+    elif cfg.role == "w1" and cfg.stream_k:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32):
@@ -2485,6 +2535,13 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles).launch(
+                **launch)
+    elif cfg.handover:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32, ready: Int64,
+                 ready_tiles: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, p0, p1, experts, ready, ready_tiles).launch(
                 **launch)
     elif cfg.stream_k:
         @cute.jit
@@ -2516,7 +2573,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                warp_specialized: bool | None = None, ctas_per_sm: int | None = None, producer_warps: int = 1,
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
-               fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False):
+               fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
+               handover: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2528,7 +2586,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2541,7 +2599,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
-            lean_epilogue: bool = False):
+            lean_epilogue: bool = False, handover: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2561,8 +2619,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         k_splits = 1  # a knob of the stand-alone GEMM at tiles 8 / 16 (warp-specialized): sets may name it everywhere
     stream_k = stream_k and block_n == 8 and ws_default and not fold_scales and k_splits == 1  # likewise, at tile 8
     trace = trace and stream_k
-    if trace and ctas_per_sm is None:
-        ctas_per_sm = 1  # the only traced loop (GemmConfig.trace)
+    handover = handover and stream_k  # a knob of the stream-K loops: sets may name it everywhere
+    if (trace or handover) and ctas_per_sm is None:
+        ctas_per_sm = 1  # the only traced loop (GemmConfig.trace), the only handover one
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
@@ -2572,7 +2631,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, handover=handover)
     # a knob of the stand-alone kernels: sets may name it everywhere
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
@@ -2611,6 +2670,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["trace"] = True
     if lean_epilogue:
         params["lean_epilogue"] = True
+    if handover:
+        params["handover"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -2621,7 +2682,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if stream_k:  # the pieces' release, the owner's bounded acquire, its loads of the partials; W1 lets a
         # programmatic W2 start, W2's producer waits for W1's grid before reading its rows
         promises += ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global",
-                     "griddepcontrol.launch_dependents" if role == "w1" else "griddepcontrol.wait")
+                     "griddepcontrol.launch_dependents" if role == "w1" else
+                     "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -2681,6 +2743,9 @@ def all_variants():
     # the traced one at one CTA per SM (a measuring variant)
     stream_k = [variant(role, 8, stream_k=True, ctas_per_sm=ctas) for role in ("w1", "w2") for ctas in (1, 2)]
     stream_k += [variant(role, 8, stream_k=True, ctas_per_sm=1, trace=True) for role in ("w1", "w2")]
+    # the stand-alone pair's hand-over words (W2 takes W1's rows per K128 step), plain and traced
+    stream_k += [variant(role, 8, stream_k=True, ctas_per_sm=1, handover=True, trace=trace)
+                 for role in ("w1", "w2") for trace in (False, True)]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)
@@ -2867,10 +2932,42 @@ def _split_args(cfg: GemmConfig, kernel, mat, capacity: int, sms: int, k: int, s
     return [ptr(split[0]), ptr(split[1])]
 
 
+def handover_words(experts: int, capacity: int, inter: int, device, block_n: int = 8):
+    """The hand-over words of a handover W1 + W2 pair (`GemmConfig.handover`): int32 [experts, token tiles at
+    `capacity`, inter / 128], zeroed (each pair leaves them zero). One buffer for both launches of a pair."""
+    import torch
+
+    return torch.zeros(experts * max(1, -(-capacity // block_n)) * (inter // 128), dtype=torch.int32, device=device)
+
+
+def _handover_args(cfg: GemmConfig, kernel, experts: int, capacity: int, inter: int, hidden: int, ready) -> list:
+    """A launch's `HANDOVER_PARAMS_W1` / `_W2` after checking `ready` (`handover_words`); [] without handover."""
+    import torch
+
+    from gc_moe.runtime.launch import i32, ptr
+
+    if not cfg.handover:
+        if ready is not None:
+            raise ValueError(f"{kernel.name} has no hand-over words (handover=False): pass ready=None")
+        return []
+    if inter // 128 > HANDOVER_MAX_K_BLOCKS:
+        raise ValueError(f"{kernel.name} hands over at most {HANDOVER_MAX_K_BLOCKS} K128 blocks of W2 (a producer "
+                         f"lane polls each), got inter {inter} ({inter // 128} blocks): use a variant without handover")
+    tiles = max(1, -(-capacity // cfg.block_n))
+    need = experts * tiles * (inter // 128)
+    if ready is None or ready.dtype != torch.int32 or ready.numel() < need or not ready.is_cuda:
+        raise ValueError(f"{kernel.name} hands W1's rows over through words: pass ready=handover_words({experts}, "
+                         f"{capacity}, {inter}, device) (int32 >= {need}, zeroed, the same buffer for W1 and W2)")
+    if cfg.role == "w1":
+        return [ptr(ready), i32(tiles), i32(hidden // ROWS_PER_CTA)]  # permits: W2's weight-row CTAs per tile
+    return [ptr(ready), i32(tiles)]
+
+
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-              ring_args=(), split=None, sms=None):
+              ring_args=(), split=None, sms=None, ready=None):
     """(grid, arguments) of one W1 launch or graph node; see `launch_w1`. split: `split_buffers(...)` for a
-    kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's)."""
+    kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's); ready: a
+    handover variant's `handover_words(...)`."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -2892,32 +2989,35 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     sms = sms or (device_sms(act.device) if cfg.stream_k else None)
     g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, hidden, split)
+    extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
 
 
 def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream,
-              ring_args=(), split=None, sms=None):
+              ring_args=(), split=None, sms=None, ready=None):
     """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
 
     mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
     expert_offsets int32 [E+1] (rows of expert e: [off[e], off[e+1])); routing_weight f32 [R];
     out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold;
     ring_args: `ring_args_w1(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
-    variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
+    variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's);
+    ready: a handover variant's `handover_words(...)`, the buffer its W2 launch gets too.
     """
     from gc_moe.runtime.launch import launch
 
     g, args = w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-                        ring_args, split, sms)
+                        ring_args, split, sms, ready)
     return launch(kernel, g, args, stream)
 
 
 def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args=(), split=None,
-              sms=None):
+              sms=None, ready=None):
     """(grid, arguments) of one W2 launch or graph node; see `launch_w2`. split: `split_buffers(...)` for a
-    kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's)."""
+    kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's); ready: a handover
+    variant's `handover_words(...)`, its W1's."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -2938,13 +3038,14 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     sms = sms or (device_sms(act.device) if cfg.stream_k else None)
     g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, inter, split)
+    extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra
 
 
 def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=(),
-              split=None, sms=None, programmatic=False):
+              split=None, sms=None, programmatic=False, ready=None):
     """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
 
     act fp8 [R, I] + act_scale f32 [R, I/128] (W1's outputs); dest_row int32 [R]; out bf16 [P, H]
@@ -2953,7 +3054,8 @@ def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
     programmatic: a stream_k W2 only, launched right after its W1 in the same stream: it starts as W1's CTAs
     leave their SMs and streams its first weight stages before it waits for W1's grid (programmatic dependent
-    launch; the W1 stream_k loop signals at its start).
+    launch; the W1 stream_k loop signals at its start); a handover variant (ready: its W1's `handover_words`)
+    takes its rows per K128 step as W1 publishes them instead of waiting for W1's grid.
     """
     from gc_moe.runtime.launch import launch
 
@@ -2961,5 +3063,5 @@ def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
         raise ValueError(f"{kernel.name} cannot be launched programmatically: only the stream_k W2 waits for its "
                          f"W1 grid (griddepcontrol.wait) before reading its rows; pass programmatic=False")
     g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split,
-                        sms)
+                        sms, ready)
     return launch(kernel, g, args, stream, programmatic=programmatic)

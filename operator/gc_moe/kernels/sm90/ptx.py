@@ -306,6 +306,7 @@ def named_barrier_sync(barrier_id: int, threads: int) -> None:
 
 
 GEMM_BARRIER = 2  # named barrier of a GEMM's threads when side threads share the CTA (0: the CTA, 1: consumers)
+PRODUCER_WARP_BARRIER = 3  # named barrier of a warp-specialized GEMM's single producer warp (its 32 threads)
 
 
 def gemm_barrier(cfg) -> None:
