@@ -1962,7 +1962,13 @@ def _make_kernel(cfg: GemmConfig):
             ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
         if pidx % 32 == 0:
             ptx.wait_at_least_acquire_gpu(split_counts + Int64(unit) * 4, pieces - 1)
-        ptx.warp_sync()  # the lanes' copies after their lane 0's acquire
+        if cutlass.const_expr(PAIR):
+            # the lanes' copies after their lane 0's acquire: in the pair kernel a bar.warp.sync here (with both
+            # walks) kept the ring's stage index in vector registers in every K loop (step 40); the plain stream-K
+            # loops keep their uniform registers with it, and lose them without it
+            ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)
+        else:
+            ptx.warp_sync()  # the lanes' copies after their lane 0's acquire
         piece_bytes = THREADS * (BN // 2) * 4
         sbase = smem + stage * cfg.stage_bytes
         for p in cutlass.range(1, pieces):

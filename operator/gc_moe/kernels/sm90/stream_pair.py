@@ -41,7 +41,7 @@ PARAMS = (
 # a W2 segment's producer polls one hand-over word per K128 step with one lane each
 MAX_INTER_BLOCKS = 32
 BLOCK_N = 8  # the stream-K loops' token tile
-TRACE_LOCAL_BYTES = 16  # stack the traced variant may take, never inside a K loop (SASS checked: 8 B)
+TRACE_LOCAL_BYTES = 16  # stack the traced variant may take, never inside a K loop (SASS checked: none now)
 
 
 @dataclass(frozen=True)
