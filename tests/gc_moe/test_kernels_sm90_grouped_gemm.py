@@ -674,8 +674,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
-    # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4
+    # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
+    # the stream-K loops with the hand-over words (plain and traced)
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -714,7 +715,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert len(expected) == len(gg.PARAMS_W1 if params["role"] == "w1" else gg.PARAMS_W2) + (
             len(gg.RING_PARAMS_W1 if params["role"] == "w1" else gg.RING_PARAMS_W2) if ring else 0) + (
             len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0) + (
-            len(gg.STREAM_PARAMS) if params.get("stream_k") else 0)
+            len(gg.STREAM_PARAMS) if params.get("stream_k") else 0) + (
+            len(gg.HANDOVER_PARAMS_W1 if params["role"] == "w1" else gg.HANDOVER_PARAMS_W2)
+            if params.get("handover") else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
@@ -771,12 +774,14 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     of 33 arrivals per producer warp (the producer's expect-tx + 32 cp.async arrivals each) and an empty barrier of 16 (one per
     consumer warp), bulk copies of the 4096-byte weight tiles and 256-byte scale blocks completing on it,
     the consumers' waits, proxy fence and release; W1's epilogue meets on a 512-thread named barrier."""
+    from gc_moe.kernels.sm90 import ptx as ptx_mod  # needs the DSL, as the fixture does
+
     ws = {v: e for v, e in built.items() if gg.GemmConfig(**dict(v.params)).warp_specialized}
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
-    # the stream-K loops at one CTA per SM; the wide tile 96
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4
+    # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -787,12 +792,16 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read; a
         # stream-K piece once (partials stored before the release; the owner: its acquire before the loads), and
         # a stream-K W1 epilogue once more at its end (its amax words are read before the next unit's epilogue), a
-        # lean W1 epilogue once more after its per-token amax
+        # lean W1 epilogue once more after its per-token amax, a handover W1 once more before it publishes a unit
         split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
         w1_meets = 0
         if params["role"] == "w1":
-            w1_meets = 1 + bool(params.get("stream_k")) + bool(params.get("lean_epilogue"))
+            w1_meets = 1 + bool(params.get("stream_k")) + bool(params.get("lean_epilogue")) + bool(params.get("handover"))
         assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
+        # a handover W2's producer warp meets on its own named barrier around the permit vote (bar.warp.sync there
+        # cost every K loop its uniform registers)
+        producer_meets = 2 if params.get("handover") and params["role"] == "w2" else 0
+        assert ptx.count(f"bar.sync {ptx_mod.PRODUCER_WARP_BARRIER}, 32;") == producer_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
             str(cfg.full_arrivals), "16"] * cfg.stages
