@@ -1504,8 +1504,13 @@ def _make_kernel(cfg: GemmConfig):
         for i in cutlass.range_constexpr(4 * c):
             acc[i] = Float32(0.0)
         consume(k_blocks, smem, wg, t, warp, g, q, acc, 8 * c)
-        for i in cutlass.range_constexpr(4 * c, BN // 2):  # the tokens past N, as zero-filled rows would give
-            acc[i] = Float32(0.0)
+        if cutlass.const_expr(4 * c < BN // 2):
+            # the tokens past N, as zero-filled rows would give: a zero that depends on the loop's result, else
+            # the compiler sets these before the loop and ptxas re-zeroes them in every step (8-12 CS2R per K128
+            # step of the fitted loops)
+            zero = ptx.zero_after(acc[0])
+            for i in cutlass.range_constexpr(4 * c, BN // 2):
+                acc[i] = zero
 
     @cute.jit
     def thread_coords(tid):

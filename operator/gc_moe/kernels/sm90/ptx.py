@@ -452,6 +452,12 @@ def shfl_idx_s32(v: Int32, src: Int32) -> Int32:
     return asm("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", [Int32], [v, src])
 
 
+def zero_after(dep: Float32) -> Float32:
+    """0.0, computed after `dep` (an unused input): a constant that the compiler cannot hoist above the code that
+    produced `dep`, so zeros meant for after a loop are not held (and rematerialized) through it."""
+    return asm("mov.b32 $0, 0;", [Float32], [dep])
+
+
 def ballot(flag: Int32) -> Int32:
     """Bit i set where lane i's flag is non-zero (every lane of the warp takes part)."""
     return asm("{\n.reg .pred p;\nsetp.ne.s32 p, $1, 0;\nvote.sync.ballot.b32 $0, p, -1;\n}", [Int32], [flag])
