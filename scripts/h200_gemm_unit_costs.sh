@@ -50,10 +50,11 @@ for s in $steps; do
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
            -f -o "$OUT/glm128" python $BENCH --profile --auto-ctas --models glm-5.2 --tokens 128
-         ncu -i "$OUT/glm128.ncu-rep" --page source --csv --print-source sass > "$OUT/glm128.sass.csv" 2>&1
-         python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" > "$OUT/ncu-summary.txt" 2>&1
-         python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 > "$OUT/ncu-source-w1.txt" 2>&1
-         python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 > "$OUT/ncu-source-w2.txt" 2>&1
+         # one summary file (what comes back from a GPU run is limited in file count): kernels, then each one's lines
+         { python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep"
+           python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 0 | grep -v '^\['
+           python scripts/ncu_stall_summary.py "$OUT/glm128.ncu-rep" --source 1 | grep -v '^\['; } \
+           > "$OUT/ncu-summary.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
     # shellcheck disable=SC2046
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
