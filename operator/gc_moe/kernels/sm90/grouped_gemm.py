@@ -594,11 +594,14 @@ def decode_fp4x4_folded(w, step, high: bool, u32=int):
 
 # table_decode: plain integer arithmetic as above; the byte permute comes in as `prmt(a, b, selector)` (PTX
 # prmt.b32's default mode: result byte i = byte selector[4i..4i+2] of the pair (a: 0..3, b: 4..7))
-def decode_table(scale_word, byte: int, u32=int):
+def decode_table(scale_word, byte: int, u32=int, byte_of=None):
     """Byte `byte` of a packed K32 scale word (d + 133, d in 0..11) -> the block's (low, high) table words: the
     E4M3 bytes of the magnitudes 0, 0.5, 1, 1.5 / 2, 3, 4, 6 times 2^(d - 5). Per byte at most 88 + 0x24, no
-    carry between bytes."""
-    d = ((scale_word >> (8 * byte)) & u32(0xFF)) - u32(SCALE_BYTE_OFFSET)
+    carry between bytes. byte_of(word, byte): the kernel's one-instruction byte extract for the middle bytes."""
+    if byte_of is not None and byte in (1, 2):
+        d = byte_of(scale_word, byte) - u32(SCALE_BYTE_OFFSET)
+    else:
+        d = ((scale_word >> (8 * byte)) & u32(0xFF)) - u32(SCALE_BYTE_OFFSET)
     return d * u32(TABLE_STEP_LOW) + u32(TABLE_LOW), d * u32(TABLE_STEP_HIGH) + u32(TABLE_HIGH)
 
 

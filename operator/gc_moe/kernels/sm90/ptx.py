@@ -174,11 +174,16 @@ def prmt(a: Uint32, b: Uint32, selector: Uint32) -> Uint32:
     return asm("prmt.b32 $0, $1, $2, $3;", [Uint32], [a, b, selector])
 
 
+def byte_zext(word: Uint32, byte: int) -> Uint32:
+    """Byte `byte` of `word`, zero-extended, in one PRMT (shift and mask take two)."""
+    return prmt(word, Uint32(0), Uint32(0x4440 | byte))
+
+
 def decode_table(scale_word: Uint32, byte: int) -> tuple:
     """Byte `byte` of a packed K32 scale word -> the block's two table words (grouped_gemm.decode_table)."""
     from gc_moe.kernels.sm90.grouped_gemm import decode_table as table
 
-    return table(scale_word, byte, Uint32)
+    return table(scale_word, byte, Uint32, byte_zext)
 
 
 def decode_fp4x8_table(w: Uint32, table_lo: tuple, table_hi: tuple) -> tuple:
