@@ -357,6 +357,21 @@ def test_prmt_model_hand_checked():
     assert int(_prmt(torch.tensor([0x80]), b, torch.tensor([0x0008]))) == 0x808080FF  # sign replicate of byte 0
 
 
+def test_table_byte_extract_in_one_prmt_matches_shift_and_mask():
+    """The kernel takes a scale word's middle bytes with one PRMT (`ptx.byte_zext`: selector 0x4440 | byte, zero
+    second operand): modelled on every byte value at each position, the tables equal the shift-and-mask ones."""
+    def byte_zext(word, byte):
+        return _prmt(word, 0, 0x4440 | byte)
+
+    values = torch.arange(256, dtype=torch.int64)
+    for byte in range(4):
+        words = (values << (8 * byte)) | (0xA5A5A5A5 & ~(0xFF << (8 * byte)))  # the other bytes set
+        assert torch.equal(byte_zext(words, byte), values)
+        want = gg.decode_table(words, byte)
+        got = gg.decode_table(words, byte, int, byte_zext)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), byte
+
+
 def test_table_decode_every_code_at_every_window_step():
     """All 16 codes x d in 0..11 in both rows of a word (table nibble order), the other codes random: the E4M3
     bytes equal torch's exact encoding of value * 2^(d-5), the same bytes as the folded decode."""
