@@ -500,6 +500,31 @@ def test_fit_n_knob_names_and_limits():
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 
+def test_decode_ahead_knob_names_and_limits():
+    """decode_ahead replaces the table decode's consumer loop (waited or pipelined): a knob of the stand-alone table
+    decode, named only where it applies, with the same shared-memory plan as the loop it replaces."""
+    for knobs in ({}, {"fold_scales": True}, {"fold_scales": True, "table_decode": True, "warp_specialized": False},
+                  {"fold_scales": True, "table_decode": True, "ring_consumer": True}):
+        with pytest.raises(ValueError, match="decode_ahead is a knob of the stand-alone table decode"):
+            gg.GemmConfig("w1", 64 if knobs.get("warp_specialized") is False else 32, decode_ahead=True, **knobs)
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    for role in ("w1", "w2"):
+        for bn, ctas in ((16, 2), (24, None), (32, None), (64, None), (96, None)):
+            ahead = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, decode_ahead=True, **tab).params))
+            base = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, **tab).params))
+            assert ahead.decode_ahead and not base.decode_ahead
+            assert ahead.name == base.name.replace("_lean", "_lean_ahead")
+            assert (ahead.stages, ahead.smem_bytes, ahead.threads) == (base.stages, base.smem_bytes, base.threads)
+    # sets may name it everywhere; the variants name it only with the stand-alone table decode
+    assert "decode_ahead" not in dict(gg.variant("w1", 8, stream_k=True, decode_ahead=True).params)
+    assert "decode_ahead" not in dict(gg.variant("w1", 32, fold_scales=True, decode_ahead=True).params)
+    assert "decode_ahead" not in dict(gg.variant("w2", 16, fold_scales=True, table_decode=True, ring_consumer=True,
+                                                 decode_ahead=True).params)
+    built = [v for v in gg.all_variants() if dict(v.params).get("decode_ahead")]
+    assert sorted((dict(v.params)["role"], dict(v.params)["block_n"]) for v in built) == sorted(
+        (role, bn) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96))
+
+
 def test_lean_epilogue_knob_names_limits_and_shared_words():
     """The lean epilogue is a knob of the stand-alone kernels; with one unit per CTA its staged words take
     (block_n + 1) x 4 bytes after the amax region (rounded to 16) and leave the rings as deep as before; a stream_k
@@ -1708,6 +1733,43 @@ def test_wide_tile_matches_float32_reference_and_tile_64(hidden, inter, experts,
     assert ((sf - sf_64).abs() <= 5e-7 * sf_64.abs()).all()
     ulps = (out.view(torch.int16).int() - out_64.view(torch.int16).int()).abs()
     assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 5), (1024, 512, 150), (512, 384, 45), (256, 128, 21)])
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (24, None), (32, None), (64, None), (96, None)])
+def test_decode_ahead_matches_float32_reference_and_the_loop_it_replaces(hidden, inter, tokens, block_n, ctas_per_sm):
+    """The next step's decode ahead of the chain's wait (`decode_ahead`) against the float32 reference, and against the
+    consumer loop it replaces: the same chains and FMAs in the same order, so the waited tiles' (24, 64, 96) bytes
+    exactly; the pipelined tiles (16, 32) contract a few FP32 multiply-adds differently (as `fit_n` does there).
+    Rows per expert from a few to several tiles, W2 with 3 K128 steps and with 1 (the loop's first and last
+    chains), every fitted N up to the tile."""
+    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True,
+             "ctas_per_sm": ctas_per_sm}
+    case = (hidden, inter, 7, 4, tokens, block_n)
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=tokens + 3 * block_n + hidden, decode_ahead=True, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    (mid, sf, out), (mid_b, sf_b, out_b) = [
+        _run_case(*case, seed=tokens + 3 * block_n + hidden, return_raw=True, **kn)
+        for kn in ({**knobs, "decode_ahead": True}, knobs)]
+    assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
+    if block_n in (24, 64, 96):
+        _assert_same_bytes((mid, sf, out), (mid_b, sf_b, out_b))
+    else:
+        assert ((sf - sf_b).abs() <= 5e-7 * sf_b.abs()).all()
+        ulps = (out.view(torch.int16).int() - out_b.view(torch.int16).int()).abs()
+        assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [32, 64, 96])
+@pytest.mark.parametrize("hidden,inter,topk,tokens", [(5120, 2304, 6, 70), (6144, 2048, 8, 90)],
+                         ids=["deepseek", "glm"])
+def test_decode_ahead_model_shapes_match_float32_reference(hidden, inter, topk, tokens, block_n):
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, tokens, block_n, seed=hidden + block_n,
+                                           fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                                           decode_ahead=True)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

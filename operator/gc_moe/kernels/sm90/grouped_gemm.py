@@ -44,6 +44,9 @@ TABLE_TWO_CTA_BLOCK_N = (24,)
 # rows, then one of the rest (8-32 rows), so an expert with 65-96 rows has its weights decoded once, not twice
 TABLE_WIDE_BLOCK_N = (96,)
 WIDE_MAIN_N = 64  # the first chain's N at the wide tile (the waited consumer's N = 64 loop)
+# decode_ahead: the largest N whose loop holds the next step's 16 A registers beside its chain and accumulators in the
+# consumers' 112 (at N = 64 ptxas spills ~20 bytes inside the loop); larger N run the waited loop
+AHEAD_MAX_N = 56
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
 PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
@@ -85,6 +88,8 @@ FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA 
 # eight N branches, or the waited consumer's carried stage and descriptor), and at bn 24 in the 56 of two CTAs per SM
 TABLE64_W1_EPILOGUE_LOCAL_BYTES = 64
 TWO_CTA_W1_EPILOGUE_LOCAL_BYTES = 32
+# decode_ahead's W2 at tile 64: 8 bytes spilled outside the K loops (the fitted branches' entry), none inside
+AHEAD_W2_LOCAL_BYTES = 16
 
 
 # The fused halves' pipeline arithmetic (host and device: plain ints or DSL values). K128 step `step` of a
@@ -281,6 +286,13 @@ class GemmConfig:
     # CTAs on the SMs W1 leaves first run the steps whose rows are written while W1's last CTAs still run. W1 and W2
     # must run in pairs on one word buffer (`handover_words`): W1 alone leaves them non-zero
     handover: bool = False
+    # the stand-alone table decode: each consumer warpgroup decodes step s + 1's A fragment while step s's WGMMA
+    # chain runs, then waits for the chain, scales it and issues step s + 1's (one chain buffer and 16 more A
+    # registers). The waited loop (tiles 24, 64, 96) decodes, issues and waits in turn, so a warp's decode never
+    # overlaps its chain; the pipelined one (tiles 16, 32) issues a chain while the one before runs, which makes ptxas
+    # serialize every WGMMA of the kernel (C7513: "non wgmma instructions defining input registers"). Loops above
+    # AHEAD_MAX_N rows stay waited
+    decode_ahead: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -366,6 +378,10 @@ class GemmConfig:
             raise ValueError("handover is a knob of the stand-alone stream-K W1 / W2 at one CTA per SM with one "
                              "producer warp: pass stream_k=True, ctas_per_sm=1 (the pair kernel hands over within "
                              "its launch)")
+        if self.decode_ahead and not (self.table_decode and self.warp_specialized and not self.ring_consumer
+                                      and self.k_splits == 1):
+            raise ValueError("decode_ahead is a knob of the stand-alone table decode (table_decode=True, "
+                             "warp-specialized, no ring consumer, no K split)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -549,6 +565,8 @@ class GemmConfig:
                   else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
         if self.lean_epilogue:
             s += "_lean"
+        if self.decode_ahead:
+            s += "_ahead"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -1420,6 +1438,54 @@ def _make_kernel(cfg: GemmConfig):
             stage, phase = next_stage(stage, phase)
 
     @cute.jit
+    def consume_table_ahead(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
+        """The waited tiles' consumer with the next step's decode ahead of the chain's wait (`decode_ahead`): per K128
+        step, wait for stage s + 1 and decode its fragment while step s's chain (N = n) runs, then wait for that chain,
+        scale it into acc, release stage s and issue step s + 1's chain. One chain buffer: the 16 A registers of the
+        next step are what the overlap costs. N above AHEAD_MAX_N: the waited loop."""
+        if cutlass.const_expr(n > AHEAD_MAX_N):
+            consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n)
+        else:
+            bar0 = smem + cfg.barrier_offset
+            a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
+            desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
+            part = cute.make_rmem_tensor((n // 2,), Float32)
+            for r in cutlass.range_constexpr(n // 2):
+                part[r] = Float32(0.0)
+            stage = Int32(0)
+            phase = Int32(0)
+            ptx.mbarrier_wait(bar0, phase, suspend_ns=SUSPEND)
+            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+            table_issue(smem, stage, a_off, s_off, desc0, part, n)
+            for kb in cutlass.range(1, k_blocks):
+                prev = stage
+                stage, phase = next_stage(stage, phase)
+                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+                ptx.fence_proxy_async_shared()
+                sbase = smem + stage * cfg.stage_bytes
+                a_regs = table_fragment(sbase, a_off, s_off)  # while step kb - 1's chain runs
+                done = ptx.wgmma_wait_tied([part[r] for r in range(n // 2)], 0)
+                for r in cutlass.range_constexpr(n // 2):
+                    part[r] = done[r]
+                finish_step(smem + prev * cfg.stage_bytes + x_off, part, acc, n)
+                ptx.warp_sync()
+                if t % 32 == 0:
+                    ptx.mbarrier_arrive(bar0 + (STAGES + prev) * 8)
+                desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+                descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+                ptx.wgmma_fence()  # the scaling above read the registers this chain writes
+                out = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
+                for r in cutlass.range_constexpr(n // 2):
+                    part[r] = out[r]
+            done = ptx.wgmma_wait_tied([part[r] for r in range(n // 2)], 0)
+            for r in cutlass.range_constexpr(n // 2):
+                part[r] = done[r]
+            finish_step(smem + stage * cfg.stage_bytes + x_off, part, acc, n)
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
+
+    @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
         """Decode stage `stage`'s fragment and issue its four chained WGMMAs (N = n) into `buf`; returns once at
         most this chain is in flight (the one before it has completed)."""
@@ -1549,6 +1615,8 @@ def _make_kernel(cfg: GemmConfig):
                 cute.arch.setmaxregister_increase(cfg.consumer_registers)
             if cutlass.const_expr(cfg.pipelined):
                 consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc)
+            elif cutlass.const_expr(cfg.decode_ahead):
+                consume_fitted(consume_table_ahead, k_blocks, smem, wg, t, warp, g, q, acc, count)
             elif cutlass.const_expr(cfg.table_pipelined):
                 consume_fitted(consume_table_pipelined, k_blocks, smem, wg, t, warp, g, q, acc, count)
             elif cutlass.const_expr(cfg.table_decode):
@@ -2588,7 +2656,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
-               handover: bool = False):
+               handover: bool = False, decode_ahead: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2600,7 +2668,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fold_scales, ring_consumer, warp_specialized, ctas_per_sm, producer_warps,
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
+                     decode_ahead=decode_ahead)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2613,7 +2682,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
-            lean_epilogue: bool = False, handover: bool = False):
+            lean_epilogue: bool = False, handover: bool = False, decode_ahead: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2650,6 +2719,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
         cfg = replace(cfg, lean_epilogue=True)
+    # a knob of the table decode's waited tiles (64, 96): sets may name it everywhere
+    decode_ahead = decode_ahead and cfg.table_decode and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
+    if decode_ahead:
+        cfg = replace(cfg, decode_ahead=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2686,6 +2759,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["lean_epilogue"] = True
     if handover:
         params["handover"] = True
+    if decode_ahead:
+        params["decode_ahead"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -2708,16 +2783,16 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode),
+        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode, decode_ahead),
         extra_sources=extra_sources,
     )
 
 
-def _local_bytes_budget(role: str, block_n: int, table_decode: bool) -> int:
+def _local_bytes_budget(role: str, block_n: int, table_decode: bool, decode_ahead: bool = False) -> int:
     """Local memory a variant may take: W1's epilogue where it spills after the loop (tile 24 at two CTAs per SM, the
-    table decode's 64 and 96; see the constants)."""
+    table decode's 64 and 96; see the constants), W2's tile 64 with decode_ahead one word outside its loops."""
     if role != "w1":
-        return 0
+        return AHEAD_W2_LOCAL_BYTES if decode_ahead and block_n == 64 else 0
     if block_n in TABLE_TWO_CTA_BLOCK_N:
         return TWO_CTA_W1_EPILOGUE_LOCAL_BYTES
     return TABLE64_W1_EPILOGUE_LOCAL_BYTES if table_decode and block_n in (64,) + TABLE_WIDE_BLOCK_N else 0
@@ -2778,7 +2853,11 @@ def all_variants():
                  for role in ("w1", "w2") for trace in (False, True)]
               # the wide tile (65-96 rows: one decode for a chain of 64 rows and one of the rest), with fitted N
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=lean)
-                 for role in ("w1", "w2") for bn in TABLE_WIDE_BLOCK_N for lean in (False, True)]):
+                 for role in ("w1", "w2") for bn in TABLE_WIDE_BLOCK_N for lean in (False, True)]
+              # the next step's decode ahead of the chain's wait, at the table tiles as tile_knobs runs them otherwise
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                         decode_ahead=True, ctas_per_sm=2 if bn == 16 else None)
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
