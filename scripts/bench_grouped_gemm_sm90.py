@@ -294,9 +294,25 @@ def k_loop_sizes(lines: list[str]) -> list[int]:
             if not any((c, d) != (a, b) and a <= c and d <= b for c, d, _ in loops)]
 
 
+def serialized_wgmmas(lines: list[str]) -> bool:
+    """Whether ptxas serialized the kernel's WGMMAs (its C7513 "wgmma.mma_async instructions are serialized"): every
+    QGMMA completes its own group (gsb0) and is waited for to zero before the next QGMMA issues, so no chain of K32
+    WGMMAs and no group stays in flight. A kernel with every group a single WGMMA waited at once reads the same."""
+    qgmma = [i for i, t in enumerate(lines) if "QGMMA" in t]
+    if not qgmma:
+        return False
+    for i, nxt in zip(qgmma, qgmma[1:] + [len(lines)]):
+        if "gsb0" not in lines[i]:
+            return False
+        waits = [t for t in lines[i + 1:nxt] if "WARPGROUP.DEPBAR" in t]
+        if not waits or "0x0" not in waits[0]:
+            return False
+    return True
+
+
 def sass_report(gg, jit) -> None:
-    """Per variant: registers and stack frame (cubin), QGMMA / LDL / STL counts in the SASS, and LDL / STL inside
-    the QGMMA loops (must be 0)."""
+    """Per variant: registers and stack frame (cubin), QGMMA / LDL / STL counts in the SASS, LDL / STL inside the
+    QGMMA loops (must be 0), whether ptxas serialized the WGMMAs (`serialized_wgmmas`) and the K loops' sizes."""
     import shutil
     import subprocess
 
@@ -304,7 +320,7 @@ def sass_report(gg, jit) -> None:
 
     tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     print(f"{'variant':100s} {'regs':>4s} {'frame':>5s} {'QGMMA':>5s} {'LDL':>4s} {'STL':>4s} {'LDS.128':>7s} "
-          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s} {'loop L/S':>8s} K loops (instructions per trip)")
+          f"{'UBLKCP':>6s} {'BAR.SYNC':>8s} {'loop L/S':>8s} {'serial':>6s} K loops (instructions per trip)")
     for v in gg.all_variants() + stream_pair.all_variants():
         entry = jit.get_entry(v, "sm_90a")
         lines = subprocess.run([tool, "-sass", str(entry.cubin_path)], capture_output=True, text=True,
@@ -317,7 +333,7 @@ def sass_report(gg, jit) -> None:
         print(f"{v.describe():100s} {res.get('registers', -1):4} {res.get('frame_bytes', -1):5} "
               f"{count('QGMMA'):5d} {count('LDL'):4d} {count('STL'):4d} {count('LDS.128'):7d} "
               f"{count('UBLKCP'):6d} {count('BAR.SYNC'):8d} {local_ops_in_mma_loops(lines):8d} "
-              f"{' '.join(map(str, k_loop_sizes(lines)))}", flush=True)
+              f"{'yes' if serialized_wgmmas(lines) else 'no':>6s} {' '.join(map(str, k_loop_sizes(lines)))}", flush=True)
 
 
 def occupancy_report(kernel_sets) -> None:

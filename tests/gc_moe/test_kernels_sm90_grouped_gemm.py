@@ -715,8 +715,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
-    # the stream-K loops with the hand-over words (plain and traced)
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4
+    # the stream-K loops with the hand-over words (plain and traced), decode_ahead at the table decode's bn 16-96
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -734,7 +734,13 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), the
         # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
         # N = 64 chain once per loop that has it
-        steps = 2 if cfg.pipelined else 3 if cfg.table_pipelined else 1
+        # (decode_ahead: twice, the first step's chain and the loop's, in the loops up to AHEAD_MAX_N rows)
+        def steps_at(n, cfg=cfg):
+            if cfg.decode_ahead:
+                return 2 if n <= gg.AHEAD_MAX_N else 1
+            return 2 if cfg.pipelined else 3 if cfg.table_pipelined else 1
+
+        steps = steps_at(top)
         main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
         assert len(mma) == 4 * steps * main_loops and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
@@ -745,7 +751,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         if cfg.fit_n:  # one loop per N = 8, 16, ... bn, each with its four chained K32 WGMMAs (wide: and the tails)
             for n in range(8, top, 8):
                 loops = 1 + (n <= 8 * tails)
-                assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.", ptx)) == 4 * steps * loops
+                assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.", ptx)) == 4 * (
+                    steps_at(n) + (loops - 1) * steps_at(gg.WIDE_MAIN_N + n))  # the wide tile's tail chains
         # ptxas's budget: 96 per thread for one 544-thread CTA per SM, 56 for two, 128 for 512 threads
         assert res["registers"] <= ({1: 96, 2: 56}[cfg.ctas_per_sm] if cfg.warp_specialized else 128)
         assert (".minnctapersm 2" in ptx) == (cfg.ctas_per_sm == 2)
@@ -767,6 +774,11 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
             assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
+        elif cfg.decode_ahead:  # per N: the first chain, the loop's wait and chain, a last wait; waited loops above
+            # (the loops' order in the PTX is the compiler's)
+            per_n = [["1", "0", "1", "0"] if n <= gg.AHEAD_MAX_N else ["0"] if n <= gg.WIDE_MAIN_N else ["0", "0"]
+                     for n in (range(8, bn + 1, 8) if cfg.fit_n else (bn,))]
+            assert sorted(waits) == sorted(w for ws in per_n for w in ws), variant.describe()
         else:  # the wide tile's two-chain loops wait twice per step
             second = (tails if cfg.fit_n else 1) if wide else 0
             assert waits == ["0"] * ((1 if fold else 4 // cfg.wgmmas_per_wait) * loops + second), variant.describe()
@@ -788,8 +800,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
-    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it)
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4
+    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), decode_ahead at bn 16-96
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -799,6 +811,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{([^}}]*)\}}, "
                          r"\{[^}]*\}, %rd\d+, (\w+), 1, 1;", ptx)
         chains = 3 if cfg.table_pipelined else 1  # see the test above
+        if cfg.decode_ahead and top <= gg.AHEAD_MAX_N:
+            chains = 2  # the first step's chain, then one per step after the next fragment's decode
         if wide:
             chains = 1 + (bn - gg.WIDE_MAIN_N) // 8 if cfg.fit_n else 1
         assert len(mma) == 4 * chains, variant.describe()
@@ -821,7 +835,7 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)

@@ -531,7 +531,7 @@ class GemmConfig:
         (two accumulator buffers: up to bn 32, except bn 24, whose two CTAs per SM leave no registers for them; bn 64
         waits for each chain)."""
         return (self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
-                and self.block_n not in TABLE_TWO_CTA_BLOCK_N)
+                and self.block_n not in TABLE_TWO_CTA_BLOCK_N and not self.decode_ahead)
 
     @property
     def wgmmas_per_group(self) -> int:
