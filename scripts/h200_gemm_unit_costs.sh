@@ -9,7 +9,8 @@
 #           where it picks stream-K, the candidate default), each checked; after `trace` in the same run also
 #           `pair_w`, its ranges sized by the SMs' rates the traces measured, and `ws_auto_ho`: ws_auto_pdl with the
 #           hand-over words (W2 takes W1's rows per K128 step as W1 publishes them, GemmConfig.handover)
-#   shapes  64-256 tokens: ws_auto (tile_knobs's default) and `ahead` (the same with GemmConfig.decode_ahead), per
+#   shapes  64-256 tokens: ws_auto (tile_knobs's default), `ahead` (with GemmConfig.decode_ahead) and `pers` (the
+#           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), per
 #           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
 #           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
 #   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
@@ -30,7 +31,7 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
-AUTO="--auto-set ahead:decode_ahead=True"
+AUTO="--auto-set ahead:decode_ahead=True --auto-set pers:persistent=True"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True
   --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
@@ -45,7 +46,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide or stream_pair or handover or decode_ahead" ;;
+             -k "lean or programmatic or traced or wide or stream_pair or handover or decode_ahead or persistent" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;

@@ -2,6 +2,7 @@
 
 import json
 import re
+import struct
 
 import pytest
 import torch
@@ -525,6 +526,44 @@ def test_decode_ahead_knob_names_and_limits():
         (role, bn) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96))
 
 
+def test_persistent_knob_grid_arguments_and_word_slots():
+    """persistent walks the unit grid with ctas_per_sm x SMs CTAs (never more than units), takes the unit grid's
+    experts and token tiles as its last arguments, runs the waited loop at every tile (no pipelined consumer: it keeps
+    its last stages) and gives the lean epilogue's words two slots and their empty barriers."""
+    for knobs in ({}, {"fold_scales": True}, {"fold_scales": True, "table_decode": True, "ring_consumer": True},
+                  {"fold_scales": True, "table_decode": True, "compact_grid": True}):
+        with pytest.raises(ValueError, match="persistent is a knob of the stand-alone table decode"):
+            gg.GemmConfig("w1", 32, persistent=True, **knobs)
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    for role in ("w1", "w2"):
+        for bn, ctas in ((16, 2), (32, None), (64, None), (96, None)):
+            v = gg.variant(role, bn, ctas_per_sm=ctas, persistent=True, **tab)
+            cfg = gg.GemmConfig(**dict(v.params))
+            base = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, **tab).params))
+            assert cfg.persistent and "_pers" in cfg.name and not cfg.table_pipelined
+            assert cfg.params == base.params + gg.PERSIST_PARAMS
+            assert cfg.meta_bytes == 2 * cfg.meta_slot_bytes + 16 and base.meta_bytes == base.meta_slot_bytes
+            assert cfg.meta_slot_bytes >= 4 * (bn + 1) and cfg.meta_slot_bytes % 16 == 0
+            assert cfg.smem_bytes <= cfg.smem_limit and base.stages - 1 <= cfg.stages <= base.stages
+            # 32 experts, capacity 40: token tiles x weight-row CTAs x experts units, at most one CTA each
+            units = -(-40 // bn) * (4096 // gg.ROWS_PER_CTA) * 32
+            assert gg.grid(cfg, 4096, 32, 40, sms=132) == (min(cfg.ctas_per_sm * 132, units), 1, 1)
+            assert gg.grid(cfg, 4096, 32, 40, sms=3) == (3 * cfg.ctas_per_sm, 1, 1)
+            assert [struct.unpack("<i", a.data)[0] for a in gg._persist_args(cfg, 32, 40)] == [32, -(-40 // bn)]
+            assert gg._persist_args(base, 32, 40) == []
+    with pytest.raises(ValueError, match="persistent variant's grid is ctas_per_sm x SMs"):
+        gg.grid(gg.GemmConfig("w1", 64, persistent=True, **tab), 4096, 32, 40)
+    # sets may name it everywhere; the variants name it only with the stand-alone table decode
+    assert "persistent" not in dict(gg.variant("w1", 8, stream_k=True, persistent=True).params)
+    assert "persistent" not in dict(gg.variant("w2", 32, fold_scales=True, persistent=True).params)
+    assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
+    assert "persistent" not in dict(gg.variant("w1", 64, persistent=True, decode_ahead=True, **tab).params)
+    built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
+    assert sorted((p["role"], p["block_n"]) for p in built) == sorted(
+        (role, bn) for role in ("w1", "w2") for bn in (16, 32, 64, 96))
+    assert not any(p.get("decode_ahead") for p in built)
+
+
 def test_lean_epilogue_knob_names_limits_and_shared_words():
     """The lean epilogue is a knob of the stand-alone kernels; with one unit per CTA its staged words take
     (block_n + 1) x 4 bytes after the amax region (rounded to 16) and leave the rings as deep as before; a stream_k
@@ -715,8 +754,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
-    # the stream-K loops with the hand-over words (plain and traced), decode_ahead at the table decode's bn 16-96
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10
+    # the stream-K loops with the hand-over words (plain and traced), decode_ahead at the table decode's bn 16-96,
+    # the persistent grids at bn 16 / 32 / 64 / 96
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 8
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -764,7 +804,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0) + (
             len(gg.STREAM_PARAMS) if params.get("stream_k") else 0) + (
             len(gg.HANDOVER_PARAMS_W1 if params["role"] == "w1" else gg.HANDOVER_PARAMS_W2)
-            if params.get("handover") else 0)
+            if params.get("handover") else 0) + (len(gg.PERSIST_PARAMS) if params.get("persistent") else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
@@ -800,8 +840,9 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
-    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), decode_ahead at bn 16-96
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10
+    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), decode_ahead at bn 16-96,
+    # the persistent grids at bn 16 / 32 / 64 / 96
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 8
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -835,7 +876,7 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 8
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -857,8 +898,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         producer_meets = 2 if params.get("handover") and params["role"] == "w2" else 0
         assert ptx.count(f"bar.sync {ptx_mod.PRODUCER_WARP_BARRIER}, 32;") == producer_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
-        assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == [
-            str(cfg.full_arrivals), "16"] * cfg.stages
+        # (a persistent lean grid first sets up its two word slots' empty barriers, one arrival per consumer warp)
+        assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == (
+            ["16", "16"] if cfg.persistent and cfg.lean_epilogue else []) + [str(cfg.full_arrivals), "16"] * cfg.stages
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
         assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
@@ -1773,6 +1815,40 @@ def test_decode_ahead_matches_float32_reference_and_the_loop_it_replaces(hidden,
         assert ((sf - sf_b).abs() <= 5e-7 * sf_b.abs()).all()
         ulps = (out.view(torch.int16).int() - out_b.view(torch.int16).int()).abs()
         assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
+@pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 5), (1024, 512, 150), (512, 384, 45), (256, 128, 21)])
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (32, None), (64, None), (96, None)])
+def test_persistent_writes_the_unit_grids_bytes(hidden, inter, tokens, block_n, ctas_per_sm, sms):
+    """The persistent grid (`persistent`: CTAs walk the unit grid on one stage ring that runs on across units, the lean
+    epilogue's words in two slots) against the float32 reference and the unit grid with the same consumer loop (the
+    waited one): the same chains and FMAs per unit, so the same bytes. Over all SMs (a few units per CTA) and over 3
+    (dozens per CTA: the ring wraps inside and across units, each word slot is refilled many times), W2 with 3 K128
+    steps and with 1 (units shorter than the ring), tiles with a few rows to several tiles per expert."""
+    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True,
+             "ctas_per_sm": ctas_per_sm}
+    case = (hidden, inter, 7, 4, tokens, block_n)
+    seed = tokens + 5 * block_n + hidden
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, persistent=True, sms=sms, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    # tiles 64 / 96: the unit grid runs the waited loop too; tiles 16 / 32: its pipelined loop contracts a few FMAs
+    # differently, so the persistent grid over the other SM count (other units per CTA, the same arithmetic per unit)
+    other = {} if block_n in (64, 96) else {"persistent": True, "sms": 3 if sms is None else None}
+    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, persistent=True, sms=sms, **knobs),
+                       _run_case(*case, seed=seed, return_raw=True, **other, **knobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [32, 64, 96])
+@pytest.mark.parametrize("hidden,inter,topk,tokens", [(5120, 2304, 6, 70), (6144, 2048, 8, 90)],
+                         ids=["deepseek", "glm"])
+def test_persistent_model_shapes_match_float32_reference(hidden, inter, topk, tokens, block_n):
+    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, tokens, block_n, seed=hidden + 3 * block_n,
+                                           fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                                           persistent=True)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

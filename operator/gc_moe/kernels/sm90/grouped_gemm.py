@@ -143,6 +143,8 @@ HANDOVER_PARAMS_W2 = (("ready", "u64"), ("ready_tiles", "s32"))
 HANDOVER_MAX_K_BLOCKS = 32
 # a stream_k CTA keeps each warp's scan of the experts' units in registers (two lanes' worth of experts per lane)
 STREAM_MAX_EXPERTS = 64
+# persistent appends these: the local experts and the token tiles per expert of the grid of units it walks
+PERSIST_PARAMS = (("experts", "s32"), ("token_tiles", "s32"))
 # stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
@@ -293,6 +295,15 @@ class GemmConfig:
     # serialize every WGMMA of the kernel (C7513: "non wgmma instructions defining input registers"). Loops above
     # AHEAD_MAX_N rows stay waited
     decode_ahead: bool = False
+    # the stand-alone table decode as a persistent grid: ctas_per_sm x SMs CTAs (at most one per unit) walk the units
+    # (expert, weight-row CTA, token tile) of the unit grid in turn, CTA c taking units c, c + G, ... on one stage
+    # ring that runs on across units, so the producer streams the next unit's weights during this unit's last steps
+    # and epilogue instead of a new CTA's start and first stages. The unit grid's CTAs spent 3-10 us per unit beyond
+    # their K loops (step 41's fit: 18-35% of a role's time at 64-256 tokens). The lean epilogue's staged words take
+    # two slots (by unit parity), each freed by the consumers after their epilogue. Its consumers release every stage:
+    # the waited loop at every tile (the pipelined one keeps its last stages), or decode_ahead's (with it ptxas
+    # serializes the WGMMAs for registers, so the variant sets build it without)
+    persistent: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -382,6 +393,10 @@ class GemmConfig:
                                       and self.k_splits == 1):
             raise ValueError("decode_ahead is a knob of the stand-alone table decode (table_decode=True, "
                              "warp-specialized, no ring consumer, no K split)")
+        if self.persistent and not (self.table_decode and self.warp_specialized and not self.ring_consumer
+                                    and self.k_splits == 1 and not self.compact_grid and self.token_tiles_fastest):
+            raise ValueError("persistent is a knob of the stand-alone table decode (table_decode=True, warp-specialized, "
+                             "no ring consumer, no K split, no compact grid, token tiles fastest)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -459,8 +474,16 @@ class GemmConfig:
         return self.amax_offset + 16 * self.block_n * 4
 
     @property
+    def meta_slot_bytes(self) -> int:
+        """lean_epilogue with one unit at a time: the unit's per-token words and the expert's factor."""
+        return -(-4 * (self.block_n + 1) // 16) * 16
+
+    @property
     def meta_bytes(self) -> int:
-        return -(-4 * (self.block_n + 1) // 16) * 16 if self.lean_epilogue and not self.stream_k else 0
+        """lean_epilogue: one slot of staged words (persistent: two, by unit parity, and their two empty barriers)."""
+        if not self.lean_epilogue or self.stream_k:
+            return 0
+        return 2 * self.meta_slot_bytes + 16 if self.persistent else self.meta_slot_bytes
 
     @property
     def sm_table_offset(self) -> int:
@@ -531,7 +554,7 @@ class GemmConfig:
         (two accumulator buffers: up to bn 32, except bn 24, whose two CTAs per SM leave no registers for them; bn 64
         waits for each chain)."""
         return (self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
-                and self.block_n not in TABLE_TWO_CTA_BLOCK_N and not self.decode_ahead)
+                and self.block_n not in TABLE_TWO_CTA_BLOCK_N and not self.decode_ahead and not self.persistent)
 
     @property
     def wgmmas_per_group(self) -> int:
@@ -543,6 +566,8 @@ class GemmConfig:
         tail = STREAM_PARAMS if self.stream_k else SPLIT_PARAMS if self.k_splits > 1 else ()
         if self.handover:
             tail += HANDOVER_PARAMS_W1 if self.role == "w1" else HANDOVER_PARAMS_W2
+        if self.persistent:
+            tail += PERSIST_PARAMS
         if self.role == "w1":
             return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + tail
         return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + tail
@@ -567,6 +592,8 @@ class GemmConfig:
             s += "_lean"
         if self.decode_ahead:
             s += "_ahead"
+        if self.persistent:
+            s += "_pers"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -674,7 +701,8 @@ def range_segments(first: int, end: int, k_blocks: int) -> list:
 
 def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int | None = None) -> tuple[int, int, int]:
     """Launch grid for M = rows weight rows, `capacity` = the most tokens one expert may receive; a stream_k
-    variant's: ctas_per_sm x sms CTAs (the SMs of the device or green context it runs on)."""
+    variant's: ctas_per_sm x sms CTAs (the SMs of the device or green context it runs on); a persistent one's: as
+    many, at most one per unit of the unit grid."""
     if rows % ROWS_PER_CTA:
         raise ValueError(f"weight rows {rows} must be a multiple of {ROWS_PER_CTA}")
     if cfg.stream_k:
@@ -682,6 +710,10 @@ def grid(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int
             raise ValueError(f"a stream_k variant's grid is ctas_per_sm x SMs: pass sms >= 1, got {sms}")
         return cfg.ctas_per_sm * sms, 1, 1
     token_tiles = max(1, -(-capacity // cfg.block_n))
+    if cfg.persistent:
+        if sms is None or sms < 1:
+            raise ValueError(f"a persistent variant's grid is ctas_per_sm x SMs: pass sms >= 1, got {sms}")
+        return min(cfg.ctas_per_sm * sms, token_tiles * (rows // ROWS_PER_CTA) * local_experts), 1, 1
     if cfg.token_tiles_fastest:  # k_splits: the splits of a token tile are its neighbours in x
         return token_tiles * cfg.k_splits, rows // ROWS_PER_CTA, local_experts
     return rows // ROWS_PER_CTA, local_experts, token_tiles
@@ -765,6 +797,7 @@ def _make_kernel(cfg: GemmConfig):
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
     SPLIT = cfg.consumer_registers is not None
+    PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -966,21 +999,24 @@ def _make_kernel(cfg: GemmConfig):
         return nrow
 
     @cute.jit
-    def stage_epilogue_words(words, w_factor, e, row0, count, smem, pidx):
+    def stage_epilogue_words(words, w_factor, e, row0, count, smem, pidx, meta=None):
         """lean_epilogue: before the unit's first stage is announced, the producer threads copy the tile's per-token
         words (4 bytes per grouped row from `words`: W1's routing weights, W2's combine rows; zero past the count)
         and the expert's factor into the shared words at cfg.meta_offset. They complete with the thread's first
         stage (its cp.async arrival on that full barrier tracks every copy it issued before), which every consumer
-        thread waits for before its first step."""
+        thread waits for before its first step. meta: where the words go (persistent: the unit's slot), else
+        cfg.meta_offset."""
+        if cutlass.const_expr(meta is None):
+            meta = smem + cfg.meta_offset
         for r in cutlass.range_constexpr(-(-BN // PT)):
             n = pidx + PT * r
             if n < BN:
                 nbytes = Int32(4)
                 if n >= count:
                     nbytes = Int32(0)
-                ptx.cp_async_4_zfill(smem + cfg.meta_offset + n * 4, words + token_row(row0, n, count) * 4, nbytes)
+                ptx.cp_async_4_zfill(meta + n * 4, words + token_row(row0, n, count) * 4, nbytes)
         if pidx == 0:
-            ptx.cp_async_4_zfill(smem + cfg.meta_offset + BN * 4, w_factor + Int64(e) * 4, Int32(4))
+            ptx.cp_async_4_zfill(meta + BN * 4, w_factor + Int64(e) * 4, Int32(4))
 
     @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None,
@@ -1011,7 +1047,7 @@ def _make_kernel(cfg: GemmConfig):
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         early = Int32(0)  # steps whose weights went out before the wait
-        if cutlass.const_expr(LEAN and not STREAM):
+        if cutlass.const_expr(LEAN and not STREAM and not PERSIST):  # persistent: per unit slot (`persistent_body`)
             stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
         if cutlass.const_expr((PAIR or HANDOVER) and not W1):
             early = k_steps
@@ -1295,6 +1331,18 @@ def _make_kernel(cfg: GemmConfig):
         return stage, phase
 
     @cute.jit
+    def ring_position(base):
+        """(stage, parity) of a unit's first K128 step: 0, 0 for a CTA of one unit, else those of step `base` of a
+        persistent CTA (warp-uniform: the stage addresses and descriptors derived from it stay in uniform registers)."""
+        stage = Int32(0)
+        phase = Int32(0)
+        if cutlass.const_expr(base is not None):
+            base = cute.arch.make_warp_uniform(base)
+            stage = step_stage(base, STAGES)
+            phase = full_parity(base, STAGES)
+        return stage, phase
+
+    @cute.jit
     def table_offsets(wg, t, warp, g, q):
         """A table-decode consumer thread's stage offsets, computed once: its codes (table nibble order), its row g
         scale word, its activation-scale column pair."""
@@ -1398,15 +1446,15 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
+    def consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n=BN, base=None):
         """The table decode's consumer that waits for each step's chain (N = n; tiles 24 and 64 have no registers for a
         second chain buffer), with the pipelined consumers' bookkeeping: stage and parity carried (no division per
-        step), the token tile's descriptor advanced by the stage stride, the thread's offsets computed once."""
+        step), the token tile's descriptor advanced by the stage stride, the thread's offsets computed once. base: a
+        persistent CTA's steps before this unit (its stages and phases run on across units), else None."""
         bar0 = smem + cfg.barrier_offset
         a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
-        stage = Int32(0)
-        phase = Int32(0)
+        stage, phase = ring_position(base)
         for kb in cutlass.range(k_blocks):
             ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
@@ -1438,13 +1486,13 @@ def _make_kernel(cfg: GemmConfig):
             stage, phase = next_stage(stage, phase)
 
     @cute.jit
-    def consume_table_ahead(k_blocks, smem, wg, t, warp, g, q, acc, n=BN):
+    def consume_table_ahead(k_blocks, smem, wg, t, warp, g, q, acc, n=BN, base=None):
         """The waited tiles' consumer with the next step's decode ahead of the chain's wait (`decode_ahead`): per K128
         step, wait for stage s + 1 and decode its fragment while step s's chain (N = n) runs, then wait for that chain,
         scale it into acc, release stage s and issue step s + 1's chain. One chain buffer: the 16 A registers of the
         next step are what the overlap costs. N above AHEAD_MAX_N: the waited loop."""
         if cutlass.const_expr(n > AHEAD_MAX_N):
-            consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n)
+            consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n, base)
         else:
             bar0 = smem + cfg.barrier_offset
             a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
@@ -1452,9 +1500,8 @@ def _make_kernel(cfg: GemmConfig):
             part = cute.make_rmem_tensor((n // 2,), Float32)
             for r in cutlass.range_constexpr(n // 2):
                 part[r] = Float32(0.0)
-            stage = Int32(0)
-            phase = Int32(0)
-            ptx.mbarrier_wait(bar0, phase, suspend_ns=SUSPEND)
+            stage, phase = ring_position(base)
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
             ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
             table_issue(smem, stage, a_off, s_off, desc0, part, n)
             for kb in cutlass.range(1, k_blocks):
@@ -1547,32 +1594,37 @@ def _make_kernel(cfg: GemmConfig):
             finish_step(smem + stage * cfg.stage_bytes + x_off, bufs[1], acc, n)
 
     @cute.jit
-    def consume_fitted(consume, k_blocks, smem, wg, t, warp, g, q, acc, count):
+    def consume_fitted(consume, k_blocks, smem, wg, t, warp, g, q, acc, count, base=None):
         """fit_n: run `consume` with N = the tile's rows (count, capped at the tile) rounded up to 8, one compiled
         loop per N (WGMMA's N is part of the instruction); without fit_n, N = the tile."""
-        if cutlass.const_expr(not cfg.fit_n):
+        if cutlass.const_expr(not cfg.fit_n and base is None):
             consume(k_blocks, smem, wg, t, warp, g, q, acc)
+        elif cutlass.const_expr(not cfg.fit_n):
+            consume(k_blocks, smem, wg, t, warp, g, q, acc, BN, base)
         else:
-            consume_n(consume, 1, (count + 7) // 8, k_blocks, smem, wg, t, warp, g, q, acc)
+            consume_n(consume, 1, (count + 7) // 8, k_blocks, smem, wg, t, warp, g, q, acc, base)
 
     @cute.jit
-    def consume_n(consume, c, groups, k_blocks, smem, wg, t, warp, g, q, acc):
+    def consume_n(consume, c, groups, k_blocks, smem, wg, t, warp, g, q, acc, base=None):
         """fit_n's branches as one if / else chain: N = 8 c when groups == c, the tile's N for the last. Each
         branch writes every accumulator (the zeros past N after its loop, the ones it sums into before), so no
         value from before the branch lives through a loop (zeros kept from before spilled at bn 64)."""
         if cutlass.const_expr(c == NSUB):
-            fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc)
+            fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc, base)
         else:
             if groups == c:
-                fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc)
+                fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc, base)
             else:
-                consume_n(consume, c + 1, groups, k_blocks, smem, wg, t, warp, g, q, acc)
+                consume_n(consume, c + 1, groups, k_blocks, smem, wg, t, warp, g, q, acc, base)
 
     @cute.jit
-    def fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc):
+    def fitted_loop(consume, c, k_blocks, smem, wg, t, warp, g, q, acc, base=None):
         for i in cutlass.range_constexpr(4 * c):
             acc[i] = Float32(0.0)
-        consume(k_blocks, smem, wg, t, warp, g, q, acc, 8 * c)
+        if cutlass.const_expr(base is None):
+            consume(k_blocks, smem, wg, t, warp, g, q, acc, 8 * c)
+        else:
+            consume(k_blocks, smem, wg, t, warp, g, q, acc, 8 * c, base)
         if cutlass.const_expr(4 * c < BN // 2):
             # the tokens past N, as zero-filled rows would give: a zero that depends on the loop's result, else
             # the compiler sets these before the loop and ptxas re-zeroes them in every step (8-12 CS2R per K128
@@ -1712,10 +1764,12 @@ def _make_kernel(cfg: GemmConfig):
                     epilogue[0](tid, wg, warp, g, q, factor, acc, *epilogue[1])
 
     @cute.jit
-    def weight_factor(w_factor, e, smem=None):
+    def weight_factor(w_factor, e, smem=None, meta=None):
         """The expert's compensating factor (weights.sm90), times what the folded decode leaves out (lean_epilogue:
-        the copy the producer staged in shared memory, from `smem`)."""
-        if cutlass.const_expr(LEAN and not STREAM and smem is not None):
+        the copy the producer staged in shared memory, from `smem`, or the persistent unit's slot `meta`)."""
+        if cutlass.const_expr(LEAN and not STREAM and meta is not None):
+            factor = ptx.lds_f32(meta + BN * 4)
+        elif cutlass.const_expr(LEAN and not STREAM and smem is not None):
             factor = ptx.lds_f32(smem + cfg.meta_offset + BN * 4)
         else:
             factor = ptx.ldg_f32(w_factor + Int64(e) * 4)
@@ -1822,7 +1876,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
-                    out_scale, ring, done_mask, words=None):
+                    out_scale, ring, done_mask, words=None, meta=None):
         """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
         rows with FP32 K128 scales; the ring consumer releases its ring blocks, the fused half its bit."""
         if cutlass.const_expr(RING):
@@ -1841,6 +1895,8 @@ def _make_kernel(cfg: GemmConfig):
                     rw = ptx.ld_global_f32(routing_weight + nrow * 4)
                 elif cutlass.const_expr(words is not None):  # loaded before the K loop (lean stream_k)
                     rw = words[2 * i + c]
+                elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
+                    rw = ptx.lds_f32(meta + n * 4)
                 elif cutlass.const_expr(LEAN):  # staged by the producer (zero past the count: h is zero there too)
                     rw = ptx.lds_f32(smem + cfg.meta_offset + n * 4)
                 else:
@@ -2157,6 +2213,94 @@ def _make_kernel(cfg: GemmConfig):
             trace_tail(trace, tid, segment)
 
     @cute.jit
+    def persistent_unit(expert_offsets, b, token_tiles, gy):
+        """(expert, weight-row CTA, token tile, the tile's first row, its rows from there) of unit b of the unit grid
+        (token tiles fastest, then weight-row CTAs, then experts: the launch grid's order, so the CTAs that run side
+        by side read the same weights); rows <= 0 for a tile past the expert's rows."""
+        bz = b % token_tiles
+        rest = b // token_tiles
+        bx = rest % gy
+        e = rest // gy
+        off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
+        count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
+        return e, bx, bz, off0 + bz * BN, count
+
+    @cute.jit
+    def persistent_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, token_tiles, role_args):
+        """A persistent CTA (GemmConfig.persistent): units c, c + G, ... of the unit grid (G CTAs), each unit's K128
+        steps numbered on from the previous one's on one stage ring (`base`), so the producer streams the next unit
+        while the consumers finish this one. Producer and consumers walk the same units, each side on its own.
+        role_args: W1's (routing_weight, out, out_scale), W2's (dest_row, out). lean_epilogue: unit j's words go to
+        slot j mod 2; the producer stages unit j's once the consumers have left unit j - 2's epilogue (the slot's
+        empty barrier: one arrival per consumer warp)."""
+        tid = cute.arch.thread_idx()[0]
+        smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        meta_bar = smem + cfg.meta_offset + 2 * cfg.meta_slot_bytes  # lean: the two slots' empty barriers
+        if cutlass.const_expr(LEAN):  # noqa: SIM102 (a trace-time branch around a device one)
+            if tid == 0:  # fenced and met by init_stage_ring
+                ptx.mbarrier_init(meta_bar, THREADS // 32)
+                ptx.mbarrier_init(meta_bar + 8, THREADS // 32)
+        init_stage_ring(smem, tid)
+        gy = m_tiles // TILES_PER_CTA
+        units = token_tiles * gy * experts
+        ctas = Int32(cute.arch.grid_dim()[0])
+        b = Int32(cute.arch.block_idx()[0])
+        base = Int32(0)
+        done = Int32(0)  # units with rows this CTA has walked
+        if tid >= THREADS:
+            if cutlass.const_expr(SPLIT):
+                cute.arch.setmaxregister_decrease(cfg.producer_registers)
+            pidx = tid - THREADS
+            while b < units:
+                e, bx, _, row0, count = persistent_unit(expert_offsets, b, token_tiles, gy)
+                if count > 0:
+                    if cutlass.const_expr(LEAN):
+                        slot = done % 2
+                        if done >= 2:  # the slot's previous unit (done - 2): every consumer warp left its epilogue
+                            ptx.mbarrier_wait(meta_bar + slot * 8, (done // 2 - 1) % 2, suspend_ns=SUSPEND)
+                        stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx,
+                                             smem + cfg.meta_offset + slot * cfg.meta_slot_bytes)
+                    produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, None, base)
+                    base = base + k_blocks
+                    done = done + 1
+                b = b + ctas
+            ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
+        else:
+            if cutlass.const_expr(SPLIT):
+                cute.arch.setmaxregister_increase(cfg.consumer_registers)
+            wg, t, warp, g, q = thread_coords(tid)
+            acc = cute.make_rmem_tensor((BN // 2,), Float32)
+            while b < units:
+                e, bx, _, row0, count = persistent_unit(expert_offsets, b, token_tiles, gy)
+                if count > 0:
+                    meta = None
+                    if cutlass.const_expr(LEAN):
+                        meta = smem + cfg.meta_offset + (done % 2) * cfg.meta_slot_bytes
+                    if cutlass.const_expr(not cfg.fit_n):
+                        for i in cutlass.range_constexpr(BN // 2):
+                            acc[i] = Float32(0.0)
+                    if cutlass.const_expr(cfg.decode_ahead):
+                        consume_fitted(consume_table_ahead, k_blocks, smem, wg, t, warp, g, q, acc, count, base)
+                    else:
+                        consume_fitted(consume_table_waited, k_blocks, smem, wg, t, warp, g, q, acc, count, base)
+                    factor = weight_factor(w_factor, e, smem, meta)
+                    if cutlass.const_expr(W1):
+                        routing_weight, out, out_scale = role_args
+                        w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, count, bx, m_tiles,
+                                    routing_weight, out, out_scale, None, None, None, meta)
+                    else:
+                        dest_row, out = role_args
+                        w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, None,
+                                    smem, None, meta)
+                    if cutlass.const_expr(LEAN):  # this warp's reads of the slot are done: the producer may refill it
+                        ptx.warp_sync()
+                        if t % 32 == 0:
+                            ptx.mbarrier_arrive(meta_bar + (done % 2) * 8)
+                    base = base + k_blocks
+                    done = done + 1
+                b = b + ctas
+
+    @cute.jit
     def trace_slots(split, cta, tid):
         """trace: (CTA `cta`'s slots at the head of the partials buffer, the split buffers past the launch's slots);
         thread 0 stamps the entry."""
@@ -2343,7 +2487,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def w2_epilogue(tid, wg, warp, g, q, factor, acc, row0, count, bx, m_tiles, dest_row, out, ring, smem=None,
-                    words=None):
+                    words=None, meta=None):
         """A consumer thread's W2 epilogue: BF16 partials to each row's combine row (the ring consumer's: in the
         source rank's buffer; lean_epilogue: the combine rows the producer staged at `smem`, or the thread's own
         loaded before the K loop, `words`)."""
@@ -2357,6 +2501,8 @@ def _make_kernel(cfg: GemmConfig):
                         d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                     elif cutlass.const_expr(words is not None):
                         d = words[2 * i + c]
+                    elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
+                        d = ptx.lds_s32(meta + n * 4)
                     elif cutlass.const_expr(LEAN):
                         d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
                     else:
@@ -2448,6 +2594,13 @@ def _make_kernel(cfg: GemmConfig):
                 stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
                             (split_partials, split_counts), (routing_weight, out, out_scale),
                             handover=(ready, ready_tiles, ready_readers))
+        elif cutlass.const_expr(PERSIST):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
+                persistent_body((w_codes, w_scales, act, act_scale, routing_weight, w_factor), w_factor, expert_offsets,
+                                k_blocks, m_tiles, experts, token_tiles, (routing_weight, out, out_scale))
         elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
@@ -2532,6 +2685,13 @@ def _make_kernel(cfg: GemmConfig):
                        split_partials: Int64, split_counts: Int64, experts: Int32, ready: Int64, ready_tiles: Int32):
                 stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
                             (split_partials, split_counts), (dest_row, out), handover=(ready, ready_tiles))
+        elif cutlass.const_expr(PERSIST):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
+                       experts: Int32, token_tiles: Int32):
+                persistent_body((w_codes, w_scales, act, act_scale, dest_row, w_factor), w_factor, expert_offsets,
+                                k_blocks, m_tiles, experts, token_tiles, (dest_row, out))
         elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
@@ -2595,6 +2755,11 @@ def _host_launcher(cfg: GemmConfig, kernel):
                  ready_tiles: Int32, ready_readers: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1, experts, ready, ready_tiles,
                    ready_readers).launch(**launch)
+    elif cfg.role == "w1" and cfg.persistent:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, experts, token_tiles).launch(**launch)
     elif cfg.role == "w1" and cfg.stream_k:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -2625,6 +2790,11 @@ def _host_launcher(cfg: GemmConfig, kernel):
                  ready_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, p0, p1, experts, ready, ready_tiles).launch(
                 **launch)
+    elif cfg.persistent:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, experts, token_tiles).launch(**launch)
     elif cfg.stream_k:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -2656,7 +2826,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
-               handover: bool = False, decode_ahead: bool = False):
+               handover: bool = False, decode_ahead: bool = False, persistent: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2669,7 +2839,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     decode_ahead=decode_ahead)
+                     decode_ahead=decode_ahead, persistent=persistent)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2682,7 +2852,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
-            lean_epilogue: bool = False, handover: bool = False, decode_ahead: bool = False):
+            lean_epilogue: bool = False, handover: bool = False, decode_ahead: bool = False,
+            persistent: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2723,6 +2894,14 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     decode_ahead = decode_ahead and cfg.table_decode and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if decode_ahead:
         cfg = replace(cfg, decode_ahead=True)
+    # a knob of the stand-alone table decode: sets may name it everywhere (not at tile 24, where the waited loop of a
+    # persistent CTA spills inside the loop in two CTAs' registers, nor with decode_ahead, whose WGMMAs ptxas then
+    # serializes for registers)
+    persistent = (persistent and cfg.table_decode and cfg.warp_specialized and not ring_consumer
+                  and cfg.k_splits == 1 and not compact_grid and token_tiles_fastest
+                  and block_n not in TABLE_TWO_CTA_BLOCK_N and not cfg.decode_ahead)
+    if persistent:  # the deepest ring again (two slots of staged words may take a stage)
+        cfg = replace(cfg, persistent=True, stages=stages)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2761,6 +2940,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["handover"] = True
     if decode_ahead:
         params["decode_ahead"] = True
+    if persistent:
+        params["persistent"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -2854,10 +3035,11 @@ def all_variants():
               # the wide tile (65-96 rows: one decode for a chain of 64 rows and one of the rest), with fitted N
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=lean)
                  for role in ("w1", "w2") for bn in TABLE_WIDE_BLOCK_N for lean in (False, True)]
-              # the next step's decode ahead of the chain's wait, at the table tiles as tile_knobs runs them otherwise
+              # the next step's decode ahead of the chain's wait, at the table tiles as tile_knobs runs them otherwise,
+              # and the persistent grids with the waited loop (where `variant` takes the knob)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
-                         decode_ahead=True, ctas_per_sm=2 if bn == 16 else None)
-                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
+                         decode_ahead=not pers, persistent=pers, ctas_per_sm=2 if bn == 16 else None)
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N for pers in (False, True)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -3056,6 +3238,15 @@ def _handover_args(cfg: GemmConfig, kernel, experts: int, capacity: int, inter: 
     return [ptr(ready), i32(tiles)]
 
 
+def _persist_args(cfg: GemmConfig, experts: int, capacity: int) -> list:
+    """A persistent variant's trailing arguments (PERSIST_PARAMS): the unit grid's experts and token tiles."""
+    from gc_moe.runtime.launch import i32
+
+    if not cfg.persistent:
+        return []
+    return [i32(experts), i32(max(1, -(-capacity // cfg.block_n)))]
+
+
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
               ring_args=(), split=None, sms=None, ready=None):
     """(grid, arguments) of one W1 launch or graph node; see `launch_w1`. split: `split_buffers(...)` for a
@@ -3079,10 +3270,11 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
         raise ValueError(f"launch_w1 needs a w1 kernel variant, got {kernel.name}")
     _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
-    sms = sms or (device_sms(act.device) if cfg.stream_k else None)
+    sms = sms or (device_sms(act.device) if cfg.stream_k or cfg.persistent else None)
     g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, hidden, split)
     extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
+    extra = extra + _persist_args(cfg, mat.num_experts, capacity)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
@@ -3128,10 +3320,11 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
         raise ValueError(f"launch_w2 needs a w2 kernel variant, got {kernel.name}")
     _check_nibble_order(cfg, kernel, mat)
     extra = _check_ring_args(cfg, kernel, ring_args)
-    sms = sms or (device_sms(act.device) if cfg.stream_k else None)
+    sms = sms or (device_sms(act.device) if cfg.stream_k or cfg.persistent else None)
     g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, inter, split)
     extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
+    extra = extra + _persist_args(cfg, mat.num_experts, capacity)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra
