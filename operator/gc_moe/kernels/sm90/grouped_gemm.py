@@ -1981,7 +1981,7 @@ def _make_kernel(cfg: GemmConfig):
             consumer_sync()
             if tid == 0:
                 ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
-        if cutlass.const_expr(STREAM):
+        if cutlass.const_expr(STREAM or PERSIST):
             # every consumer warp has read the amax words before the CTA's next unit writes them: a warp may run a
             # unit shorter than the ring from stages already full and reach that epilogue while another still
             # reads these (the fused half's barrier above does the same for its units)
