@@ -8,7 +8,9 @@
 #           `pair`, with the lean epilogue `pair_lean`, and `ws_auto_pair`: tile_knobs's choice with the pair kernel
 #           where it picks stream-K, the candidate default), each checked; after `trace` in the same run also
 #           `pair_w`, its ranges sized by the SMs' rates the traces measured, and `ws_auto_ho`: ws_auto_pdl with the
-#           hand-over words (W2 takes W1's rows per K128 step as W1 publishes them, GemmConfig.handover)
+#           hand-over words (W2 takes W1's rows per K128 step as W1 publishes them, GemmConfig.handover), and `t8p`:
+#           the table decode at tile 8 as a persistent grid (two CTAs per SM; the tile-8 unit grid ws_auto runs at 8
+#           tokens has its WGMMAs serialized by ptxas, this one not)
 #   shapes  64-256 tokens: ws_auto (tile_knobs's default), `ahead` (with GemmConfig.decode_ahead) and `pers` (the
 #           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), per
 #           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
@@ -32,7 +34,8 @@ source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set ahead:decode_ahead=True --auto-set pers:persistent=True"
-SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True
+T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
+SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True --extra-set $T8P
   --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
   --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True
@@ -61,7 +64,7 @@ for s in $steps; do
     # shellcheck disable=SC2046
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
-            --auto-set ws_auto_ho:handover=True,pdl=True \
+            --auto-set ws_auto_ho:handover=True,pdl=True --extra-set "$T8P" \
             $([ -s "$OUT/sm-rates.json" ] && echo --sm-weights "$OUT/sm-rates.json") \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
     trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \

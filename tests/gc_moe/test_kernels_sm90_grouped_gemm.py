@@ -536,7 +536,7 @@ def test_persistent_knob_grid_arguments_and_word_slots():
             gg.GemmConfig("w1", 32, persistent=True, **knobs)
     tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
     for role in ("w1", "w2"):
-        for bn, ctas in ((16, 2), (32, None), (64, None), (96, None)):
+        for bn, ctas in ((8, None), (16, 2), (32, None), (64, None), (96, None)):
             v = gg.variant(role, bn, ctas_per_sm=ctas, persistent=True, **tab)
             cfg = gg.GemmConfig(**dict(v.params))
             base = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, **tab).params))
@@ -560,7 +560,7 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w1", 64, persistent=True, decode_ahead=True, **tab).params)
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
     assert sorted((p["role"], p["block_n"]) for p in built) == sorted(
-        (role, bn) for role in ("w1", "w2") for bn in (16, 32, 64, 96))
+        (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
     assert not any(p.get("decode_ahead") for p in built)
 
 
@@ -755,8 +755,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), decode_ahead at the table decode's bn 16-96,
-    # the persistent grids at bn 16 / 32 / 64 / 96
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 8
+    # the persistent grids at bn 8 / 16 / 32 / 64 / 96
+    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -841,8 +841,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), decode_ahead at bn 16-96,
-    # the persistent grids at bn 16 / 32 / 64 / 96
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 8
+    # the persistent grids at bn 8 / 16 / 32 / 64 / 96
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 10
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -876,7 +876,7 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 8
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1822,7 +1822,7 @@ def test_decode_ahead_matches_float32_reference_and_the_loop_it_replaces(hidden,
 @pytest.mark.gpu
 @pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
 @pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 5), (1024, 512, 150), (512, 384, 45), (256, 128, 21)])
-@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (32, None), (64, None), (96, None)])
+@pytest.mark.parametrize("block_n,ctas_per_sm", [(8, None), (16, 2), (32, None), (64, None), (96, None)])
 def test_persistent_writes_the_unit_grids_bytes(hidden, inter, tokens, block_n, ctas_per_sm, sms):
     """The persistent grid (`persistent`: CTAs walk the unit grid on one stage ring that runs on across units, the lean
     epilogue's words in two slots) against the float32 reference and the unit grid with the same consumer loop (the
@@ -1835,7 +1835,7 @@ def test_persistent_writes_the_unit_grids_bytes(hidden, inter, tokens, block_n, 
     seed = tokens + 5 * block_n + hidden
     got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, persistent=True, sms=sms, **knobs)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
-    # tiles 64 / 96: the unit grid runs the waited loop too; tiles 16 / 32: its pipelined loop contracts a few FMAs
+    # tiles 64 / 96: the unit grid runs the waited loop too; tiles 8 / 16 / 32: its pipelined loop contracts a few FMAs
     # differently, so the persistent grid over the other SM count (other units per CTA, the same arithmetic per unit)
     other = {} if block_n in (64, 96) else {"persistent": True, "sms": 3 if sms is None else None}
     _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, persistent=True, sms=sms, **knobs),

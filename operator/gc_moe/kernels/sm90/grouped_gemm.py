@@ -3036,10 +3036,13 @@ def all_variants():
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=lean)
                  for role in ("w1", "w2") for bn in TABLE_WIDE_BLOCK_N for lean in (False, True)]
               # the next step's decode ahead of the chain's wait, at the table tiles as tile_knobs runs them otherwise,
-              # and the persistent grids with the waited loop (where `variant` takes the knob)
+              # and the persistent grids with the waited loop (where `variant` takes the knob; at tile 8 too, two CTAs
+              # per SM: the tile-8 unit grid's WGMMAs are serialized, the persistent table decode's are not)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          decode_ahead=not pers, persistent=pers, ctas_per_sm=2 if bn == 16 else None)
-                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N for pers in (False, True)]):
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N for pers in (False, True)]
+              + [variant(role, 8, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True, persistent=True)
+                 for role in ("w1", "w2")]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
