@@ -816,7 +816,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
         elif cfg.decode_ahead:  # per N: the first chain, the loop's wait and chain, a last wait; waited loops above
             # (the loops' order in the PTX is the compiler's)
-            per_n = [["1", "0", "1", "0"] if n <= gg.AHEAD_MAX_N else ["0"] if n <= gg.WIDE_MAIN_N else ["0", "0"]
+            # (the wide tile's loops up to WIDE_OVERLAP_MAX_N issue both chains, then wait once)
+            per_n = [["1", "0", "1", "0"] if n <= gg.AHEAD_MAX_N else ["0"] if n <= gg.WIDE_MAIN_N
+                     else ["2", "2", "0"] if n <= gg.WIDE_OVERLAP_MAX_N else ["0", "0"]
                      for n in (range(8, bn + 1, 8) if cfg.fit_n else (bn,))]
             assert sorted(waits) == sorted(w for ws in per_n for w in ws), variant.describe()
         else:  # the wide tile's two-chain loops wait twice per step

@@ -47,6 +47,9 @@ WIDE_MAIN_N = 64  # the first chain's N at the wide tile (the waited consumer's 
 # decode_ahead: the largest N whose loop holds the next step's 16 A registers beside its chain and accumulators in the
 # consumers' 112 (at N = 64 ptxas spills ~20 bytes inside the loop); larger N run the waited loop
 AHEAD_MAX_N = 56
+# decode_ahead at the wide tile: its loops past 64 rows up to this many issue both chains of a step before one wait
+# (at 88 and 96 rows the two chains' buffers spill inside the loop in the consumers' 112 registers)
+WIDE_OVERLAP_MAX_N = 80
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
 PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
@@ -1486,12 +1489,69 @@ def _make_kernel(cfg: GemmConfig):
             stage, phase = next_stage(stage, phase)
 
     @cute.jit
+    def consume_wide_overlapped(k_blocks, smem, wg, t, warp, g, q, acc, n, base=None):
+        """decode_ahead at the wide tile's loops past 64 rows: per K128 step one decode, then the chain of the first 64
+        rows and the chain of the rest issued back to back (two commit groups) and waited for once, then both scaled;
+        the waited loop waits for the first chain before it issues the second."""
+        bar0 = smem + cfg.barrier_offset
+        a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
+        desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
+        tail_n = n - WIDE_MAIN_N
+        main = cute.make_rmem_tensor((WIDE_MAIN_N // 2,), Float32)
+        tail = cute.make_rmem_tensor((tail_n // 2,), Float32)
+        for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
+            main[r] = Float32(0.0)
+        for r in cutlass.range_constexpr(tail_n // 2):
+            tail[r] = Float32(0.0)
+        stage, phase = ring_position(base)
+        for kb in cutlass.range(k_blocks):
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+            sbase = smem + stage * cfg.stage_bytes
+            a_regs = table_fragment(sbase, a_off, s_off)
+            desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+            descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+            # the rows past 64: the same A fragment, the token tile's groups 8.. (8 KB further)
+            tail_descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16 + (WIDE_MAIN_N // 8) * 1024 // 16, 1024)
+                          for j in range(4)]
+            ptx.wgmma_fence()  # the scaling of the step before read the registers these chains write
+            out = ptx.wgmma_rs_e4m3_chain_issue(WIDE_MAIN_N, a_regs, descs, [main[r] for r in range(WIDE_MAIN_N // 2)],
+                                                2)
+            for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
+                main[r] = out[r]
+            out = ptx.wgmma_rs_e4m3_chain_issue(tail_n, a_regs, tail_descs, [tail[r] for r in range(tail_n // 2)], 2)
+            for r in cutlass.range_constexpr(tail_n // 2):
+                tail[r] = out[r]
+            done = ptx.wgmma_wait_tied([main[r] for r in range(WIDE_MAIN_N // 2)]
+                                       + [tail[r] for r in range(tail_n // 2)], 0)
+            for i in cutlass.range_constexpr(WIDE_MAIN_N // 8):
+                xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
+                for c in cutlass.range_constexpr(4):
+                    acc[4 * i + c] = acc[4 * i + c] + done[4 * i + c] * xv[c % 2]
+            for i in cutlass.range_constexpr(tail_n // 8):
+                xv = ptx.lds_f32x2(sbase + x_off + (WIDE_MAIN_N + 8 * i) * 4)
+                for c in cutlass.range_constexpr(4):
+                    k = 4 * (WIDE_MAIN_N // 8 + i) + c
+                    acc[k] = acc[k] + done[WIDE_MAIN_N // 2 + 4 * i + c] * xv[c % 2]
+            for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
+                main[r] = done[r]
+            for r in cutlass.range_constexpr(tail_n // 2):
+                tail[r] = done[WIDE_MAIN_N // 2 + r]
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
+            stage, phase = next_stage(stage, phase)
+
+    @cute.jit
     def consume_table_ahead(k_blocks, smem, wg, t, warp, g, q, acc, n=BN, base=None):
         """The waited tiles' consumer with the next step's decode ahead of the chain's wait (`decode_ahead`): per K128
         step, wait for stage s + 1 and decode its fragment while step s's chain (N = n) runs, then wait for that chain,
         scale it into acc, release stage s and issue step s + 1's chain. One chain buffer: the 16 A registers of the
-        next step are what the overlap costs. N above AHEAD_MAX_N: the waited loop."""
-        if cutlass.const_expr(n > AHEAD_MAX_N):
+        next step are what the overlap costs. N above AHEAD_MAX_N: the waited loop, except the wide tile's loops up to
+        WIDE_OVERLAP_MAX_N rows (`consume_wide_overlapped`)."""
+        if cutlass.const_expr(WIDE_MAIN_N < n <= WIDE_OVERLAP_MAX_N):
+            consume_wide_overlapped(k_blocks, smem, wg, t, warp, g, q, acc, n, base)
+        elif cutlass.const_expr(n > AHEAD_MAX_N):
             consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n, base)
         else:
             bar0 = smem + cfg.barrier_offset
