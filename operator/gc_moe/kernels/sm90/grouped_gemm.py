@@ -1449,6 +1449,17 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
+    def waited_fragment(smem, stage, phase, a_off, s_off, desc0):
+        """A waited table consumer's step: wait for stage `stage` to be full, decode its A fragment; returns (the stage's
+        base, the fragment, its token tile's descriptors' low word, the four K32 descriptors of the first 64 rows)."""
+        ptx.mbarrier_wait(smem + cfg.barrier_offset + stage * 8, phase, suspend_ns=SUSPEND)
+        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        sbase = smem + stage * cfg.stage_bytes
+        a_regs = table_fragment(sbase, a_off, s_off)
+        desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+        return sbase, a_regs, desc_lo, [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+
+    @cute.jit
     def consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n=BN, base=None):
         """The table decode's consumer that waits for each step's chain (N = n; tiles 24 and 64 have no registers for a
         second chain buffer), with the pipelined consumers' bookkeeping: stage and parity carried (no division per
@@ -1459,12 +1470,7 @@ def _make_kernel(cfg: GemmConfig):
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage, phase = ring_position(base)
         for kb in cutlass.range(k_blocks):
-            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
-            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-            sbase = smem + stage * cfg.stage_bytes
-            a_regs = table_fragment(sbase, a_off, s_off)
-            desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
-            descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+            sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             n_main = min(n, WIDE_MAIN_N)
             ptx.wgmma_fence()
             part = ptx.wgmma_rs_e4m3_chain(n_main, a_regs, descs)
@@ -1505,12 +1511,7 @@ def _make_kernel(cfg: GemmConfig):
             tail[r] = Float32(0.0)
         stage, phase = ring_position(base)
         for kb in cutlass.range(k_blocks):
-            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
-            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-            sbase = smem + stage * cfg.stage_bytes
-            a_regs = table_fragment(sbase, a_off, s_off)
-            desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
-            descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
+            sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             # the rows past 64: the same A fragment, the token tile's groups 8.. (8 KB further)
             tail_descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16 + (WIDE_MAIN_N // 8) * 1024 // 16, 1024)
                           for j in range(4)]
