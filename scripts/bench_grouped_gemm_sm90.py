@@ -633,17 +633,19 @@ def parse_shape(spec: str) -> tuple[str, dict]:
 
 def parse_auto_set(spec: str) -> tuple[str, dict, bool]:
     """--auto-set 'tag:knob=value,...' -> (tag, the knobs it adds to tile_knobs's, whether its stream-K W2 launches
-    programmatically: the pseudo-knob pdl). The pseudo-knob wide=True stays in the knobs: `tile_rule` reads it."""
+    programmatically: the pseudo-knob pdl). The pseudo-knobs wide and two_cta stay in the knobs: `tile_rule` reads
+    them."""
     (tag, extra), = parse_extra_set(spec, {}).items()
     return tag, extra, bool(extra.pop("pdl", False))
 
 
 def tile_rule(gg, extra: dict):
-    """grouped_gemm.tile_knobs as an --auto-set asks for it (wide=True: the wide tile for 65-96 rows), and the
-    knobs the set adds (without the pseudo-knob)."""
+    """grouped_gemm.tile_knobs as an --auto-set asks for it (wide=True: the wide tile for 65-96 rows; two_cta=False:
+    tile 32 for 9-32 rows), and the knobs the set adds (without the pseudo-knobs)."""
     wide = bool(extra.get("wide", True))  # tile_knobs's default: the wide tile for 65-96 rows
-    return (lambda capacity, *a: gg.tile_knobs(capacity, *a, wide_tile=wide)), {
-        k: v for k, v in extra.items() if k != "wide"}
+    two_cta = bool(extra.get("two_cta", True))  # and tiles 16 / 24 at two CTAs per SM
+    return (lambda capacity, *a: gg.tile_knobs(capacity, *a, wide_tile=wide, two_cta_tiles=two_cta)), {
+        k: v for k, v in extra.items() if k not in ("wide", "two_cta")}
 
 
 def auto_set_variants(gg, extra: dict, knobs: dict | None = None) -> dict:

@@ -12,7 +12,8 @@
 #           the table decode at tile 8 as a persistent grid (two CTAs per SM; the tile-8 unit grid ws_auto runs at 8
 #           tokens has its WGMMAs serialized by ptxas, this one not)
 #   shapes  64-256 tokens: ws_auto (tile_knobs's default), `ahead` (with GemmConfig.decode_ahead) and `pers` (the
-#           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), per
+#           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), and both with
+#           tile 32 for 9-32 rows instead of tiles 16 / 24 at two CTAs per SM (`ahead32`, `pers32`), per
 #           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
 #           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
 #   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
@@ -33,7 +34,8 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
-AUTO="--auto-set ahead:decode_ahead=True --auto-set pers:persistent=True"
+AUTO="--auto-set ahead:decode_ahead=True --auto-set pers:persistent=True
+  --auto-set ahead32:decode_ahead=True,two_cta=False --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True --extra-set $T8P
   --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True

@@ -177,6 +177,9 @@ def test_tile_knobs_follow_the_measured_points():
     # the wide tile: 65-96 rows at tile 96, the rest as without it; wide_tile=False keeps tile 64 there
     assert [gg.tile_knobs(cap)[0] for cap in (8, 33, 64, 65, 96, 97)] == [8, 64, 64, 96, 96, 64]
     assert gg.tile_knobs(80, wide_tile=False)[0] == 64
+    # two_cta_tiles=False: tile 32 at one CTA per SM for 9-32 rows, the rest as before
+    assert [gg.tile_knobs(cap, two_cta_tiles=False) for cap in (9, 17, 24, 32)] == [(32, table)] * 4
+    assert [gg.tile_knobs(cap, two_cta_tiles=False)[0] for cap in (8, 33, 80)] == [8, 64, 96]
     for role in ("w1", "w2"):
         assert gg.variant(role, 96, **gg.tile_knobs(80, wide_tile=True)[1]) in gg.all_variants()
 

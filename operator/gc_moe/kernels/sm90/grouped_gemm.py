@@ -3161,7 +3161,7 @@ def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
 
 
 def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = None,
-               wide_tile: bool = True) -> tuple[int, dict]:
+               wide_tile: bool = True, two_cta_tiles: bool = True) -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
     measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16, 24): up to 8 rows tile 8 as stream-K
     loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; against the grid of units at two CTAs per
@@ -3176,7 +3176,9 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     The table tiles run the lean epilogue (no global load after the K loop, W1's amax once per token: 1.4-4.2%
     faster at 64-256 tokens, step 33 as measured); wide_tile: 65-96 rows at the wide tile (TABLE_WIDE_BLOCK_N: one
     decode of the weights per K128 step for both chains) instead of two 64-token tiles (GLM-5.2 at 256 tokens 11%
-    faster, 13.5% with the lean epilogue, step 34); False keeps tile 64 there."""
+    faster, 13.5% with the lean epilogue, step 34); False keeps tile 64 there. two_cta_tiles=False: 9-32 rows at tile 32
+    (one CTA per SM) instead of tiles 16 / 24 at two: the choice measured against the serialized pipelined loop, open
+    again with the loops of steps 43-44."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
@@ -3184,6 +3186,8 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
             return 8, {}
         return 8, {"stream_k": True, "ctas_per_sm": 1}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    if capacity <= 32 and not two_cta_tiles:
+        return 32, table
     if capacity <= 16:
         return 16, {**table, "ctas_per_sm": 2}
     if capacity <= 24:
