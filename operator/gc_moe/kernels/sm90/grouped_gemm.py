@@ -1572,26 +1572,26 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.fence_proxy_async_shared()
                 sbase = smem + stage * cfg.stage_bytes
                 a_regs = table_fragment(sbase, a_off, s_off)  # while step kb - 1's chain runs
-                done = ptx.wgmma_wait_tied([part[r] for r in range(n // 2)], 0)
-                for r in cutlass.range_constexpr(n // 2):
-                    part[r] = done[r]
-                finish_step(smem + prev * cfg.stage_bytes + x_off, part, acc, n)
-                ptx.warp_sync()
-                if t % 32 == 0:
-                    ptx.mbarrier_arrive(bar0 + (STAGES + prev) * 8)
+                retire_chain(part, n, smem, prev, x_off, t, acc)
                 desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
                 descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
                 ptx.wgmma_fence()  # the scaling above read the registers this chain writes
                 out = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
                 for r in cutlass.range_constexpr(n // 2):
                     part[r] = out[r]
-            done = ptx.wgmma_wait_tied([part[r] for r in range(n // 2)], 0)
-            for r in cutlass.range_constexpr(n // 2):
-                part[r] = done[r]
-            finish_step(smem + stage * cfg.stage_bytes + x_off, part, acc, n)
-            ptx.warp_sync()
-            if t % 32 == 0:
-                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
+            retire_chain(part, n, smem, stage, x_off, t, acc)
+
+    @cute.jit
+    def retire_chain(part, n, smem, stage, x_off, t, acc):
+        """decode_ahead: wait for the chain in flight (N = n, into `part`), scale it into acc with stage `stage`'s
+        activation scales, then release that stage (one arrival per warp)."""
+        done = ptx.wgmma_wait_tied([part[r] for r in range(n // 2)], 0)
+        for r in cutlass.range_constexpr(n // 2):
+            part[r] = done[r]
+        finish_step(smem + stage * cfg.stage_bytes + x_off, part, acc, n)
+        ptx.warp_sync()
+        if t % 32 == 0:
+            ptx.mbarrier_arrive(smem + cfg.barrier_offset + (STAGES + stage) * 8)
 
     @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
