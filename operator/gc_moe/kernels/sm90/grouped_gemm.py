@@ -296,7 +296,8 @@ class GemmConfig:
     # registers). The waited loop (tiles 24, 64, 96) decodes, issues and waits in turn, so a warp's decode never
     # overlaps its chain; the pipelined one (tiles 16, 32) issues a chain while the one before runs, which makes ptxas
     # serialize every WGMMA of the kernel (C7513: "non wgmma instructions defining input registers"). Loops above
-    # AHEAD_MAX_N rows stay waited
+    # AHEAD_MAX_N rows stay waited, except the wide tile's up to WIDE_OVERLAP_MAX_N rows, which issue both of a
+    # step's chains before one wait
     decode_ahead: bool = False
     # the stand-alone table decode as a persistent grid: ctas_per_sm x SMs CTAs (at most one per unit) walk the units
     # (expert, weight-row CTA, token tile) of the unit grid in turn, CTA c taking units c, c + G, ... on one stage
