@@ -1374,15 +1374,9 @@ def _make_kernel(cfg: GemmConfig):
         s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
         x_off = cfg.xs_offset + 2 * q * 4
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
-        stage = Int32(0)
-        phase = Int32(0)
-        if cutlass.const_expr(base is not None):
-            # base comes from shared memory (the unit slot): marked warp-uniform so the stage addresses and WGMMA
-            # descriptors derived from it stay in uniform registers (without it: 8 R2UR and ~6 more
-            # instructions per K128 step, on a loop that is issue-bound at bn 8 / 16)
-            base = cute.arch.make_warp_uniform(base)
-            stage = step_stage(base, STAGES)
-            phase = full_parity(base, STAGES)
+        # base (the fused halves: from shared memory, the unit slot) is marked warp-uniform: without it 8 R2UR and ~6
+        # more instructions per K128 step, on a loop that is issue-bound at bn 8 / 16
+        stage, phase = ring_position(base)
         waited = Int32(0)
         if cutlass.const_expr(trace_seg is not None):
             waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
