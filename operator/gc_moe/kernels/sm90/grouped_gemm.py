@@ -1317,13 +1317,19 @@ def _make_kernel(cfg: GemmConfig):
                     tsum[r] = tsum[r] + buf[jj * (BN // 2) + r] * s_row
 
     @cute.jit
-    def finish_step(xs, tsum, acc, n=BN):
-        """acc += tsum x the step's activation scales for the first n tokens; xs: the thread's column pair q in the
-        stage's scales."""
+    def finish_step(xs, tsum, acc, n=BN, first=0):
+        """acc += tsum x the step's activation scales for n tokens from token `first` (a multiple of 8: the wide tile's
+        second chain starts at 64); xs: the thread's column pair q in the stage's scales."""
         for i in cutlass.range_constexpr(n // 8):
-            xv = ptx.lds_f32x2(xs + 8 * i * 4)
+            xv = ptx.lds_f32x2(xs + (first + 8 * i) * 4)
             for c in cutlass.range_constexpr(4):
-                acc[4 * i + c] = acc[4 * i + c] + tsum[4 * i + c] * xv[c % 2]
+                k = 4 * (first // 8 + i) + c
+                acc[k] = acc[k] + tsum[4 * i + c] * xv[c % 2]
+
+    @cute.jit
+    def wide_tail_descs(desc_lo):
+        """The wide tile's rows past 64: the four K32 descriptors of the token tile's groups 8.. (8 KB further)."""
+        return [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16 + (WIDE_MAIN_N // 8) * 1024 // 16, 1024) for j in range(4)]
 
     @cute.jit
     def next_stage(stage, phase):
@@ -1469,21 +1475,11 @@ def _make_kernel(cfg: GemmConfig):
             n_main = min(n, WIDE_MAIN_N)
             ptx.wgmma_fence()
             part = ptx.wgmma_rs_e4m3_chain(n_main, a_regs, descs)
-            for i in cutlass.range_constexpr(n_main // 8):
-                xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
-                for c in cutlass.range_constexpr(4):
-                    acc[4 * i + c] = acc[4 * i + c] + part[4 * i + c] * xv[c % 2]
-            if cutlass.const_expr(n > WIDE_MAIN_N):
-                # the wide tile's rows past 64: the same A fragment, the token tile's groups 8.. (8 KB further)
-                tail_descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16 + (WIDE_MAIN_N // 8) * 1024 // 16, 1024)
-                              for j in range(4)]
+            finish_step(sbase + x_off, part, acc, n_main)
+            if cutlass.const_expr(n > WIDE_MAIN_N):  # the wide tile's rows past 64: the same A fragment
                 ptx.wgmma_fence()  # the FMAs above read registers the tail chain may write
-                part = ptx.wgmma_rs_e4m3_chain(n - WIDE_MAIN_N, a_regs, tail_descs)
-                for i in cutlass.range_constexpr((n - WIDE_MAIN_N) // 8):
-                    xv = ptx.lds_f32x2(sbase + x_off + (WIDE_MAIN_N + 8 * i) * 4)
-                    for c in cutlass.range_constexpr(4):
-                        k = 4 * (WIDE_MAIN_N // 8 + i) + c
-                        acc[k] = acc[k] + part[4 * i + c] * xv[c % 2]
+                part = ptx.wgmma_rs_e4m3_chain(n - WIDE_MAIN_N, a_regs, wide_tail_descs(desc_lo))
+                finish_step(sbase + x_off, part, acc, n - WIDE_MAIN_N, WIDE_MAIN_N)
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
@@ -1507,28 +1503,19 @@ def _make_kernel(cfg: GemmConfig):
         stage, phase = ring_position(base)
         for kb in cutlass.range(k_blocks):
             sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
-            # the rows past 64: the same A fragment, the token tile's groups 8.. (8 KB further)
-            tail_descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16 + (WIDE_MAIN_N // 8) * 1024 // 16, 1024)
-                          for j in range(4)]
             ptx.wgmma_fence()  # the scaling of the step before read the registers these chains write
             out = ptx.wgmma_rs_e4m3_chain_issue(WIDE_MAIN_N, a_regs, descs, [main[r] for r in range(WIDE_MAIN_N // 2)],
                                                 2)
             for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
                 main[r] = out[r]
-            out = ptx.wgmma_rs_e4m3_chain_issue(tail_n, a_regs, tail_descs, [tail[r] for r in range(tail_n // 2)], 2)
+            out = ptx.wgmma_rs_e4m3_chain_issue(tail_n, a_regs, wide_tail_descs(desc_lo),  # the same A fragment
+                                                [tail[r] for r in range(tail_n // 2)], 2)
             for r in cutlass.range_constexpr(tail_n // 2):
                 tail[r] = out[r]
             done = ptx.wgmma_wait_tied([main[r] for r in range(WIDE_MAIN_N // 2)]
                                        + [tail[r] for r in range(tail_n // 2)], 0)
-            for i in cutlass.range_constexpr(WIDE_MAIN_N // 8):
-                xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
-                for c in cutlass.range_constexpr(4):
-                    acc[4 * i + c] = acc[4 * i + c] + done[4 * i + c] * xv[c % 2]
-            for i in cutlass.range_constexpr(tail_n // 8):
-                xv = ptx.lds_f32x2(sbase + x_off + (WIDE_MAIN_N + 8 * i) * 4)
-                for c in cutlass.range_constexpr(4):
-                    k = 4 * (WIDE_MAIN_N // 8 + i) + c
-                    acc[k] = acc[k] + done[WIDE_MAIN_N // 2 + 4 * i + c] * xv[c % 2]
+            finish_step(sbase + x_off, done[:WIDE_MAIN_N // 2], acc, WIDE_MAIN_N)
+            finish_step(sbase + x_off, done[WIDE_MAIN_N // 2:], acc, tail_n, WIDE_MAIN_N)
             for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
                 main[r] = done[r]
             for r in cutlass.range_constexpr(tail_n // 2):
@@ -2946,7 +2933,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
         cfg = replace(cfg, lean_epilogue=True)
-    # a knob of the table decode's waited tiles (64, 96): sets may name it everywhere
+    # a knob of the stand-alone table decode: sets may name it everywhere
     decode_ahead = decode_ahead and cfg.table_decode and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if decode_ahead:
         cfg = replace(cfg, decode_ahead=True)
