@@ -45,6 +45,9 @@ MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
     "glm-5.2": {"hidden": 6144, "inter": 2048, "experts": 256, "topk": 8},
 }
 RANKS = 8
+# --pair's sets: the pair kernel's knobs (kernels.sm90.stream_pair.variant); the traced ones with --trace only
+PAIR_SETS = {"pair": {}, "pair_lean": {"lean_epilogue": True}, "pair_wf": {"words_first": True},
+             "pair_t": {"trace": True}, "pair_tf": {"trace": True, "words_first": True}}
 
 
 def block_n_for(max_rows: int, max_block_n: int = 32, tiles=(8, 16, 32, 64)) -> int:
@@ -719,9 +722,10 @@ def main() -> int:
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--pair", action="store_true",
-                    help="also the sets `pair` and `pair_lean`: W1 and W2's stream-K loops as one launch "
-                         "(kernels.sm90.stream_pair, token tile 8, one CTA per SM; pair_lean with the lean epilogue) at "
-                         "every point; with --trace also `pair_t`, the traced pair kernel")
+                    help="also the sets `pair`, `pair_lean` and `pair_wf`: W1 and W2's stream-K loops as one launch "
+                         "(kernels.sm90.stream_pair, token tile 8, one CTA per SM; pair_lean with the lean epilogue, "
+                         "pair_wf with W2's segments taking their words first) at every point; with --trace also "
+                         "`pair_t` and `pair_tf`, those two traced")
     ap.add_argument("--sm-weights", default=None, metavar="JSON",
                     help="with --pair: also `pair_w`, the pair kernel with ranges sized by per-SM weights from this "
                          "JSON of {smid: rate} (scripts/analyze_unit_costs.py weights on a --trace run's JSON)")
@@ -879,13 +883,12 @@ def main() -> int:
         from gc_moe.kernels.sm90 import stream_pair
 
         if args.pair:
-            for lean in (False, True):  # W1 and W2 in one launch, at every point; with the lean epilogue too
-                tag = "pair_lean" if lean else "pair"
-                pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
-                kernel_sets[tag] = "pair"
-            if args.trace:  # and traced: where the pair's time over the floor goes
-                pair_kernels["pair_t"] = jit.load_kernel(stream_pair.variant(trace=True), "sm_90a")
-                kernel_sets["pair_t"] = "pair"
+            # W1 and W2 in one launch, at every point; with the lean epilogue, with W2's words first; and traced
+            # (where the pair's time over the floor goes)
+            for tag, knobs in PAIR_SETS.items():
+                if args.trace or not knobs.get("trace"):
+                    pair_kernels[tag] = jit.load_kernel(stream_pair.variant(**knobs), "sm_90a")
+                    kernel_sets[tag] = "pair"
         if args.sm_weights:
             if not args.pair:
                 raise SystemExit("--sm-weights sizes the pair kernel's ranges: pass --pair too")
@@ -929,10 +932,8 @@ def main() -> int:
                     from gc_moe.kernels.sm90.stream_pair import pair_buffers
 
                     set_kernels, max_bn = kernels, 8  # the lane-order weights; the pair's own tile
-                    row_note = {"knobs": {"stream_pair": True, **({"lean_epilogue": True} if tag == "pair_lean"
-                                                                   else {"sm_weights": True} if tag == "pair_w"
-                                                                   else {"trace": True} if tag == "pair_t"
-                                                                   else {})}}
+                    row_note = {"knobs": {"stream_pair": True, **PAIR_SETS.get(tag, {"sm_weights": True}
+                                                                               if tag == "pair_w" else {})}}
                 elif set_kernels is None:  # ws_auto or an --auto-set
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)

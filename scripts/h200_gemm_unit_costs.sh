@@ -10,7 +10,8 @@
 #           `pair_w`, its ranges sized by the SMs' rates the traces measured, and `ws_auto_ho`: ws_auto_pdl with the
 #           hand-over words (W2 takes W1's rows per K128 step as W1 publishes them, GemmConfig.handover), and `t8p`:
 #           the table decode at tile 8 as a persistent grid (two CTAs per SM; the tile-8 unit grid ws_auto runs at 8
-#           tokens has its WGMMAs serialized by ptxas, this one not)
+#           tokens has its WGMMAs serialized by ptxas, this one not); `pair_wf` and `ws_auto_hof`: the pair kernel
+#           and ws_auto_ho with W2's segments taking their hand-over words before their weights (words_first)
 #   shapes  64-256 tokens: ws_auto (tile_knobs's default), `ahead` (with GemmConfig.decode_ahead) and `pers` (the
 #           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), and both with
 #           tile 32 for 9-32 rows instead of tiles 16 / 24 at two CTAs per SM (`ahead32`, `pers32`), per
@@ -19,8 +20,8 @@
 #   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
 #           SM, start and end, three launches each (does the end spread sit on the same SMs every launch?
 #           scripts/analyze_unit_costs.py spread), the traced pair with the programmatic W2 (skt1p): where the
-#           pair loses time between W1's streaming and W2's (pair_trace), the same with the hand-over words (skt1h)
-#           and the traced pair kernel (pair_t)
+#           pair loses time between W1's streaming and W2's (pair_trace), the same with the hand-over words (skt1h,
+#           skt1hf with words_first) and the traced pair kernel (pair_t, pair_tf with words_first)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
@@ -37,7 +38,10 @@ BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set ahead:decode_ahead=True --auto-set pers:persistent=True
   --auto-set ahead32:decode_ahead=True,two_cta=False --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
+HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
+SKT1HF="skt1hf:stream_k=True,ctas_per_sm=1,trace=True,handover=True,words_first=True,pdl=True"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True --extra-set $T8P
+  --auto-set $HOF --extra-set $SKT1HF
   --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
   --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True
@@ -66,7 +70,7 @@ for s in $steps; do
     # shellcheck disable=SC2046
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
-            --auto-set ws_auto_ho:handover=True,pdl=True --extra-set "$T8P" \
+            --auto-set ws_auto_ho:handover=True,pdl=True --auto-set "$HOF" --extra-set "$T8P" \
             $([ -s "$OUT/sm-rates.json" ] && echo --sm-weights "$OUT/sm-rates.json") \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
     trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \
@@ -74,6 +78,7 @@ for s in $steps; do
              --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True \
              --extra-set skt1p:stream_k=True,ctas_per_sm=1,trace=True,pdl=True \
              --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True \
+             --extra-set "$SKT1HF" \
              --tokens 1,8 --windows 5 --replays 10 --json "$OUT/trace.json"
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
@@ -104,9 +109,13 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_ho", "ws_auto_pair", "pair", "pair_lean",
-                    "pair_w"):
+    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_ho", "ws_auto_hof", "ws_auto_pair", "pair",
+                    "pair_lean", "pair_wf", "pair_w"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
+    w2 = (r.get("trace") or {}).get("w2")
+    if w2:  # a traced W2: its segment switches' waits (median / max), end spread and span
+        print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} W2 switch wait {w2['switch_wait_us']} end spread "
+              f"{w2['end_spread_us']} span {w2['span_us']}")
     p = r.get("pair_trace")
     if p:
         print(f"{r['model']:20s} T={r['tokens']} pair: W1 ends {p['w1_first_end_us']}-{p['w1_last_end_us']}, W2 start "

@@ -120,12 +120,15 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
             gg.GemmConfig(**{"role": "w1", "block_n": 8, "stream_k": True, **bad})
     built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
                     dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False),
-                    dict(v.params).get("handover", False))
+                    dict(v.params).get("handover", False), dict(v.params).get("words_first", False))
                    for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
-    assert built == sorted([(role, 8, ctas, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
-                           + [(role, 8, 1, True, False, False) for role in ("w1", "w2")]
-                           + [(role, 8, 1, trace, True, False) for role in ("w1", "w2") for trace in (False, True)]
-                           + [(role, 8, 1, trace, False, True) for role in ("w1", "w2") for trace in (False, True)])
+    assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
+                           + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
+                           + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
+                              for trace in (False, True)]
+                           + [(role, 8, 1, trace, False, True, False) for role in ("w1", "w2")
+                              for trace in (False, True)]
+                           + [("w2", 8, 1, trace, False, True, True) for trace in (False, True)])
     # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
     # phases ahead of the partials
     with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
@@ -758,8 +761,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), decode_ahead at the table decode's bn 16-96,
-    # the persistent grids at bn 8 / 16 / 32 / 64 / 96
-    assert len(built) == 10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10
+    # the persistent grids at bn 8 / 16 / 32 / 64 / 96, the hand-over W2 taking its words first (plain and traced)
+    assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10
+                          + 2)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -880,8 +884,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # default, folded and ring-consumer sets, both roles, bn 8..32; compact ring bn 8; split W1 / W2 at bn 8 / 16;
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
-    # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10
+    # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
+    # taking them first)
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10 + 2
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -901,8 +906,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
                         + bool(params.get("handover")))
         assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
         # a handover W2's producer warp meets on its own named barrier around the permit vote (bar.warp.sync there
-        # cost every K loop its uniform registers)
-        producer_meets = 2 if params.get("handover") and params["role"] == "w2" else 0
+        # cost every K loop its uniform registers), with words_first around its first look too
+        producer_meets = (2 + 2 * bool(params.get("words_first"))) if params.get("handover") and params["role"] == "w2" \
+            else 0
         assert ptx.count(f"bar.sync {ptx_mod.PRODUCER_WARP_BARRIER}, 32;") == producer_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
         # (a persistent lean grid first sets up its two word slots' empty barriers, one arrival per consumer warp)
@@ -1038,7 +1044,7 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
               return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, programmatic_pairs=0,
-              pair_launches=0, pair_sm_weights=None, handover_pairs=0, **more_knobs):
+              pair_launches=0, pair_sm_weights=None, handover_pairs=0, handover_words_first=False, **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
     (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
     launched again on the same buffers (each must write the first launch's bytes); programmatic_pairs: then that
@@ -1132,7 +1138,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     if handover_pairs:
         want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
         h1 = jit.load_kernel(gg.variant("w1", block_n, **knobs, handover=True), "sm_90a")
-        h2 = jit.load_kernel(gg.variant("w2", block_n, **knobs, handover=True), "sm_90a")
+        h2 = jit.load_kernel(gg.variant("w2", block_n, **knobs, handover=True, words_first=handover_words_first),
+                             "sm_90a")
         hsplit1, hsplit2 = gg.split_buffers(h1, w.l1, cap, dev, sms), gg.split_buffers(h2, w.l2, cap, dev, sms)
         ready = gg.handover_words(experts, cap, inter, dev)
 
@@ -1194,8 +1201,8 @@ def _eager_and_replayed(launch_on, stream, launches):
 
 def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, launches, sm_weights=None):
     """The stream-K pair kernel over `_run_case`'s tensors, `launches` times per variant (odd ones graph replays).
-    Without `sm_weights` its equal-range variants (plain and lean_epilogue), each against the bytes the two kernels
-    wrote there (`_run_case(pair_launches=...)`); with a table (`stream_pair.sm_weight_table` over the SMs the
+    Without `sm_weights` its equal-range variants (plain, lean_epilogue, words_first, traced), each against the bytes
+    the two kernels wrote there (`_run_case(pair_launches=...)`); with a table (`stream_pair.sm_weight_table` over the SMs the
     launch runs on) the sm_weights variant, every launch against its first (other piece boundaries: other last bits),
     its outputs left in mid / mid_sf / out."""
     from gc_moe.kernels.sm90 import stream_pair
@@ -1395,12 +1402,15 @@ def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, 
     (5120, 2304, 48, 6, 1, None),    # DeepSeek-V4.1-Flash at one token: W2's SMs start while W1's tail runs
     (6144, 2048, 32, 8, 8, None),    # GLM-5.2 at eight tokens
     (1024, 512, 10, 6, 40, 3)])      # many units per CTA, W2's segments waiting on W1 units of other CTAs
-def test_handover_pair_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms):
+@pytest.mark.parametrize("words_first", [False, True], ids=["weights_first", "words_first"])
+def test_handover_pair_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms, words_first):
     """The handover W1 + W2 (W2 programmatic, taking W1's rows per K128 step through the hand-over words instead of
-    waiting for W1's grid): ten pairs, half graph replays, on poisoned outputs write the plain stream-K kernels'
-    bytes (which match the float32 reference) and leave every word at zero."""
+    waiting for W1's grid; words_first: each W2 segment takes its words before its weights where W1 set them): ten
+    pairs, half graph replays, on poisoned outputs write the plain stream-K kernels' bytes (which match the float32
+    reference) and leave every word at zero."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + 5,
-                                           stream_k=True, ctas_per_sm=1, sms=sms, handover_pairs=10)
+                                           stream_k=True, ctas_per_sm=1, sms=sms, handover_pairs=10,
+                                           handover_words_first=words_first)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
@@ -1473,8 +1483,8 @@ def test_traced_programmatic_pair_stamps_the_handover_in_order():
 def test_stream_pair_matches_float32_reference_and_the_two_kernels(hidden, inter, experts, topk, tokens, sms):
     """The stream-K pair kernel (W1 and W2 in one launch, handing over through counted words) writes the bytes of
     the two stream-K kernels at one CTA per SM, which match the float32 reference; eight launches of each variant
-    (plain and lean_epilogue; half of them graph replays) on poisoned outputs, each leaving its words and counts at
-    zero."""
+    (plain, lean_epilogue, words_first, traced; half of them graph replays) on poisoned outputs, each leaving its
+    words and counts at zero."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + experts,
                                            stream_k=True, ctas_per_sm=1, sms=sms, pair_launches=8)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
@@ -1493,9 +1503,10 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    assert [tuple(dict(v.params).get(k, False) for k in ("lean_epilogue", "sm_weights", "trace"))
-            for v in stream_pair.all_variants()] == [(False,) * 3, (True, False, False), (False, True, False),
-                                                     (False, False, True)]
+    assert [tuple(dict(v.params).get(k, False) for k in ("lean_epilogue", "sm_weights", "trace", "words_first"))
+            for v in stream_pair.all_variants()] == [(False,) * 4, (True, False, False, False),
+                                                     (False, True, False, False), (False, False, True, False),
+                                                     (False, False, False, True), (False, False, True, True)]
     traced = stream_pair.PairConfig(trace=True).half("w2")
     assert traced.name.endswith("_skpt_ws") and traced.trace
     with pytest.raises(ValueError, match="not traced"):
@@ -1575,7 +1586,8 @@ def test_stream_pair_weighted_ranges_tile_the_work_and_find_their_owners():
 def test_stream_pair_builds_offline_without_local_memory(tmp_path):
     """The pair kernel builds on a machine without a GPU: its promises (the hand-over's release, relaxed adds and
     fence, the bounded waits' trap) and a stack of 0 bytes are checked by the build; each half's pipelined K loop
-    issues its four K32 WGMMAs twice (the first step, then the loop's) and the W2 producer polls with one warp vote."""
+    issues its four K32 WGMMAs twice (the first step, then the loop's) and the W2 producer polls with one warp vote
+    (words_first: and looks once with another, then takes its permits with acquire atomics)."""
     pytest.importorskip("cutlass")
     from gc_moe.kernels.sm90 import stream_pair
     from gc_moe.runtime import jit
@@ -1584,7 +1596,9 @@ def test_stream_pair_builds_offline_without_local_memory(tmp_path):
         entry = jit.build_variant(variant, "sm_90a", cache_dir=tmp_path)
         ptx = entry.ptx_path.read_text()
         assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 2 * 4
-        assert ptx.count("vote.sync.all.pred") == 1 and ptx.count("red.release.gpu.global.add.s32") >= 1
+        first = bool(dict(variant.params).get("words_first"))
+        assert ptx.count("vote.sync.all.pred") == 1 + first and ptx.count("red.release.gpu.global.add.s32") >= 1
+        assert ptx.count("atom.acquire.gpu.global.add.s32") == first
 
 
 def test_handover_knob_its_parameters_and_what_it_refuses():
@@ -1601,6 +1615,27 @@ def test_handover_knob_its_parameters_and_what_it_refuses():
                 {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True}):
         with pytest.raises(ValueError, match="handover is a knob of the stand-alone stream-K"):
             gg.GemmConfig(**{"role": "w2", "block_n": 8, "handover": True, **bad})
+
+
+def test_words_first_knob_its_names_and_what_it_refuses():
+    """`GemmConfig.words_first` (a hand-over W2 segment's words before its weights): a knob of the hand-over W2 alone.
+    The variant sets may name it anywhere (it stays off where W2 hands over no words, and W1 ignores it), the pair
+    kernel passes it to both halves, and the kernel's parameters are the handover W2's."""
+    from gc_moe.kernels.sm90 import stream_pair
+
+    wf = gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, handover=True, words_first=True)
+    assert wf.name.endswith("_sk_ho_wf_ws") and wf.params == gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1,
+                                                                         handover=True).params
+    assert dict(gg.variant("w2", 8, stream_k=True, handover=True, words_first=True).params)["words_first"]
+    for role, knobs in (("w1", {"stream_k": True, "handover": True}), ("w2", {"stream_k": True}), ("w2", {})):
+        assert "words_first" not in dict(gg.variant(role, 8, words_first=True, **knobs).params), (role, knobs)
+    for bad in ({}, {"stream_k": True, "ctas_per_sm": 1}):
+        with pytest.raises(ValueError, match="words_first is a knob of the hand-over W2"):
+            gg.GemmConfig(**{"role": "w2", "block_n": 8, "words_first": True, **bad})
+    pair = stream_pair.PairConfig(words_first=True)
+    assert pair.half("w2").words_first and pair.half("w1").words_first
+    assert dict(stream_pair.variant(words_first=True).params)["words_first"]
+    assert "words_first" not in dict(stream_pair.variant().params)  # the plain pair keeps its cache key
 
 
 def test_handover_launch_names_the_words_it_needs():

@@ -308,6 +308,12 @@ class GemmConfig:
     # the waited loop at every tile (the pipelined one keeps its last stages), or decode_ahead's (with it ptxas
     # serializes the WGMMAs for registers, so the variant sets build it without)
     persistent: bool = False
+    # a hand-over W2 (stream_pair or handover): each segment's producer first looks at the segment's words once and,
+    # where W1 set all of them already (every segment but a CTA's first, mostly), takes their permits with acquire
+    # atomics and streams the segment's stages as the plain stream-K producer does, weights and rows together.
+    # Without it every segment issues the weights of its first stages, then polls, takes the permits and fences
+    # before its first row copy: the traced pair waited 1.2-2.4 us at each segment switch for that (step 45)
+    words_first: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -393,6 +399,9 @@ class GemmConfig:
             raise ValueError("handover is a knob of the stand-alone stream-K W1 / W2 at one CTA per SM with one "
                              "producer warp: pass stream_k=True, ctas_per_sm=1 (the pair kernel hands over within "
                              "its launch)")
+        if self.words_first and not (self.stream_pair or self.handover):
+            raise ValueError("words_first is a knob of the hand-over W2 (the pair kernel's half, stream_pair=True, or "
+                             "the stand-alone stream-K W2 with handover=True)")
         if self.decode_ahead and not (self.table_decode and self.warp_specialized and not self.ring_consumer
                                       and self.k_splits == 1):
             raise ValueError("decode_ahead is a knob of the stand-alone table decode (table_decode=True, "
@@ -592,6 +601,7 @@ class GemmConfig:
         if self.stream_k:
             s += ("_skp" + ("t" if self.trace else "") + ("w" if self.sm_weights else "") if self.stream_pair
                   else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
+            s += "_wf" if self.words_first else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.decode_ahead:
@@ -797,6 +807,7 @@ def _make_kernel(cfg: GemmConfig):
     STREAM = cfg.stream_k
     PAIR = cfg.stream_pair  # a half of the stream-K pair kernel: `stream_walk` with its hand-over words
     HANDOVER = cfg.handover  # the stand-alone stream_k pair's hand-over words (W1 publishes, W2 takes permits)
+    WORDS_FIRST = cfg.words_first  # a hand-over W2 segment's words before its weights where W1 set them already
     WEIGHTED = cfg.sm_weights  # its ranges by per-SM weights (`load_sm_table`, `weighted_range`, `weighted_owner`)
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
@@ -1023,6 +1034,29 @@ def _make_kernel(cfg: GemmConfig):
             ptx.cp_async_4_zfill(meta + BN * 4, w_factor + Int64(e) * 4, Int32(4))
 
     @cute.jit
+    def weights_then_words(smem, k_steps, base, weights, ready_words, pidx, mine):
+        """A hand-over W2 segment's producer while W1 may still run: the weights of its first stages (up to half the
+        ring) as the consumers free them, then the segment's words (bounded polls, one permit per lane, a fence).
+        Returns those stages' count: their rows are still to be copied."""
+        w_src, s_src, tile_stride, scale_stride = weights
+        early = k_steps
+        if early > STAGES // 2:
+            early = Int32(STAGES // 2)
+        for kb in cutlass.range(early):
+            step = base + kb
+            if step >= STAGES:
+                ptx.mbarrier_wait(smem + cfg.barrier_offset + (STAGES + step % STAGES) * 8,
+                                  empty_parity(step, STAGES), suspend_ns=SUSPEND)
+            issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step % STAGES)
+        # the producer warp's own named barrier, not bar.warp.sync: with bar.warp.sync here ptxas kept the ring's
+        # stage index in vector registers in every K loop of the kernel (docs/sm90-grouped-gemm.md, step 40); a
+        # bar.sync among the warp's 32 threads orders their memory accesses as well
+        ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # the vote inside wants the whole warp
+        ptx.take_permits_warp(ready_words + Int64(pidx) * 4, mine)
+        ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # every lane's acquire before any lane's copies
+        return early
+
+    @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None,
                 ready_words=None, wait_stamp=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
@@ -1042,7 +1076,8 @@ def _make_kernel(cfg: GemmConfig):
         that at every segment: the weights of its first steps (up to half the ring) go out as their stages free,
         then lane kb polls word kb until W1's unit kb of this token tile has published its rows (bounded), takes
         one permit (the words return to zero by the launch's end) and the warp acquires (one fence), then the
-        rows follow."""
+        rows follow. words_first: the segment's words first, once; where all are set, each lane takes its permit
+        with an acquire atomic and the weights and rows go out together, stage by stage."""
         k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
         waited = Int32(0)
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
@@ -1054,26 +1089,20 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(LEAN and not STREAM and not PERSIST):  # persistent: per unit slot (`persistent_body`)
             stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
         if cutlass.const_expr((PAIR or HANDOVER) and not W1):
-            early = k_steps
-            if early > STAGES // 2:
-                early = Int32(STAGES // 2)
-            for kb in cutlass.range(early):
-                step = base + kb
-                if step >= STAGES:
-                    ptx.mbarrier_wait(smem + cfg.barrier_offset + (STAGES + step % STAGES) * 8,
-                                      empty_parity(step, STAGES), suspend_ns=SUSPEND)
-                issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, step % STAGES)
             # lane kb: step kb's word (one producer warp, at most 32 K128 steps: the host checks); the acquire
             # leaves no L1 line from before it, so the scales' cached copies below read what W1 wrote
             mine = Int32(0)
             if pidx < k_steps:
                 mine = Int32(1)
-            # the producer warp's own named barrier, not bar.warp.sync: with bar.warp.sync here ptxas kept the
-            # ring's stage index in vector registers in every K loop of the kernel (docs/sm90-grouped-gemm.md,
-            # step 40); a bar.sync among the warp's 32 threads orders their memory accesses as well
-            ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # the vote inside wants the whole warp
-            ptx.take_permits_warp(ready_words + Int64(pidx) * 4, mine)
-            ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # every lane's acquire before any lane's copies
+            if cutlass.const_expr(WORDS_FIRST):
+                ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # the vote inside wants the whole warp
+                taken = ptx.try_take_permits_warp(ready_words + Int64(pidx) * 4, mine)
+                ptx.named_barrier_sync(ptx.PRODUCER_WARP_BARRIER, 32)  # every lane's acquire before any copies
+                if taken == 0:  # W1 still runs: the weights of the first stages go out while it finishes
+                    early = weights_then_words(smem, k_steps, base, weights, ready_words, pidx, mine)
+                # else W1 set them already: every stage below goes out with its rows (early stays 0)
+            else:
+                early = weights_then_words(smem, k_steps, base, weights, ready_words, pidx, mine)
             if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
                 if pidx == 0 and wait_stamp != 0:  # the walk's first segment: when its rows could go out
                     ptx.stamp_times(wait_stamp)
@@ -2869,7 +2898,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
-               handover: bool = False, decode_ahead: bool = False, persistent: bool = False):
+               handover: bool = False, decode_ahead: bool = False, persistent: bool = False,
+               words_first: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2882,7 +2912,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     decode_ahead=decode_ahead, persistent=persistent)
+                     decode_ahead=decode_ahead, persistent=persistent, words_first=words_first)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2896,7 +2926,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False, decode_ahead: bool = False,
-            persistent: bool = False):
+            persistent: bool = False, words_first: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2917,6 +2947,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     stream_k = stream_k and block_n == 8 and ws_default and not fold_scales and k_splits == 1  # likewise, at tile 8
     trace = trace and stream_k
     handover = handover and stream_k  # a knob of the stream-K loops: sets may name it everywhere
+    words_first = words_first and handover and role == "w2"  # a knob of the hand-over W2: likewise
     if (trace or handover) and ctas_per_sm is None:
         ctas_per_sm = 1  # the only traced loop (GemmConfig.trace), the only handover one
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
@@ -2928,7 +2959,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace, handover=handover)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, handover=handover, words_first=words_first)
     # a knob of the stand-alone kernels: sets may name it everywhere
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
@@ -2981,6 +3012,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["lean_epilogue"] = True
     if handover:
         params["handover"] = True
+    if words_first:
+        params["words_first"] = True
     if decode_ahead:
         params["decode_ahead"] = True
     if persistent:
@@ -2997,6 +3030,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         promises += ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global",
                      "griddepcontrol.launch_dependents" if role == "w1" else
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
+    if words_first:  # the segment's permits taken at once where W1 set its words already
+        promises += ("atom.acquire.gpu.global.add",)
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -3059,6 +3094,9 @@ def all_variants():
     # the stand-alone pair's hand-over words (W2 takes W1's rows per K128 step), plain and traced
     stream_k += [variant(role, 8, stream_k=True, ctas_per_sm=1, handover=True, trace=trace)
                  for role in ("w1", "w2") for trace in (False, True)]
+    # its W2 taking a segment's words before the segment's weights where W1 set them already (step 45)
+    stream_k += [variant("w2", 8, stream_k=True, ctas_per_sm=1, handover=True, trace=trace, words_first=True)
+                 for trace in (False, True)]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)

@@ -561,6 +561,23 @@ def take_permits_warp(addr: Int64, mine: Int32, limit_ns: int = 10_000_000_000) 
     )
 
 
+def try_take_permits_warp(addr: Int64, mine: Int32) -> Int32:
+    """`take_permits_warp` without waiting: the whole warp (converged) looks once at the 32-bit word at `addr` of
+    each lane with `mine` != 0 (relaxed loads, a warp vote). Where every such word is >= 1 those lanes take one
+    permit each with an acquire atomic (add -1, which waits for its own round trip only; a fence would also wait for
+    the warp's copies still in flight) and every lane returns 1; else nothing is taken and every lane returns 0."""
+    return asm(
+        "{\n.reg .pred lane, ok, all;\n.reg .b32 seen;\n"
+        "setp.ne.s32 lane, $2, 0;\nsetp.eq.s32 ok, $2, 0;\nmov.b32 $0, 0;\n"
+        "@lane ld.relaxed.gpu.global.b32 seen, [$1];\n@lane setp.ge.s32 ok, seen, 1;\n"
+        "vote.sync.all.pred all, ok, 0xffffffff;\n@!all bra.uni DONE;\n"
+        "@lane atom.acquire.gpu.global.add.s32 seen, [$1], -1;\nmov.b32 $0, 1;\n"
+        "DONE:\n}",
+        [Int32],
+        [addr, mine],
+    )
+
+
 def mbarrier_wait_cycles(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> Int32:
     """`mbarrier_wait` (polling, bounded by `max_tries`, then trap) that returns the %clock cycles from before its first
     try to its success: a try suspends the thread until the phase completes (or a hardware time limit), so the first

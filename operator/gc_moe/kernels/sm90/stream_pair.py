@@ -18,7 +18,8 @@ its W2 range on one stage ring that runs on across both (`grouped_gemm.StreamHal
 - **no deadlock**: the grid is resident at once (one CTA per SM), every CTA finishes its W1 range before any W2
   wait, and W1 waits only for W1 pieces.
 
-Variants: plain, `lean_epilogue`, `sm_weights` (ranges by per-SM weights) and `trace` (a measuring variant).
+Variants: plain, `lean_epilogue`, `sm_weights` (ranges by per-SM weights), `words_first` (W2's segments take their
+words before their weights where W1 set them already) and `trace` (a measuring variant).
 Kernel parameters (in order): `PARAMS`. Host side (no DSL needed): `PairConfig`, `variant`, `all_variants`,
 `pair_buffers`, `pair_launch`, `launch_pair`, `sm_weight_table`, and the host twins `weighted_ranges`,
 `weighted_segments`, `hand_over_balance`.
@@ -58,12 +59,16 @@ class PairConfig:
     # (`grouped_gemm.GemmConfig.trace`; W2's "start" is its walk's, its wait the first segment's hand-over): where the
     # pair's time over the floor goes. A measuring variant
     trace: bool = False
+    # W2's segments take their hand-over words before their weights where W1 set them already (every segment but a
+    # CTA's first, mostly; `grouped_gemm.GemmConfig.words_first`): no wait for the rows at a segment switch (step 45)
+    words_first: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
         return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
-                             lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights, trace=self.trace)
+                             lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights, trace=self.trace,
+                             words_first=self.words_first)
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -74,11 +79,11 @@ class PairConfig:
 
 
 def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False,
-            sm_weights: bool = False, trace: bool = False):
+            sm_weights: bool = False, trace: bool = False, words_first: bool = False):
     """The runtime KernelVariant of the pair kernel."""
     from gc_moe.runtime.jit import KernelVariant
 
-    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace)  # validates
+    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace, words_first)  # validates
     params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
         params["lean_epilogue"] = True
@@ -86,9 +91,13 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
         params["sm_weights"] = True
     if trace:
         params["trace"] = True
+    if words_first:
+        params["words_first"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
+    if words_first:
+        promises += ("atom.acquire.gpu.global.add",)
     # the traced variant keeps the halves' trace addresses across both walks: 8 B spilled outside the K loops
     return KernelVariant.make("sm90.stream_pair", __name__, "build_pair", params, promises=promises,
                               local_bytes_budget=TRACE_LOCAL_BYTES if trace else 0,
@@ -96,11 +105,13 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
 
 
 def all_variants():
-    return [variant(), variant(lean_epilogue=True), variant(sm_weights=True), variant(trace=True)]
+    return [variant(), variant(lean_epilogue=True), variant(sm_weights=True), variant(trace=True),
+            variant(words_first=True), variant(trace=True, words_first=True)]
 
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
-               lean_epilogue: bool = False, sm_weights: bool = False, trace: bool = False):
+               lean_epilogue: bool = False, sm_weights: bool = False, trace: bool = False,
+               words_first: bool = False):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -108,7 +119,8 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
 
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
-    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace))
+    host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace,
+                                         words_first))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
