@@ -47,7 +47,9 @@ MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
 RANKS = 8
 # --pair's sets: the pair kernel's knobs (kernels.sm90.stream_pair.variant); the traced ones with --trace only
 PAIR_SETS = {"pair": {}, "pair_lean": {"lean_epilogue": True}, "pair_wf": {"words_first": True},
-             "pair_t": {"trace": True}, "pair_tf": {"trace": True, "words_first": True}}
+             "pair_pub": {"publisher_warp": True}, "pair_pubwf": {"publisher_warp": True, "words_first": True},
+             "pair_t": {"trace": True}, "pair_tf": {"trace": True, "words_first": True},
+             "pair_tpubwf": {"trace": True, "publisher_warp": True, "words_first": True}}
 
 
 def block_n_for(max_rows: int, max_block_n: int = 32, tiles=(8, 16, 32, 64)) -> int:
@@ -722,10 +724,11 @@ def main() -> int:
     ap.add_argument("--one-cta", action="store_true",
                     help="also run the default variants with one CTA per SM at every bn (ctas_per_sm=1; bn 8 defaults to 2)")
     ap.add_argument("--pair", action="store_true",
-                    help="also the sets `pair`, `pair_lean` and `pair_wf`: W1 and W2's stream-K loops as one launch "
+                    help="also the sets of PAIR_SETS: W1 and W2's stream-K loops as one launch "
                          "(kernels.sm90.stream_pair, token tile 8, one CTA per SM; pair_lean with the lean epilogue, "
-                         "pair_wf with W2's segments taking their words first) at every point; with --trace also "
-                         "`pair_t` and `pair_tf`, those two traced")
+                         "pair_wf with W2's segments taking their words first, pair_pub with W1's words released by a "
+                         "warp of their own, pair_pubwf with both) at every point; with --trace also the traced "
+                         "`pair_t`, `pair_tf` and `pair_tpubwf`")
     ap.add_argument("--sm-weights", default=None, metavar="JSON",
                     help="with --pair: also `pair_w`, the pair kernel with ranges sized by per-SM weights from this "
                          "JSON of {smid: rate} (scripts/analyze_unit_costs.py weights on a --trace run's JSON)")

@@ -11,7 +11,8 @@
 #           hand-over words (W2 takes W1's rows per K128 step as W1 publishes them, GemmConfig.handover), and `t8p`:
 #           the table decode at tile 8 as a persistent grid (two CTAs per SM; the tile-8 unit grid ws_auto runs at 8
 #           tokens has its WGMMAs serialized by ptxas, this one not); `pair_wf` and `ws_auto_hof`: the pair kernel
-#           and ws_auto_ho with W2's segments taking their hand-over words before their weights (words_first)
+#           and ws_auto_ho with W2's segments taking their hand-over words before their weights (words_first);
+#           `pair_pub` / `pair_pubwf`: the pair with W1's words released by a warp of their own (publisher_warp)
 #   shapes  64-256 tokens: ws_auto (tile_knobs's default), `ahead` (with GemmConfig.decode_ahead) and `pers` (the
 #           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), and both with
 #           tile 32 for 9-32 rows instead of tiles 16 / 24 at two CTAs per SM (`ahead32`, `pers32`), per
@@ -21,7 +22,8 @@
 #           SM, start and end, three launches each (does the end spread sit on the same SMs every launch?
 #           scripts/analyze_unit_costs.py spread), the traced pair with the programmatic W2 (skt1p): where the
 #           pair loses time between W1's streaming and W2's (pair_trace), the same with the hand-over words (skt1h,
-#           skt1hf with words_first) and the traced pair kernel (pair_t, pair_tf with words_first)
+#           skt1hf with words_first) and the traced pair kernel (pair_t, pair_tf with words_first, pair_tpubwf with
+#           both steps 45-46)
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
@@ -110,12 +112,14 @@ d = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
     if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_ho", "ws_auto_hof", "ws_auto_pair", "pair",
-                    "pair_lean", "pair_wf", "pair_w"):
+                    "pair_lean", "pair_wf", "pair_pub", "pair_pubwf", "pair_w"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     w2 = (r.get("trace") or {}).get("w2")
-    if w2:  # a traced W2: its segment switches' waits (median / max), end spread and span
+    if w2:  # a traced W2: its segment switches' waits (median / max), end spread and span; W1's epilogues, span
+        w1 = r["trace"]["w1"]
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} W2 switch wait {w2['switch_wait_us']} end spread "
-              f"{w2['end_spread_us']} span {w2['span_us']}")
+              f"{w2['end_spread_us']} span {w2['span_us']}; W1 epilogue whole {w1['epilogue_whole_us']} owner "
+              f"{w1['epilogue_owner_us']} span {w1['span_us']}")
     p = r.get("pair_trace")
     if p:
         print(f"{r['model']:20s} T={r['tokens']} pair: W1 ends {p['w1_first_end_us']}-{p['w1_last_end_us']}, W2 start "

@@ -1201,7 +1201,7 @@ def _eager_and_replayed(launch_on, stream, launches):
 
 def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap, sms, launches, sm_weights=None):
     """The stream-K pair kernel over `_run_case`'s tensors, `launches` times per variant (odd ones graph replays).
-    Without `sm_weights` its equal-range variants (plain, lean_epilogue, words_first, traced), each against the bytes
+    Without `sm_weights` its equal-range variants (plain, lean, words_first, publisher_warp, traced), each against the bytes
     the two kernels wrote there (`_run_case(pair_launches=...)`); with a table (`stream_pair.sm_weight_table` over the SMs the
     launch runs on) the sm_weights variant, every launch against its first (other piece boundaries: other last bits),
     its outputs left in mid / mid_sf / out."""
@@ -1483,8 +1483,8 @@ def test_traced_programmatic_pair_stamps_the_handover_in_order():
 def test_stream_pair_matches_float32_reference_and_the_two_kernels(hidden, inter, experts, topk, tokens, sms):
     """The stream-K pair kernel (W1 and W2 in one launch, handing over through counted words) writes the bytes of
     the two stream-K kernels at one CTA per SM, which match the float32 reference; eight launches of each variant
-    (plain, lean_epilogue, words_first, traced; half of them graph replays) on poisoned outputs, each leaving its
-    words and counts at zero."""
+    (plain, lean_epilogue, words_first, publisher_warp, traced; half of them graph replays) on poisoned outputs,
+    each leaving its words and counts at zero."""
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens + experts,
                                            stream_k=True, ctas_per_sm=1, sms=sms, pair_launches=8)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
@@ -1503,10 +1503,10 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    assert [tuple(dict(v.params).get(k, False) for k in ("lean_epilogue", "sm_weights", "trace", "words_first"))
-            for v in stream_pair.all_variants()] == [(False,) * 4, (True, False, False, False),
-                                                     (False, True, False, False), (False, False, True, False),
-                                                     (False, False, False, True), (False, False, True, True)]
+    knobs = ("lean_epilogue", "sm_weights", "trace", "words_first", "publisher_warp")
+    assert [{k for k in knobs if dict(v.params).get(k)} for v in stream_pair.all_variants()] == [
+        set(), {"lean_epilogue"}, {"sm_weights"}, {"trace"}, {"words_first"}, {"trace", "words_first"},
+        {"publisher_warp"}, {"words_first", "publisher_warp"}, {"trace", "words_first", "publisher_warp"}]
     traced = stream_pair.PairConfig(trace=True).half("w2")
     assert traced.name.endswith("_skpt_ws") and traced.trace
     with pytest.raises(ValueError, match="not traced"):
@@ -1599,6 +1599,11 @@ def test_stream_pair_builds_offline_without_local_memory(tmp_path):
         first = bool(dict(variant.params).get("words_first"))
         assert ptx.count("vote.sync.all.pred") == 1 + first and ptx.count("red.release.gpu.global.add.s32") >= 1
         assert ptx.count("atom.acquire.gpu.global.add.s32") == first
+        # publisher_warp: thread 0 counts the finished W1 units (one release store), the publisher polls the count
+        publisher = bool(dict(variant.params).get("publisher_warp"))
+        assert ptx.count("st.release.cta.shared::cta.b32") == publisher
+        assert ("ld.acquire.cta.shared::cta.b32" in ptx) == publisher
+        assert entry.resources["required_block"][0] == 544 + 32 * publisher
 
 
 def test_handover_knob_its_parameters_and_what_it_refuses():
@@ -1636,6 +1641,21 @@ def test_words_first_knob_its_names_and_what_it_refuses():
     assert pair.half("w2").words_first and pair.half("w1").words_first
     assert dict(stream_pair.variant(words_first=True).params)["words_first"]
     assert "words_first" not in dict(stream_pair.variant().params)  # the plain pair keeps its cache key
+
+
+def test_publisher_warp_knob_its_warp_its_count_and_what_it_refuses():
+    """`GemmConfig.publisher_warp` (the pair's W1 words released by a warp of their own): a knob of the pair's
+    halves, one more warp in the CTA (the launch's block) and the count of finished units after the rest of the
+    shared memory; the ring is the one without it."""
+    from gc_moe.kernels.sm90 import stream_pair
+
+    plain, pub = stream_pair.PairConfig().half("w1"), stream_pair.PairConfig(publisher_warp=True).half("w1")
+    assert pub.threads == plain.threads + 32 == 576 and pub.stages == plain.stages
+    assert pub.publish_offset == plain.smem_bytes and pub.smem_bytes == plain.smem_bytes + 16
+    assert pub.name.endswith("_skp_pub_ws") and stream_pair.PairConfig(publisher_warp=True).half("w2").publisher_warp
+    with pytest.raises(ValueError, match="publisher_warp is a knob of the stream-K pair kernel's halves"):
+        gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, publisher_warp=True)
+    assert dict(stream_pair.variant(publisher_warp=True).params)["publisher_warp"]
 
 
 def test_handover_launch_names_the_words_it_needs():

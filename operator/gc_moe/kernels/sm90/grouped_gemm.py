@@ -314,6 +314,12 @@ class GemmConfig:
     # Without it every segment issues the weights of its first stages, then polls, takes the permits and fences
     # before its first row copy: the traced pair waited 1.2-2.4 us at each segment switch for that (step 45)
     words_first: bool = False
+    # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
+    # thread 0 only arrives on a publish barrier; the publisher warp walks the CTA's W1 segments as the consumers do
+    # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
+    # SASS) then stalls that warp, not warpgroup 0 and with it the ring (the pair's W1 epilogues took 1.8-3.3 us
+    # against 0.7-1.3 in the separate W1: step 46). Both halves take it (one more warp in the CTA)
+    publisher_warp: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -399,6 +405,8 @@ class GemmConfig:
             raise ValueError("handover is a knob of the stand-alone stream-K W1 / W2 at one CTA per SM with one "
                              "producer warp: pass stream_k=True, ctas_per_sm=1 (the pair kernel hands over within "
                              "its launch)")
+        if self.publisher_warp and not self.stream_pair:
+            raise ValueError("publisher_warp is a knob of the stream-K pair kernel's halves: pass stream_pair=True")
         if self.words_first and not (self.stream_pair or self.handover):
             raise ValueError("words_first is a knob of the hand-over W2 (the pair kernel's half, stream_pair=True, or "
                              "the stand-alone stream-K W2 with handover=True)")
@@ -434,7 +442,8 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return THREADS + (self.producer_threads if self.warp_specialized else 0)
+        return (THREADS + (self.producer_threads if self.warp_specialized else 0)
+                + (PRODUCER_THREADS if self.publisher_warp else 0))
 
     @property
     def producer_threads(self) -> int:
@@ -451,7 +460,7 @@ class GemmConfig:
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
         fixed = (16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
-                 + self.sm_table_bytes)
+                 + self.sm_table_bytes + self.publish_bytes)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -543,8 +552,18 @@ class GemmConfig:
         return 2 * SM_TABLE_BYTES if self.sm_weights else 0
 
     @property
-    def smem_bytes(self) -> int:
+    def publish_offset(self) -> int:
+        """publisher_warp: the count of W1 units the consumers finished (thread 0 stores it, the publisher warp
+        polls it), after everything else."""
         return self.ticket_offset + (self.fused_bytes if self.fused_role2 else 0) + self.sm_table_bytes
+
+    @property
+    def publish_bytes(self) -> int:
+        return 16 if self.publisher_warp else 0
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.publish_offset + self.publish_bytes
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -601,7 +620,7 @@ class GemmConfig:
         if self.stream_k:
             s += ("_skp" + ("t" if self.trace else "") + ("w" if self.sm_weights else "") if self.stream_pair
                   else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
-            s += "_wf" if self.words_first else ""
+            s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
         if self.lean_epilogue:
             s += "_lean"
         if self.decode_ahead:
@@ -782,6 +801,7 @@ class StreamHalf:
     trace_slots: object
     trace_scanned: object
     trace_tail: object
+    publish_walk: object
 
 
 def _make_kernel(cfg: GemmConfig):
@@ -808,6 +828,7 @@ def _make_kernel(cfg: GemmConfig):
     PAIR = cfg.stream_pair  # a half of the stream-K pair kernel: `stream_walk` with its hand-over words
     HANDOVER = cfg.handover  # the stand-alone stream_k pair's hand-over words (W1 publishes, W2 takes permits)
     WORDS_FIRST = cfg.words_first  # a hand-over W2 segment's words before its weights where W1 set them already
+    PUBLISHER = cfg.publisher_warp  # the pair's W1 words released by a warp of their own (`publish_walk`)
     WEIGHTED = cfg.sm_weights  # its ranges by per-SM weights (`load_sm_table`, `weighted_range`, `weighted_owner`)
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
@@ -1719,6 +1740,8 @@ def _make_kernel(cfg: GemmConfig):
             for st in cutlass.range_constexpr(STAGES):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
                 ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
+            if cutlass.const_expr(PUBLISHER):  # the units the consumers finished so far (thread 0 counts them)
+                ptx.sts_s32(smem + cfg.publish_offset, Int32(0))
             ptx.fence_mbarrier_init()
         ptx.gemm_barrier(cfg)
 
@@ -2402,15 +2425,9 @@ def _make_kernel(cfg: GemmConfig):
             ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
 
     @cute.jit
-    def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
-                    trace, pair=None, smid=None):
-        """The segments of a stream_k CTA's range over this role's units (`unit_table`), its steps numbered from
-        `base` on the CTA's stage ring; returns (base after them, segments walked). pair (a half of the stream-K
-        pair kernel, `kernels.sm90.stream_pair`): W1's (ready words, token tiles per expert in them, W2's weight-row
-        CTAs per token tile: the readers of each word), W2's (ready words, token tiles per expert). sm_weights: `cta`
-        is the SM's rank (`sm_rank`), `smid` its SM: the range is its weighted share (`weighted_range`) wherever
-        every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
-        wg, t, warp, g, q = coords
+    def walk_range(units, k_blocks, cta, smem, smid):
+        """A stream_k CTA's K128 steps [s, end) of this role's work, the working CTAs, the work, and the weighted
+        mode (sm_weights: 1 where the ranges follow the weights, 0 where they are equal; None without)."""
         ctas = Int32(cute.arch.grid_dim()[0])
         work = units * k_blocks
         s = Int32(0)
@@ -2433,7 +2450,48 @@ def _make_kernel(cfg: GemmConfig):
                 ctas = work
             if cta < ctas:
                 s, end = stream_range(cta, ctas, work)
+        return s, end, ctas, work, wmode
+
+    @cute.jit
+    def publish_walk(table, units, k_blocks, m_tiles, pair, tid, cta, smem, smid=None):
+        """publisher_warp, the pair's W1 half: the warp beside the producer walks the CTA's segments as the
+        consumers do (`stream_walk`) and, for each that finishes a unit (a whole unit or an owner), waits until the
+        consumers' thread 0 has counted it (a shared word it stores with release after the consumers' epilogue
+        barrier, so their stores are ordered before; an acquire poll, bounded) and releases the unit's word: one
+        permit per W2 unit that reads it. A count, not a barrier's phase: the consumers may run ahead by any
+        number of units."""
+        s, end, _, _, _ = walk_range(units, k_blocks, cta, smem, smid)
+        published = Int32(0)
+        while s < end:
+            unit = s // k_blocks
+            k_first = s - unit * k_blocks
+            k_end = end - unit * k_blocks
+            if k_end > k_blocks:  # noqa: PLR1730 (device values: min() would compare them at trace time)
+                k_end = k_blocks
+            if k_first == 0:
+                e, bx, bz, _, _ = unit_lookup(table, unit)  # the whole warp (its ballots)
+                if tid % 32 == 0:
+                    ptx.wait_shared_at_least_acquire_cta(smem + cfg.publish_offset, published + 1)
+                    word = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(m_tiles // TILES_PER_CTA)
+                                      + Int64(bx)) * 4
+                    ptx.red_add_release_gpu_s32(word, pair[2])
+                published = published + 1
+            s = s + k_end - k_first
+
+    @cute.jit
+    def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
+                    trace, pair=None, smid=None):
+        """The segments of a stream_k CTA's range over this role's units (`unit_table`), its steps numbered from
+        `base` on the CTA's stage ring; returns (base after them, segments walked). pair (a half of the stream-K
+        pair kernel, `kernels.sm90.stream_pair`): W1's (ready words, token tiles per expert in them, W2's weight-row
+        CTAs per token tile: the readers of each word), W2's (ready words, token tiles per expert). sm_weights: `cta`
+        is the SM's rank (`sm_rank`), `smid` its SM: the range is its weighted share (`weighted_range`) wherever
+        every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
+        wg, t, warp, g, q = coords
+        s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
         segment = Int32(0)
+        if cutlass.const_expr(PUBLISHER and W1):
+            published = Int32(0)  # the units this CTA finished: the publish barrier's phases
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
         while s < end:
             unit = s // k_blocks
@@ -2503,13 +2561,22 @@ def _make_kernel(cfg: GemmConfig):
                     if k_first == 0:  # a whole unit or an owner: the unit's output rows are written
                         consumer_sync()  # every thread's stores (and reads of the staged pieces) before thread 0's
                         if tid == 0:
-                            word = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(m_tiles // TILES_PER_CTA)
-                                              + Int64(bx)) * 4
-                            ptx.red_add_release_gpu_s32(word, pair[2])  # one permit per W2 unit that reads them
+                            if cutlass.const_expr(PUBLISHER):  # the publisher warp releases the word
+                                # the count of finished units, released at CTA scope: the consumers' stores thread 0
+                                # observed through their barrier go before it (a wait here, even one never taken,
+                                # cost every K loop of the pair its uniform registers)
+                                ptx.st_release_cta_shared_s32(smem + cfg.publish_offset, published + 1)
+                            else:
+                                word = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz))
+                                                  * Int64(m_tiles // TILES_PER_CTA) + Int64(bx)) * 4
+                                ptx.red_add_release_gpu_s32(word, pair[2])  # one permit per W2 unit that reads them
                             if staged == 1:  # the owner's pieces' stage, for every consumer warp (a warp's own
                                 # release inside the epilogue's branches cost the K loops their uniform registers)
                                 ptx.mbarrier_arrive_count(smem + cfg.barrier_offset
                                                           + (STAGES + (base + steps) % STAGES) * 8, THREADS // 32)
+                if cutlass.const_expr(PUBLISHER and W1):  # noqa: SIM102 (a trace-time branch)
+                    if k_first == 0:
+                        published = published + 1
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
                     if tid == 0:
                         ptx.stamp_times(seg_stamps + Int64(48))
@@ -2797,7 +2864,7 @@ def _make_kernel(cfg: GemmConfig):
         return w1_body if W1 else w2_body
     if PAIR:  # a half of the stream-K pair kernel: kernels.sm90.stream_pair sets the ring up and walks both halves
         return StreamHalf(thread_coords, init_stage_ring, unit_table, stream_walk, load_sm_table, sm_rank,
-                          trace_slots, trace_scanned, trace_tail)
+                          trace_slots, trace_scanned, trace_tail, publish_walk)
     return kernel
 
 

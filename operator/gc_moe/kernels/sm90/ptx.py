@@ -578,6 +578,28 @@ def try_take_permits_warp(addr: Int64, mine: Int32) -> Int32:
     )
 
 
+def st_release_cta_shared_s32(addr: Int32, v: Int32) -> None:
+    """Store `v` to shared memory with release semantics at CTA scope (the writes this thread observed, e.g.
+    through a CTA barrier, happen before it); ptxas emits a CTA-level MEMBAR and the store, nothing GPU-wide."""
+    asm("st.release.cta.shared::cta.b32 [$0], $1;", [], [addr, v])
+
+
+def wait_shared_at_least_acquire_cta(addr: Int32, target: Int32, limit_ns: int = 10_000_000_000) -> None:
+    """Acquire-poll the shared 32-bit word at `addr` (CTA scope) until it is >= target, with a 32 ns back-off
+    between polls; trap once `limit_ns` of %globaltimer passed since the first failed poll instead of hanging."""
+    asm(
+        "{\n.reg .pred done, late;\n.reg .b32 seen;\n.reg .b64 t0, t1;\n"
+        "ld.acquire.cta.shared::cta.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n@done bra.uni DONE;\n"
+        "mov.u64 t0, %globaltimer;\n"
+        "WAIT:\nnanosleep.u32 32;\nld.acquire.cta.shared::cta.b32 seen, [$0];\nsetp.ge.s32 done, seen, $1;\n"
+        "@done bra.uni DONE;\n"
+        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n@!late bra.uni WAIT;\n"
+        "trap;\nDONE:\n}",
+        [],
+        [addr, target],
+    )
+
+
 def mbarrier_wait_cycles(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> Int32:
     """`mbarrier_wait` (polling, bounded by `max_tries`, then trap) that returns the %clock cycles from before its first
     try to its success: a try suspends the thread until the phase completes (or a hardware time limit), so the first

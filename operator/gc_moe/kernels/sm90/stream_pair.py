@@ -19,7 +19,8 @@ its W2 range on one stage ring that runs on across both (`grouped_gemm.StreamHal
   wait, and W1 waits only for W1 pieces.
 
 Variants: plain, `lean_epilogue`, `sm_weights` (ranges by per-SM weights), `words_first` (W2's segments take their
-words before their weights where W1 set them already) and `trace` (a measuring variant).
+words before their weights where W1 set them already), `publisher_warp` (W1's words released by a warp of their
+own, not by the consumers' thread 0) and `trace` (a measuring variant).
 Kernel parameters (in order): `PARAMS`. Host side (no DSL needed): `PairConfig`, `variant`, `all_variants`,
 `pair_buffers`, `pair_launch`, `launch_pair`, `sm_weight_table`, and the host twins `weighted_ranges`,
 `weighted_segments`, `hand_over_balance`.
@@ -62,13 +63,16 @@ class PairConfig:
     # W2's segments take their hand-over words before their weights where W1 set them already (every segment but a
     # CTA's first, mostly; `grouped_gemm.GemmConfig.words_first`): no wait for the rows at a segment switch (step 45)
     words_first: bool = False
+    # W1's hand-over words released by an 18th warp instead of the consumers' thread 0, whose GPU-scope release
+    # stalled warpgroup 0 and the ring after every finished unit (`grouped_gemm.GemmConfig.publisher_warp`, step 46)
+    publisher_warp: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
         return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
                              lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights, trace=self.trace,
-                             words_first=self.words_first)
+                             words_first=self.words_first, publisher_warp=self.publisher_warp)
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -79,11 +83,11 @@ class PairConfig:
 
 
 def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False,
-            sm_weights: bool = False, trace: bool = False, words_first: bool = False):
+            sm_weights: bool = False, trace: bool = False, words_first: bool = False, publisher_warp: bool = False):
     """The runtime KernelVariant of the pair kernel."""
     from gc_moe.runtime.jit import KernelVariant
 
-    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace, words_first)  # validates
+    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace, words_first, publisher_warp)  # validates
     params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
     if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
         params["lean_epilogue"] = True
@@ -93,6 +97,8 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
         params["trace"] = True
     if words_first:
         params["words_first"] = True
+    if publisher_warp:
+        params["publisher_warp"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
@@ -106,12 +112,13 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
 
 def all_variants():
     return [variant(), variant(lean_epilogue=True), variant(sm_weights=True), variant(trace=True),
-            variant(words_first=True), variant(trace=True, words_first=True)]
+            variant(words_first=True), variant(trace=True, words_first=True), variant(publisher_warp=True),
+            variant(words_first=True, publisher_warp=True), variant(trace=True, words_first=True, publisher_warp=True)]
 
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
                lean_epilogue: bool = False, sm_weights: bool = False, trace: bool = False,
-               words_first: bool = False):
+               words_first: bool = False, publisher_warp: bool = False):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -120,7 +127,7 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
     host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace,
-                                         words_first))
+                                         words_first, publisher_warp))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
@@ -346,8 +353,28 @@ def _make_kernel(cfg: PairConfig):
             smid = ptx.sm_id()
             cta, _ = w1.sm_rank(smem, smid)  # the CTA's place in the order: its SM's rank by weight
         table1, units1 = w1.unit_table(expert_offsets, experts, w1_m_tiles // rows_per_unit)
-        if cutlass.const_expr(cfg.trace):
-            w1.trace_scanned(trace1, tid)
+        tensors = (w1_codes, w1_scales, w1_factor, act, act_scale, expert_offsets, routing_weight, mid, mid_scale,
+                   w2_codes, w2_scales, w2_factor, dest_row, out, ready)
+        sizes = (hidden_blocks, w1_m_tiles, inter_blocks, w2_m_tiles, experts, ready_tiles)
+        if cutlass.const_expr(cfg.publisher_warp):
+            if tid >= half1.threads - gg.PRODUCER_THREADS:  # the publisher warp: W1's words, nothing else
+                w1.publish_walk(table1, units1, hidden_blocks, w1_m_tiles,
+                                (ready, ready_tiles, w2_m_tiles // rows_per_unit), tid, cta, smem, smid)
+            else:
+                walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, (split1, trace1),
+                          (split2, trace2))
+        else:
+            walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, (split1, trace1),
+                      (split2, trace2))
+
+    @cute.jit
+    def walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, w1_split, w2_split):
+        """The consumers and the producer: the CTA's W1 range, then its W2 range, on one ring."""
+        (w1_codes, w1_scales, w1_factor, act, act_scale, expert_offsets, routing_weight, mid, mid_scale,
+         w2_codes, w2_scales, w2_factor, dest_row, out, ready) = tensors
+        hidden_blocks, w1_m_tiles, inter_blocks, w2_m_tiles, experts, ready_tiles = sizes
+        split1, trace1 = w1_split
+        split2, trace2 = w2_split
         base, segments1 = w1.stream_walk((w1_codes, w1_scales, act, act_scale), w1_factor, table1, units1,
                                          hidden_blocks, w1_m_tiles, split1, (routing_weight, mid, mid_scale), tid,
                                          coords, cta, smem, Int32(0), trace1,
