@@ -7,7 +7,9 @@
   (fill, epilogue, launch) or per K128 step (the loop)?
 - `spread`: per traced stream-K kernel, whether the late CTAs sit on the same SMs launch after launch (each SM's end
   after the launch's median end, correlated between the launches): a static per-SM weighting of the ranges helps
-  only then; a dynamic tail helps either way. And the pair traces (W1 -> W2 on one timer), if any.
+  only then; a dynamic tail helps either way. And the pair traces (W1 -> W2 on one timer), if any, and where both
+  roles were traced in the same launches whether an SM's W2 ends late because its W1 did (each launch's correlation
+  of the SMs' W1 and W2 ends, and the slope of W2's on W1's): W2 ranges that follow W1's finish order pay only then.
 
 - `weights`: each SM's streaming rate over the traced launches, as the JSON the bench's `--sm-weights` reads (the
   stream-K pair kernel's ranges sized by them).
@@ -108,6 +110,23 @@ def spread_persistence(runs: list) -> dict:
             "late_in_every_launch": always}
 
 
+def finish_order(w1_runs: list, w2_runs: list) -> dict:
+    """The same launches' W1 and W2 traces (`ctas_by_sm_runs`, one CTA per SM): per launch the correlation of each
+    SM's W1 end with its W2 end, and the least-squares slope of W2's end on W1's (1: W2 ends as late as W1 did)."""
+    corr, slope = [], []
+    for run1, run2 in zip(w1_runs, w2_runs):
+        end1, end2 = {c[0]: c[2] for c in run1}, {c[0]: c[2] for c in run2}
+        common = sorted(set(end1) & set(end2))
+        if len(common) < 3:
+            continue
+        a, b = [end1[s] for s in common], [end2[s] for s in common]
+        ma, mb = statistics.fmean(a), statistics.fmean(b)
+        var = sum((x - ma) ** 2 for x in a)
+        corr.append(round(pearson(a, b), 2))
+        slope.append(round(sum((x - ma) * (y - mb) for x, y in zip(a, b)) / var, 2) if var else float("nan"))
+    return {"launches": len(corr), "w1_w2_end_correlation": corr, "w2_on_w1_end_slope": slope}
+
+
 def spread(rows: list) -> list:
     out = []
     for r in rows:
@@ -116,6 +135,10 @@ def spread(rows: list) -> list:
             if runs:
                 out.append({"set": r["tag"], "model": r["model"], "tokens": r["tokens"], "role": role,
                             **spread_persistence(runs)})
+        both = [((r.get("trace") or {}).get(role) or {}).get("ctas_by_sm_runs") for role in ("w1", "w2")]
+        if all(both):
+            out.append({"set": r["tag"], "model": r["model"], "tokens": r["tokens"], "role": "w1->w2",
+                        **finish_order(*both)})
         if r.get("pair_trace"):
             p = {k: v for k, v in r["pair_trace"].items() if k != "runs"}
             out.append({"set": r["tag"], "model": r["model"], "tokens": r["tokens"], "role": "pair", **p})

@@ -727,6 +727,14 @@ def test_spread_persistence_tells_static_from_random_late_sms():
     rows = [{"tag": "skt1", "model": "glm-5.2", "tokens": 1, "trace": {"w1": {"ctas_by_sm_runs": same}},
              "pair_trace": {"span_us": 50.0, "runs": []}}]
     assert [r["role"] for r in analyze.spread(rows)] == ["w1", "pair"]
+    # W2 ending as late as W1 did on each SM (plus a constant): correlation and slope 1; W2's ends unrelated: ~0
+    w2_same = [[[s, 31.0, 50.0 + lateness[s], 20] for s in range(28)] for _ in range(3)]
+    got = analyze.finish_order(same, w2_same)
+    assert got == {"launches": 3, "w1_w2_end_correlation": [1.0] * 3, "w2_on_w1_end_slope": [1.0] * 3}
+    unrelated = [[[s, 31.0, 50.0 + 0.1 * ((s // 4) % 4), 20] for s in range(28)] for _ in range(3)]
+    assert analyze.finish_order(same, unrelated)["w1_w2_end_correlation"] == [0.0] * 3
+    both = [{**rows[0], "trace": {"w1": {"ctas_by_sm_runs": same}, "w2": {"ctas_by_sm_runs": w2_same}}}]
+    assert [r["role"] for r in analyze.spread(both)] == ["w1", "w2", "w1->w2", "pair"]
     # `weights`: each SM's steps over its spans, over the launches (SMs missing from one launch left out)
     rates = analyze.sm_rates(rows + [{"trace": {"w2": {"ctas_by_sm_runs": [[[s, 1.0, 11.0, 20] for s in range(27)]]}}}])
     assert sorted(rates) == list(range(27)) and rates[0] == round((3 * 50 + 20) / (3 * 30.0 + 10.0), 4)
