@@ -45,6 +45,8 @@ MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
     "glm-5.2": {"hidden": 6144, "inter": 2048, "experts": 256, "topk": 8},
 }
 RANKS = 8
+# --auto-set knobs for the pair kernel alone (the pseudo-knob pair: run it where tile_knobs picks stream-K)
+PAIR_ONLY_KNOBS = ("pair", "publisher_warp")
 # --pair's sets: the pair kernel's knobs (kernels.sm90.stream_pair.variant); the traced ones with --trace only
 PAIR_SETS = {"pair": {}, "pair_lean": {"lean_epilogue": True}, "pair_wf": {"words_first": True},
              "pair_pub": {"publisher_warp": True}, "pair_pubwf": {"publisher_warp": True, "words_first": True},
@@ -808,7 +810,7 @@ def main() -> int:
             sets.append(extra)
         auto_variants = [v for spec in args.auto_set  # (the pair kernels are built below in any case)
                          for pair in auto_set_variants(gg, {k: x for k, x in parse_auto_set(spec)[1].items()
-                                                            if k != "pair"}).values() for v in pair]
+                                                            if k not in PAIR_ONLY_KNOBS}).values() for v in pair]
         from gc_moe.kernels.sm90 import stream_pair
 
         seen = set()
@@ -845,11 +847,14 @@ def main() -> int:
             kernel_sets["ws_auto_pdl"] = None  # the same, W2 launched programmatically where it is stream-K
     auto_knobs = {"ws_auto": {}, "ws_auto_pdl": {}}  # per tile_knobs set: the knobs it adds
     auto_pdl = {}  # --auto-set sets that launch a stream-K W2 programmatically (pseudo-knob pdl=True)
-    auto_pair = set()  # --auto-set sets that run the stream-K pair kernel where tile_knobs picks stream-K (pair=True)
+    auto_pair = {}  # --auto-set sets that run the stream-K pair kernel where tile_knobs picks stream-K (pair=True):
+    # the pair kernel's own knobs
     for spec in args.auto_set if args.auto_ctas else ():
         tag, auto_knobs[tag], auto_pdl[tag] = parse_auto_set(spec)
-        if auto_knobs[tag].pop("pair", False):  # the pseudo-knob pair: the pair kernel where the rule picks stream-K
-            auto_pair.add(tag)
+        pair_only = {k: auto_knobs[tag].pop(k) for k in PAIR_ONLY_KNOBS if k in auto_knobs[tag]}
+        if pair_only.pop("pair", False):  # the pseudo-knob pair: the pair kernel where the rule picks stream-K
+            auto_pair[tag] = {k: auto_knobs[tag][k] for k in ("lean_epilogue", "words_first") if k in auto_knobs[tag]}
+            auto_pair[tag].update(pair_only)
         kernel_sets[tag] = None
     if args.table_decode:
         kernel_sets["tab"] = {**knobs, "fold_scales": True, "table_decode": True}
@@ -903,9 +908,8 @@ def main() -> int:
             else:
                 pair_kernels["pair_w"] = jit.load_kernel(stream_pair.variant(sm_weights=True), "sm_90a")
                 kernel_sets["pair_w"] = "pair"
-        for tag in auto_pair:
-            lean = bool(auto_knobs[tag].get("lean_epilogue", False))
-            pair_kernels[tag] = jit.load_kernel(stream_pair.variant(lean_epilogue=lean), "sm_90a")
+        for tag, pair_knobs in auto_pair.items():
+            pair_kernels[tag] = jit.load_kernel(stream_pair.variant(**pair_knobs), "sm_90a")
     occupancy_report({k: v for k, v in kernel_sets.items() if v != "pair"})
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")

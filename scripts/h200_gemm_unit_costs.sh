@@ -73,6 +73,7 @@ for s in $steps; do
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
             --auto-set ws_auto_ho:handover=True,pdl=True --auto-set "$HOF" --extra-set "$T8P" \
+            --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
             $([ -s "$OUT/sm-rates.json" ] && echo --sm-weights "$OUT/sm-rates.json") \
             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/pair.json" ;;
     trace) run trace 300 python $BENCH --check --time --auto-ctas --pdl --pair --per-role --trace \
@@ -111,8 +112,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: cold us at 1-8 tokens; the traced pair's hand-over (us, median / max)")
 for r in d["rows"]:
-    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_ho", "ws_auto_hof", "ws_auto_pair", "pair",
-                    "pair_lean", "pair_wf", "pair_pub", "pair_pubwf", "pair_w"):
+    if r["tag"] in ("ws_auto", "ws_auto_pdl", "lean_pdl", "ws_auto_ho", "ws_auto_hof", "ws_auto_pair",
+                    "ws_auto_pairx", "pair", "pair_lean", "pair_wf", "pair_pub", "pair_pubwf", "pair_w", "t8p"):
         print(f"{r['model']:20s} T={r['tokens']} {r['tag']:12s} {r.get('cold_us', 0):6.1f} floor {r.get('floor_us', 0):6.1f}")
     w2 = (r.get("trace") or {}).get("w2")
     if w2:  # a traced W2: its segment switches' waits (median / max), end spread and span; W1's epilogues, span
