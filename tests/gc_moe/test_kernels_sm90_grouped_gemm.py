@@ -3,6 +3,7 @@
 import json
 import re
 import struct
+import types
 
 import pytest
 import torch
@@ -557,6 +558,9 @@ def test_persistent_knob_grid_arguments_and_word_slots():
             assert gg.grid(cfg, 4096, 32, 40, sms=3) == (3 * cfg.ctas_per_sm, 1, 1)
             assert [struct.unpack("<i", a.data)[0] for a in gg._persist_args(cfg, 32, 40)] == [32, -(-40 // bn)]
             assert gg._persist_args(base, 32, 40) == []
+            # the launch helpers' split check takes the persistent grid's SMs (no K split: nothing to add)
+            mat = types.SimpleNamespace(rows=4096, num_experts=32)
+            assert gg._split_args(cfg, types.SimpleNamespace(name=cfg.name), mat, 40, 132, 2048, None) == []
     with pytest.raises(ValueError, match="persistent variant's grid is ctas_per_sm x SMs"):
         gg.grid(gg.GemmConfig("w1", 64, persistent=True, **tab), 4096, 32, 40)
     # sets may name it everywhere; the variants name it only with the stand-alone table decode

@@ -3346,7 +3346,7 @@ def _split_args(cfg: GemmConfig, kernel, mat, capacity: int, sms: int, k: int, s
                              f"mat, capacity, device, sms) (float32 partials >= {need}, int32 counts >= {units}, "
                              f"zeroed)")
         return [ptr(split[0]), ptr(split[1]), i32(mat.num_experts)]
-    launch_grid = grid(cfg, mat.rows, mat.num_experts, capacity)
+    launch_grid = grid(cfg, mat.rows, mat.num_experts, capacity, sms)  # sms: a persistent grid's
     if cfg.k_splits > k // 128:
         raise ValueError(f"{kernel.name} splits K in {cfg.k_splits}, but K = {k} has {k // 128} K128 steps; "
                          f"allowed: at least one step per split")

@@ -353,6 +353,8 @@ def _make_kernel(cfg: PairConfig):
             smid = ptx.sm_id()
             cta, _ = w1.sm_rank(smem, smid)  # the CTA's place in the order: its SM's rank by weight
         table1, units1 = w1.unit_table(expert_offsets, experts, w1_m_tiles // rows_per_unit)
+        if cutlass.const_expr(cfg.trace):
+            w1.trace_scanned(trace1, tid)
         tensors = (w1_codes, w1_scales, w1_factor, act, act_scale, expert_offsets, routing_weight, mid, mid_scale,
                    w2_codes, w2_scales, w2_factor, dest_row, out, ready)
         sizes = (hidden_blocks, w1_m_tiles, inter_blocks, w2_m_tiles, experts, ready_tiles)
