@@ -13,11 +13,11 @@
 #           tokens has its WGMMAs serialized by ptxas, this one not); `pair_wf` and `ws_auto_hof`: the pair kernel
 #           and ws_auto_ho with W2's segments taking their hand-over words before their weights (words_first);
 #           `pair_pub` / `pair_pubwf`: the pair with W1's words released by a warp of their own (publisher_warp)
-#   shapes  64-256 tokens: ws_auto (tile_knobs's default), `ahead` (with GemmConfig.decode_ahead) and `pers` (the
-#           persistent grid, GemmConfig.persistent, with the waited loop at every table tile but 24), and both with
-#           tile 32 for 9-32 rows instead of tiles 16 / 24 at two CTAs per SM (`ahead32`, `pers32`), per
-#           role at both models and at half / quarter K (--shape: the same statistics, fewer K128 steps), so each
-#           kernel's time fits rounds x (per-unit + steps x per-step) (scripts/analyze_unit_costs.py fit)
+#   shapes  64-256 tokens: ws_auto (tile_knobs's default) and `pers` (the persistent grid, GemmConfig.persistent,
+#           with the waited loop at every table tile but 24), also with tile 32 for 9-32 rows instead of tiles 16 / 24
+#           at two CTAs per SM (`pers32`), per role at both models and at half / quarter K (--shape: the same
+#           statistics, fewer K128 steps), so each kernel's time fits rounds x (per-unit + steps x per-step)
+#           (scripts/analyze_unit_costs.py fit)
 #   trace   1 and 8 tokens: the traced stream-K loops, with and without the lean epilogue's early loads: per CTA its
 #           SM, start and end, three launches each (does the end spread sit on the same SMs every launch?
 #           scripts/analyze_unit_costs.py spread), the traced pair with the programmatic W2 (skt1p): where the
@@ -37,8 +37,8 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
-AUTO="--auto-set ahead:decode_ahead=True --auto-set pers:persistent=True
-  --auto-set ahead32:decode_ahead=True,two_cta=False --auto-set pers32:persistent=True,two_cta=False"
+# (decode_ahead's sets `ahead` / `ahead32` are gone: the knob writes wrong bytes at times, steps 43-44 outcome)
+AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
 SKT1HF="skt1hf:stream_k=True,ctas_per_sm=1,trace=True,handover=True,words_first=True,pdl=True"
