@@ -318,7 +318,7 @@ class GemmConfig:
     # before its first row copy: the traced pair waited 1.2-2.4 us at each segment switch for that (step 45)
     words_first: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
-    # thread 0 only arrives on a publish barrier; the publisher warp walks the CTA's W1 segments as the consumers do
+    # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
     # SASS) then stalls that warp, not warpgroup 0 and with it the ring (the pair's W1 epilogues took 1.8-3.3 us
     # against 0.7-1.3 in the separate W1: step 46). Both halves take it (one more warp in the CTA)
@@ -2456,6 +2456,12 @@ def _make_kernel(cfg: GemmConfig):
         return s, end, ctas, work, wmode
 
     @cute.jit
+    def w1_word(pair, e, bz, bx, m_tiles):
+        """The hand-over word of W1 unit (expert e, token tile bz, weight-row CTA bx): pair = (words, token tiles
+        per expert, readers)."""
+        return pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(m_tiles // TILES_PER_CTA) + Int64(bx)) * 4
+
+    @cute.jit
     def publish_walk(table, units, k_blocks, m_tiles, pair, tid, cta, smem, smid=None):
         """publisher_warp, the pair's W1 half: the warp beside the producer walks the CTA's segments as the
         consumers do (`stream_walk`) and, for each that finishes a unit (a whole unit or an owner), waits until the
@@ -2475,9 +2481,7 @@ def _make_kernel(cfg: GemmConfig):
                 e, bx, bz, _, _ = unit_lookup(table, unit)  # the whole warp (its ballots)
                 if tid % 32 == 0:
                     ptx.wait_shared_at_least_acquire_cta(smem + cfg.publish_offset, published + 1)
-                    word = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(m_tiles // TILES_PER_CTA)
-                                      + Int64(bx)) * 4
-                    ptx.red_add_release_gpu_s32(word, pair[2])
+                    ptx.red_add_release_gpu_s32(w1_word(pair, e, bz, bx, m_tiles), pair[2])
                 published = published + 1
             s = s + k_end - k_first
 
@@ -2494,7 +2498,7 @@ def _make_kernel(cfg: GemmConfig):
         s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
         segment = Int32(0)
         if cutlass.const_expr(PUBLISHER and W1):
-            published = Int32(0)  # the units this CTA finished: the publish barrier's phases
+            published = Int32(0)  # the units this CTA finished so far: the count thread 0 stores
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
         while s < end:
             unit = s // k_blocks
@@ -2570,9 +2574,8 @@ def _make_kernel(cfg: GemmConfig):
                                 # cost every K loop of the pair its uniform registers)
                                 ptx.st_release_cta_shared_s32(smem + cfg.publish_offset, published + 1)
                             else:
-                                word = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz))
-                                                  * Int64(m_tiles // TILES_PER_CTA) + Int64(bx)) * 4
-                                ptx.red_add_release_gpu_s32(word, pair[2])  # one permit per W2 unit that reads them
+                                # one permit per W2 unit that reads them
+                                ptx.red_add_release_gpu_s32(w1_word(pair, e, bz, bx, m_tiles), pair[2])
                             if staged == 1:  # the owner's pieces' stage, for every consumer warp (a warp's own
                                 # release inside the epilogue's branches cost the K loops their uniform registers)
                                 ptx.mbarrier_arrive_count(smem + cfg.barrier_offset
