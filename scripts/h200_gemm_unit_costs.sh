@@ -3,7 +3,7 @@
 # steps (logs under $OUT, default ./device-out; docs/sm90-grouped-gemm.md steps 32-36):
 #   tests   GPU tests of everything opt-in and unmeasured: the lean epilogue, the wide tile, the stream-K pair
 #           kernel, the programmatic W2 pair, the traced stream-K loops (with the pair's hand-over stamps) and the
-#           table decode's next step decoded ahead of the chain's wait (decode_ahead)
+#           persistent grid
 #   pair    1-8 tokens: ws_auto_pdl (the programmatic W2) against the pair kernel (W1 and W2 in one stream-K launch,
 #           `pair`, with the lean epilogue `pair_lean`, and `ws_auto_pair`: tile_knobs's choice with the pair kernel
 #           where it picks stream-K, the candidate default), each checked; after `trace` in the same run also
@@ -37,7 +37,6 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
-# (decode_ahead's sets `ahead` / `ahead32` are gone: the knob writes wrong bytes at times, steps 43-44 outcome)
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -57,7 +56,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide or stream_pair or handover or decode_ahead or persistent" ;;
+             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;

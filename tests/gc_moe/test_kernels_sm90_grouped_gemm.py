@@ -508,31 +508,6 @@ def test_fit_n_knob_names_and_limits():
                        ("w1", 24): gg.TWO_CTA_W1_EPILOGUE_LOCAL_BYTES}
 
 
-def test_decode_ahead_knob_names_and_limits():
-    """decode_ahead replaces the table decode's consumer loop (waited or pipelined): a knob of the stand-alone table
-    decode, named only where it applies, with the same shared-memory plan as the loop it replaces."""
-    for knobs in ({}, {"fold_scales": True}, {"fold_scales": True, "table_decode": True, "warp_specialized": False},
-                  {"fold_scales": True, "table_decode": True, "ring_consumer": True}):
-        with pytest.raises(ValueError, match="decode_ahead is a knob of the stand-alone table decode"):
-            gg.GemmConfig("w1", 64 if knobs.get("warp_specialized") is False else 32, decode_ahead=True, **knobs)
-    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    for role in ("w1", "w2"):
-        for bn, ctas in ((16, 2), (24, None), (32, None), (64, None), (96, None)):
-            ahead = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, decode_ahead=True, **tab).params))
-            base = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, **tab).params))
-            assert ahead.decode_ahead and not base.decode_ahead
-            assert ahead.name == base.name.replace("_lean", "_lean_ahead")
-            assert (ahead.stages, ahead.smem_bytes, ahead.threads) == (base.stages, base.smem_bytes, base.threads)
-    # sets may name it everywhere; the variants name it only with the stand-alone table decode
-    assert "decode_ahead" not in dict(gg.variant("w1", 8, stream_k=True, decode_ahead=True).params)
-    assert "decode_ahead" not in dict(gg.variant("w1", 32, fold_scales=True, decode_ahead=True).params)
-    assert "decode_ahead" not in dict(gg.variant("w2", 16, fold_scales=True, table_decode=True, ring_consumer=True,
-                                                 decode_ahead=True).params)
-    built = [v for v in gg.all_variants() if dict(v.params).get("decode_ahead")]
-    assert sorted((dict(v.params)["role"], dict(v.params)["block_n"]) for v in built) == sorted(
-        (role, bn) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96))
-
-
 def test_persistent_knob_grid_arguments_and_word_slots():
     """persistent walks the unit grid with ctas_per_sm x SMs CTAs (never more than units), takes the unit grid's
     experts and token tiles as its last arguments, runs the waited loop at every tile (no pipelined consumer: it keeps
@@ -567,11 +542,9 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w1", 8, stream_k=True, persistent=True).params)
     assert "persistent" not in dict(gg.variant("w2", 32, fold_scales=True, persistent=True).params)
     assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
-    assert "persistent" not in dict(gg.variant("w1", 64, persistent=True, decode_ahead=True, **tab).params)
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
     assert sorted((p["role"], p["block_n"]) for p in built) == sorted(
         (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
-    assert not any(p.get("decode_ahead") for p in built)
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
@@ -772,10 +745,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
-    # the stream-K loops with the hand-over words (plain and traced), decode_ahead at the table decode's bn 16-96,
-    # the persistent grids at bn 8 / 16 / 32 / 64 / 96, the hand-over W2 taking its words first (plain and traced)
-    assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10
-                          + 2)
+    # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
+    # the hand-over W2 taking its words first (plain and traced)
+    assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -793,10 +765,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), the
         # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
         # N = 64 chain once per loop that has it
-        # (decode_ahead: twice, the first step's chain and the loop's, in the loops up to AHEAD_MAX_N rows)
         def steps_at(n, cfg=cfg):
-            if cfg.decode_ahead:
-                return 2 if n <= gg.AHEAD_MAX_N else 1
             return 2 if cfg.pipelined else 3 if cfg.table_pipelined else 1
 
         steps = steps_at(top)
@@ -833,13 +802,6 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
             assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
-        elif cfg.decode_ahead:  # per N: the first chain, the loop's wait and chain, a last wait; waited loops above
-            # (the loops' order in the PTX is the compiler's)
-            # (the wide tile's loops up to WIDE_OVERLAP_MAX_N issue both chains, then wait once)
-            per_n = [["1", "0", "1", "0"] if n <= gg.AHEAD_MAX_N else ["0"] if n <= gg.WIDE_MAIN_N
-                     else ["2", "2", "0"] if n <= gg.WIDE_OVERLAP_MAX_N else ["0", "0"]
-                     for n in (range(8, bn + 1, 8) if cfg.fit_n else (bn,))]
-            assert sorted(waits) == sorted(w for ws in per_n for w in ws), variant.describe()
         else:  # the wide tile's two-chain loops wait twice per step
             second = (tails if cfg.fit_n else 1) if wide else 0
             assert waits == ["0"] * ((1 if fold else 4 // cfg.wgmmas_per_wait) * loops + second), variant.describe()
@@ -861,9 +823,9 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     fresh and three accumulating, one wait; the FP32 work left is one FMA per accumulator per step."""
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
-    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), decode_ahead at bn 16-96,
-    # the persistent grids at bn 8 / 16 / 32 / 64 / 96
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 10
+    # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
+    # bn 8 / 16 / 32 / 64 / 96
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -873,8 +835,6 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{([^}}]*)\}}, "
                          r"\{[^}]*\}, %rd\d+, (\w+), 1, 1;", ptx)
         chains = 3 if cfg.table_pipelined else 1  # see the test above
-        if cfg.decode_ahead and top <= gg.AHEAD_MAX_N:
-            chains = 2  # the first step's chain, then one per step after the next fragment's decode
         if wide:
             chains = 1 + (bn - gg.WIDE_MAIN_N) // 8 if cfg.fit_n else 1
         assert len(mma) == 4 * chains, variant.describe()
@@ -897,8 +857,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
-    # taking them first)
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 10 + 2
+    # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1877,39 +1837,6 @@ def test_wide_tile_matches_float32_reference_and_tile_64(hidden, inter, experts,
     assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
 
 
-DECODE_AHEAD_DEFECT = pytest.mark.xfail(
-    reason="decode_ahead writes some bytes differently from the waited loop, at a different tile each run (a known "
-           "defect: docs/sm90-grouped-gemm.md, steps 43-44 outcome)", strict=False)
-
-
-@pytest.mark.gpu
-@DECODE_AHEAD_DEFECT
-@pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 5), (1024, 512, 150), (512, 384, 45), (256, 128, 21)])
-@pytest.mark.parametrize("block_n,ctas_per_sm", [(16, 2), (24, None), (32, None), (64, None), (96, None)])
-def test_decode_ahead_matches_float32_reference_and_the_loop_it_replaces(hidden, inter, tokens, block_n, ctas_per_sm):
-    """The next step's decode ahead of the chain's wait (`decode_ahead`) against the float32 reference, and against the
-    consumer loop it replaces: the same chains and FMAs in the same order, so the waited tiles' (24, 64, 96) bytes (to
-    an ulp where ptxas contracts the code around the new loop differently); the pipelined tiles (16, 32) contract a
-    few FP32 multiply-adds differently (as `fit_n` does there).
-    Rows per expert from a few to several tiles, W2 with 3 K128 steps and with 1 (the loop's first and last
-    chains), every fitted N up to the tile."""
-    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True,
-             "ctas_per_sm": ctas_per_sm}
-    case = (hidden, inter, 7, 4, tokens, block_n)
-    got_mid, ref_mid, got, ref = _run_case(*case, seed=tokens + 3 * block_n + hidden, decode_ahead=True, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-    (mid, sf, out), (mid_b, sf_b, out_b) = [
-        _run_case(*case, seed=tokens + 3 * block_n + hidden, return_raw=True, **kn)
-        for kn in ({**knobs, "decode_ahead": True}, knobs)]
-    assert torch.isfinite(sf).all() and torch.isfinite(out.float()).all()
-    if block_n in (24, 64, 96):
-        _assert_same_bytes_to_an_ulp((mid, sf, out), (mid_b, sf_b, out_b))
-    else:
-        assert ((sf - sf_b).abs() <= 5e-7 * sf_b.abs()).all()
-        ulps = (out.view(torch.int16).int() - out_b.view(torch.int16).int()).abs()
-        assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
 @pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 5), (1024, 512, 150), (512, 384, 45), (256, 128, 21)])
@@ -1945,18 +1872,6 @@ def test_persistent_model_shapes_match_float32_reference(hidden, inter, topk, to
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, tokens, block_n, seed=hidden + 3 * block_n,
                                            fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                                            persistent=True)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-
-
-@pytest.mark.gpu
-@DECODE_AHEAD_DEFECT
-@pytest.mark.parametrize("block_n", [32, 64, 96])
-@pytest.mark.parametrize("hidden,inter,topk,tokens", [(5120, 2304, 6, 70), (6144, 2048, 8, 90)],
-                         ids=["deepseek", "glm"])
-def test_decode_ahead_model_shapes_match_float32_reference(hidden, inter, topk, tokens, block_n):
-    got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, tokens, block_n, seed=hidden + block_n,
-                                           fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
-                                           decode_ahead=True)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

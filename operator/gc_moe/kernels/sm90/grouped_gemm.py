@@ -44,12 +44,6 @@ TABLE_TWO_CTA_BLOCK_N = (24,)
 # rows, then one of the rest (8-32 rows), so an expert with 65-96 rows has its weights decoded once, not twice
 TABLE_WIDE_BLOCK_N = (96,)
 WIDE_MAIN_N = 64  # the first chain's N at the wide tile (the waited consumer's N = 64 loop)
-# decode_ahead: the largest N whose loop holds the next step's 16 A registers beside its chain and accumulators in the
-# consumers' 112 (at N = 64 ptxas spills ~20 bytes inside the loop); larger N run the waited loop
-AHEAD_MAX_N = 56
-# decode_ahead at the wide tile: its loops past 64 rows up to this many issue both chains of a step before one wait
-# (at 88 and 96 rows the two chains' buffers spill inside the loop in the consumers' 112 registers)
-WIDE_OVERLAP_MAX_N = 80
 THREADS = 512  # the four consumer warpgroups (every thread of the cp.async pipeline)
 PRODUCER_THREADS = 32  # the warp-specialized pipeline adds one producer warp after them (producer_warps)
 PRODUCER_WARP_CHOICES = (1, 2, 4)  # 4 bulk-copied weight tiles per stage: one warp may take each
@@ -91,8 +85,6 @@ FUSED_UNIT_SLOTS = 2  # the current and the next unit of a persistent role2 CTA 
 # eight N branches, or the waited consumer's carried stage and descriptor), and at bn 24 in the 56 of two CTAs per SM
 TABLE64_W1_EPILOGUE_LOCAL_BYTES = 64
 TWO_CTA_W1_EPILOGUE_LOCAL_BYTES = 32
-# decode_ahead's W2 at tile 64: 8 bytes spilled outside the K loops (the fitted branches' entry), none inside
-AHEAD_W2_LOCAL_BYTES = 16
 
 
 # The fused halves' pipeline arithmetic (host and device: plain ints or DSL values). K128 step `step` of a
@@ -291,25 +283,13 @@ class GemmConfig:
     # CTAs on the SMs W1 leaves first run the steps whose rows are written while W1's last CTAs still run. W1 and W2
     # must run in pairs on one word buffer (`handover_words`): W1 alone leaves them non-zero
     handover: bool = False
-    # the stand-alone table decode: each consumer warpgroup decodes step s + 1's A fragment while step s's WGMMA
-    # chain runs, then waits for the chain, scales it and issues step s + 1's (one chain buffer and 16 more A
-    # registers). The waited loop (tiles 24, 64, 96) decodes, issues and waits in turn, so a warp's decode never
-    # overlaps its chain; the pipelined one (tiles 16, 32) issues a chain while the one before runs, which makes ptxas
-    # serialize every WGMMA of the kernel (C7513: "non wgmma instructions defining input registers"). Loops above
-    # AHEAD_MAX_N rows stay waited, except the wide tile's up to WIDE_OVERLAP_MAX_N rows, which issue both of a
-    # step's chains before one wait. DEFECT, do not use: on the GPU it writes some bytes differently from the loop it
-    # replaces, at different tiles from run to run, and failed the float32 check once (docs/sm90-grouped-gemm.md,
-    # steps 43-44 outcome); ptxas gives the next fragment the registers of the chain still in flight. Kept built so
-    # the defect can be studied; no default or bench set runs it
-    decode_ahead: bool = False
     # the stand-alone table decode as a persistent grid: ctas_per_sm x SMs CTAs (at most one per unit) walk the units
     # (expert, weight-row CTA, token tile) of the unit grid in turn, CTA c taking units c, c + G, ... on one stage
     # ring that runs on across units, so the producer streams the next unit's weights during this unit's last steps
     # and epilogue instead of a new CTA's start and first stages. The unit grid's CTAs spent 3-10 us per unit beyond
     # their K loops (step 41's fit: 18-35% of a role's time at 64-256 tokens). The lean epilogue's staged words take
     # two slots (by unit parity), each freed by the consumers after their epilogue. Its consumers release every stage:
-    # the waited loop at every tile (the pipelined one keeps its last stages), or decode_ahead's (with it ptxas
-    # serializes the WGMMAs for registers, so the variant sets build it without)
+    # the waited loop at every tile (the pipelined one keeps its last stages)
     persistent: bool = False
     # a hand-over W2 (stream_pair or handover): each segment's producer first looks at the segment's words once and,
     # where W1 set all of them already (every segment but a CTA's first, mostly), takes their permits with acquire
@@ -413,10 +393,6 @@ class GemmConfig:
         if self.words_first and not (self.stream_pair or self.handover):
             raise ValueError("words_first is a knob of the hand-over W2 (the pair kernel's half, stream_pair=True, or "
                              "the stand-alone stream-K W2 with handover=True)")
-        if self.decode_ahead and not (self.table_decode and self.warp_specialized and not self.ring_consumer
-                                      and self.k_splits == 1):
-            raise ValueError("decode_ahead is a knob of the stand-alone table decode (table_decode=True, "
-                             "warp-specialized, no ring consumer, no K split)")
         if self.persistent and not (self.table_decode and self.warp_specialized and not self.ring_consumer
                                     and self.k_splits == 1 and not self.compact_grid and self.token_tiles_fastest):
             raise ValueError("persistent is a knob of the stand-alone table decode (table_decode=True, warp-specialized, "
@@ -589,7 +565,7 @@ class GemmConfig:
         (two accumulator buffers: up to bn 32, except bn 24, whose two CTAs per SM leave no registers for them; bn 64
         waits for each chain)."""
         return (self.warp_specialized and self.table_decode and self.block_n <= WS_MAX_BLOCK_N
-                and self.block_n not in TABLE_TWO_CTA_BLOCK_N and not self.decode_ahead and not self.persistent)
+                and self.block_n not in TABLE_TWO_CTA_BLOCK_N and not self.persistent)
 
     @property
     def wgmmas_per_group(self) -> int:
@@ -626,8 +602,6 @@ class GemmConfig:
             s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
         if self.lean_epilogue:
             s += "_lean"
-        if self.decode_ahead:
-            s += "_ahead"
         if self.persistent:
             s += "_pers"
         if self.ring_consumer:
@@ -1539,96 +1513,6 @@ def _make_kernel(cfg: GemmConfig):
             stage, phase = next_stage(stage, phase)
 
     @cute.jit
-    def consume_wide_overlapped(k_blocks, smem, wg, t, warp, g, q, acc, n, base=None):
-        """decode_ahead at the wide tile's loops past 64 rows: per K128 step one decode, then the chain of the first 64
-        rows and the chain of the rest issued back to back (two commit groups) and waited for once, then both scaled;
-        the waited loop waits for the first chain before it issues the second."""
-        bar0 = smem + cfg.barrier_offset
-        a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
-        desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
-        tail_n = n - WIDE_MAIN_N
-        main = cute.make_rmem_tensor((WIDE_MAIN_N // 2,), Float32)
-        tail = cute.make_rmem_tensor((tail_n // 2,), Float32)
-        for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
-            main[r] = Float32(0.0)
-        for r in cutlass.range_constexpr(tail_n // 2):
-            tail[r] = Float32(0.0)
-        stage, phase = ring_position(base)
-        for kb in cutlass.range(k_blocks):
-            sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
-            ptx.wgmma_fence()  # the scaling of the step before read the registers these chains write
-            out = ptx.wgmma_rs_e4m3_chain_issue(WIDE_MAIN_N, a_regs, descs, [main[r] for r in range(WIDE_MAIN_N // 2)],
-                                                2)
-            for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
-                main[r] = out[r]
-            out = ptx.wgmma_rs_e4m3_chain_issue(tail_n, a_regs, wide_tail_descs(desc_lo),  # the same A fragment
-                                                [tail[r] for r in range(tail_n // 2)], 2)
-            for r in cutlass.range_constexpr(tail_n // 2):
-                tail[r] = out[r]
-            done = ptx.wgmma_wait_tied([main[r] for r in range(WIDE_MAIN_N // 2)]
-                                       + [tail[r] for r in range(tail_n // 2)], 0)
-            finish_step(sbase + x_off, done[:WIDE_MAIN_N // 2], acc, WIDE_MAIN_N)
-            finish_step(sbase + x_off, done[WIDE_MAIN_N // 2:], acc, tail_n, WIDE_MAIN_N)
-            for r in cutlass.range_constexpr(WIDE_MAIN_N // 2):
-                main[r] = done[r]
-            for r in cutlass.range_constexpr(tail_n // 2):
-                tail[r] = done[WIDE_MAIN_N // 2 + r]
-            ptx.warp_sync()
-            if t % 32 == 0:
-                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
-            stage, phase = next_stage(stage, phase)
-
-    @cute.jit
-    def consume_table_ahead(k_blocks, smem, wg, t, warp, g, q, acc, n=BN, base=None):
-        """The waited tiles' consumer with the next step's decode ahead of the chain's wait (`decode_ahead`): per K128
-        step, wait for stage s + 1 and decode its fragment while step s's chain (N = n) runs, then wait for that chain,
-        scale it into acc, release stage s and issue step s + 1's chain. One chain buffer: the 16 A registers of the
-        next step are what the overlap costs. N above AHEAD_MAX_N: the waited loop, except the wide tile's loops up to
-        WIDE_OVERLAP_MAX_N rows (`consume_wide_overlapped`)."""
-        if cutlass.const_expr(WIDE_MAIN_N < n <= WIDE_OVERLAP_MAX_N):
-            consume_wide_overlapped(k_blocks, smem, wg, t, warp, g, q, acc, n, base)
-        elif cutlass.const_expr(n > AHEAD_MAX_N):
-            consume_table_waited(k_blocks, smem, wg, t, warp, g, q, acc, n, base)
-        else:
-            bar0 = smem + cfg.barrier_offset
-            a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
-            desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
-            part = cute.make_rmem_tensor((n // 2,), Float32)
-            for r in cutlass.range_constexpr(n // 2):
-                part[r] = Float32(0.0)
-            stage, phase = ring_position(base)
-            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
-            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
-            table_issue(smem, stage, a_off, s_off, desc0, part, n)
-            for kb in cutlass.range(1, k_blocks):
-                prev = stage
-                stage, phase = next_stage(stage, phase)
-                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
-                ptx.fence_proxy_async_shared()
-                sbase = smem + stage * cfg.stage_bytes
-                a_regs = table_fragment(sbase, a_off, s_off)  # while step kb - 1's chain runs
-                retire_chain(part, n, smem, prev, x_off, t, acc)
-                desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
-                descs = [ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024) for j in range(4)]
-                ptx.wgmma_fence()  # the scaling above read the registers this chain writes
-                out = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
-                for r in cutlass.range_constexpr(n // 2):
-                    part[r] = out[r]
-            retire_chain(part, n, smem, stage, x_off, t, acc)
-
-    @cute.jit
-    def retire_chain(part, n, smem, stage, x_off, t, acc):
-        """decode_ahead: wait for the chain in flight (N = n, into `part`), scale it into acc with stage `stage`'s
-        activation scales, then release that stage (one arrival per warp)."""
-        done = ptx.wgmma_wait_tied([part[r] for r in range(n // 2)], 0)
-        for r in cutlass.range_constexpr(n // 2):
-            part[r] = done[r]
-        finish_step(smem + stage * cfg.stage_bytes + x_off, part, acc, n)
-        ptx.warp_sync()
-        if t % 32 == 0:
-            ptx.mbarrier_arrive(smem + cfg.barrier_offset + (STAGES + stage) * 8)
-
-    @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
         """Decode stage `stage`'s fragment and issue its four chained WGMMAs (N = n) into `buf`; returns once at
         most this chain is in flight (the one before it has completed)."""
@@ -1765,8 +1649,6 @@ def _make_kernel(cfg: GemmConfig):
                 cute.arch.setmaxregister_increase(cfg.consumer_registers)
             if cutlass.const_expr(cfg.pipelined):
                 consume_pipelined(k_blocks if ksplit is None else ksplit[1], smem, wg, t, warp, g, q, acc)
-            elif cutlass.const_expr(cfg.decode_ahead):
-                consume_fitted(consume_table_ahead, k_blocks, smem, wg, t, warp, g, q, acc, count)
             elif cutlass.const_expr(cfg.table_pipelined):
                 consume_fitted(consume_table_pipelined, k_blocks, smem, wg, t, warp, g, q, acc, count)
             elif cutlass.const_expr(cfg.table_decode):
@@ -2377,10 +2259,7 @@ def _make_kernel(cfg: GemmConfig):
                     if cutlass.const_expr(not cfg.fit_n):
                         for i in cutlass.range_constexpr(BN // 2):
                             acc[i] = Float32(0.0)
-                    if cutlass.const_expr(cfg.decode_ahead):
-                        consume_fitted(consume_table_ahead, k_blocks, smem, wg, t, warp, g, q, acc, count, base)
-                    else:
-                        consume_fitted(consume_table_waited, k_blocks, smem, wg, t, warp, g, q, acc, count, base)
+                    consume_fitted(consume_table_waited, k_blocks, smem, wg, t, warp, g, q, acc, count, base)
                     factor = weight_factor(w_factor, e, smem, meta)
                     if cutlass.const_expr(W1):
                         routing_weight, out, out_scale = role_args
@@ -2971,7 +2850,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                wait_suspend_ns: int = WAIT_SUSPEND_NS, compact_grid: bool = False,
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
-               handover: bool = False, decode_ahead: bool = False, persistent: bool = False,
+               handover: bool = False, persistent: bool = False,
                words_first: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
@@ -2985,7 +2864,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     decode_ahead=decode_ahead, persistent=persistent, words_first=words_first)
+                     persistent=persistent, words_first=words_first)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2998,7 +2877,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             ctas_per_sm: int | None = None, producer_warps: int = 1, wait_suspend_ns: int = WAIT_SUSPEND_NS,
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
-            lean_epilogue: bool = False, handover: bool = False, decode_ahead: bool = False,
+            lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
@@ -3037,16 +2916,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
         cfg = replace(cfg, lean_epilogue=True)
-    # a knob of the stand-alone table decode: sets may name it everywhere
-    decode_ahead = decode_ahead and cfg.table_decode and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
-    if decode_ahead:
-        cfg = replace(cfg, decode_ahead=True)
     # a knob of the stand-alone table decode: sets may name it everywhere (not at tile 24, where the waited loop of a
-    # persistent CTA spills inside the loop in two CTAs' registers, nor with decode_ahead, whose WGMMAs ptxas then
-    # serializes for registers)
+    # persistent CTA spills inside the loop in two CTAs' registers)
     persistent = (persistent and cfg.table_decode and cfg.warp_specialized and not ring_consumer
                   and cfg.k_splits == 1 and not compact_grid and token_tiles_fastest
-                  and block_n not in TABLE_TWO_CTA_BLOCK_N and not cfg.decode_ahead)
+                  and block_n not in TABLE_TWO_CTA_BLOCK_N)
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
         cfg = replace(cfg, persistent=True, stages=stages)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
@@ -3087,8 +2961,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["handover"] = True
     if words_first:
         params["words_first"] = True
-    if decode_ahead:
-        params["decode_ahead"] = True
     if persistent:
         params["persistent"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
@@ -3115,16 +2987,16 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params.update(swiglu_alpha=swiglu_alpha, swiglu_clamp=swiglu_clamp)
     return KernelVariant.make(
         "sm90.grouped_gemm", __name__, "build_gemm", params, promises=promises,
-        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode, decode_ahead),
+        local_bytes_budget=_local_bytes_budget(role, block_n, table_decode),
         extra_sources=extra_sources,
     )
 
 
-def _local_bytes_budget(role: str, block_n: int, table_decode: bool, decode_ahead: bool = False) -> int:
+def _local_bytes_budget(role: str, block_n: int, table_decode: bool) -> int:
     """Local memory a variant may take: W1's epilogue where it spills after the loop (tile 24 at two CTAs per SM, the
-    table decode's 64 and 96; see the constants), W2's tile 64 with decode_ahead one word outside its loops."""
+    table decode's 64 and 96; see the constants)."""
     if role != "w1":
-        return AHEAD_W2_LOCAL_BYTES if decode_ahead and block_n == 64 else 0
+        return 0
     if block_n in TABLE_TWO_CTA_BLOCK_N:
         return TWO_CTA_W1_EPILOGUE_LOCAL_BYTES
     return TABLE64_W1_EPILOGUE_LOCAL_BYTES if table_decode and block_n in (64,) + TABLE_WIDE_BLOCK_N else 0
@@ -3189,12 +3061,11 @@ def all_variants():
               # the wide tile (65-96 rows: one decode for a chain of 64 rows and one of the rest), with fitted N
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=lean)
                  for role in ("w1", "w2") for bn in TABLE_WIDE_BLOCK_N for lean in (False, True)]
-              # the next step's decode ahead of the chain's wait, at the table tiles as tile_knobs runs them otherwise,
-              # and the persistent grids with the waited loop (where `variant` takes the knob; at tile 8 too, two CTAs
-              # per SM: the tile-8 unit grid's WGMMAs are serialized, the persistent table decode's are not)
+              # the persistent grids with the waited loop (where `variant` takes the knob; at tile 8 too, two CTAs per
+              # SM: the tile-8 unit grid's WGMMAs are serialized, the persistent table decode's are not)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
-                         decode_ahead=not pers, persistent=pers, ctas_per_sm=2 if bn == 16 else None)
-                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N for pers in (False, True)]
+                         persistent=True, ctas_per_sm=2 if bn == 16 else None)
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]
               + [variant(role, 8, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True, persistent=True)
                  for role in ("w1", "w2")]):
         if v.describe() not in seen:
