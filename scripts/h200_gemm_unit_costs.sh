@@ -24,6 +24,9 @@
 #           pair loses time between W1's streaming and W2's (pair_trace), the same with the hand-over words (skt1h,
 #           skt1hf with words_first) and the traced pair kernel (pair_t, pair_tf with words_first, pair_tpubwf with
 #           both steps 45-46)
+#   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
+#           it (`pers`, the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp), the
+#           issue's table per model from one run
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
@@ -60,6 +63,9 @@ for s in $steps; do
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
+    table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set pers:persistent=True \
+             --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
+             --tokens 1,2,4,8,16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/table.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
            -f -o "$OUT/glm128" python $BENCH --profile --auto-ctas --models glm-5.2 --tokens 128
          # one summary file (what comes back from a GPU run is limited in file count): kernels, then each one's lines
@@ -85,7 +91,7 @@ for s in $steps; do
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
-    *) echo "unknown step $s (build, tests, pair, shapes, trace, ncu)"; exit 2 ;;
+    *) echo "unknown step $s (build, tests, pair, shapes, table, trace, ncu)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
