@@ -27,6 +27,9 @@
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (`pers`, the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp), the
 #           issue's table per model from one run
+#   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
+#           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
+#           chain
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
@@ -57,7 +60,10 @@ MODELS=glm-5.2,glm-h3072,glm-h1536,glm-i1024,glm-i512,deepseek-v4.1-flash,ds-h25
 for s in $steps; do
   case $s in
     # shellcheck disable=SC2086
-    build) run build 1200 python $BENCH --build-only $SETS ;;
+    build) run build 1200 python $BENCH --build-only $SETS
+           run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
+    probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
+           TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair or handover or persistent" ;;
     # shellcheck disable=SC2086
@@ -91,7 +97,7 @@ for s in $steps; do
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
-    *) echo "unknown step $s (build, tests, pair, shapes, table, trace, ncu)"; exit 2 ;;
+    *) echo "unknown step $s (build, tests, pair, shapes, table, probe, trace, ncu)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

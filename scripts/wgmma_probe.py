@@ -1,0 +1,103 @@
+"""Cycles per K128 step of the grouped GEMM's consumer work on one SM, in parts (kernels/sm90/wgmma_probe.py).
+
+  python scripts/wgmma_probe.py --build-only          # offline: compile the probe's variants into the cubin cache
+  python scripts/wgmma_probe.py --json probe.json     # on the GPU: measure them and print the table
+
+Per token tile N and warpgroups (1 and 4): cycles per step of the chain alone (four m64nNk32 WGMMAs, wait, N/2
+FP32 multiply-adds), of the chain after the table decode, and of the decode alone; then, at 4 warpgroups, where the
+decode-and-chain step falls between the sum of its parts (no overlap between warpgroups) and their maximum (full
+overlap). One CTA, one SM, no global memory: the consumer's own costs, not the pipeline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "operator")]
+
+
+def measure(variants, steps: int, repeats: int) -> list[dict]:
+    import torch
+    from gc_moe.kernels.sm90 import wgmma_probe as wp
+    from gc_moe.runtime import jit
+    from gc_moe.runtime.launch import i32, launch, ptr
+
+    torch.zeros(1, device="cuda")  # a current context before the first driver-level load
+    stream = torch.cuda.current_stream()
+    out = torch.zeros(wp.OUT_BYTES // 8 + 1, dtype=torch.int64, device="cuda")
+    rows = []
+    for v in variants:
+        params = dict(v.params)
+        kernel = jit.load_kernel(v, "sm_90a")
+        per_step = []
+        for r in range(repeats + 1):  # the first launch warms the instruction caches
+            out.fill_(-1)
+            launch(kernel, (1, 1, 1), [ptr(out), i32(steps)], stream)
+            torch.cuda.synchronize()
+            cycles = out.cpu()[0:2 * params["warpgroups"]:2].tolist()
+            if min(cycles) <= 0:
+                raise SystemExit(f"{v.describe()}: a warpgroup stored no cycles ({cycles})")
+            if r:
+                per_step.append(max(cycles) / steps)
+        per_step.sort()
+        rows.append({**params, "cycles_per_step": per_step[len(per_step) // 2], "spread": per_step[-1] - per_step[0]})
+        print(f"{v.describe():70s} {rows[-1]['cycles_per_step']:8.1f} cycles per step", flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Per N and warpgroups: chain alone, decode + chain, and at 4 warpgroups where that lies between the parts' sum
+    and maximum (overlap 0: the sum, 1: the maximum)."""
+    def get(n, wgs, decode, chain):
+        for r in rows:
+            if (r["warpgroups"], r["decode"], r["chain"]) == (wgs, decode, chain) and (r["n"] == n or not chain):
+                return r["cycles_per_step"]
+        return float("nan")
+
+    lines = ["| N | warpgroups | decode alone | chain alone | decode + chain | sum | max | overlap |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ns = sorted({r["n"] for r in rows if r["chain"]})
+    for wgs in sorted({r["warpgroups"] for r in rows}):
+        for n in ns:
+            d, c, both = get(n, wgs, True, False), get(n, wgs, False, True), get(n, wgs, True, True)
+            total, top = d + c, max(d, c)
+            overlap = (total - both) / (total - top) if total > top else float("nan")
+            lines.append(f"| {n} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} | {top:.0f} | {overlap:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build-only", action="store_true", help="compile the variants into the cubin cache and exit")
+    ap.add_argument("--steps", type=int, default=4096, help="K128 steps per warpgroup and launch")
+    ap.add_argument("--repeats", type=int, default=5, help="launches per variant (the median is kept)")
+    ap.add_argument("--json", default=None, help="where the rows go")
+    args = ap.parse_args()
+    if args.steps < 1 or args.repeats < 1:
+        raise SystemExit(f"--steps {args.steps} and --repeats {args.repeats}: both must be at least 1")
+
+    from gc_moe.kernels.sm90 import wgmma_probe as wp
+    from gc_moe.runtime import jit
+
+    variants = wp.probe_variants()
+    if args.build_only:
+        for v in variants:
+            jit.build_variant(v, "sm_90a")
+        print(f"{len(variants)} probe variants in the cache ({os.environ.get('GC_MOE_CACHE_DIR') or 'default dir'})")
+        return
+    rows = measure(variants, args.steps, args.repeats)
+    print(table(rows))
+    if args.json:
+        import torch
+
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "steps": args.steps,
+                                               "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
