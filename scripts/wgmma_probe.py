@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -53,9 +54,10 @@ def measure(variants, steps: int, repeats: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Per N and warpgroups: chain alone, decode + chain, and at 4 warpgroups where that lies between the parts' sum
     and maximum (overlap 0: the sum, 1: the maximum)."""
-    def get(n, wgs, decode, chain):
+    def get(n, wgs, decode, chain, skew=False):
         for r in rows:
-            if (r["warpgroups"], r["decode"], r["chain"]) == (wgs, decode, chain) and (r["n"] == n or not chain):
+            if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False)) == (wgs, decode, chain, skew)
+                    and (r["n"] == n or not chain)):
                 return r["cycles_per_step"]
         return float("nan")
 
@@ -64,10 +66,14 @@ def table(rows: list[dict]) -> str:
     ns = sorted({r["n"] for r in rows if r["chain"]})
     for wgs in sorted({r["warpgroups"] for r in rows}):
         for n in ns:
-            d, c, both = get(n, wgs, True, False), get(n, wgs, False, True), get(n, wgs, True, True)
-            total, top = d + c, max(d, c)
-            overlap = (total - both) / (total - top) if total > top else float("nan")
-            lines.append(f"| {n} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} | {top:.0f} | {overlap:.2f} |")
+            for skew in (False, True):
+                d, c, both = get(n, wgs, True, False), get(n, wgs, False, True), get(n, wgs, True, True, skew)
+                if math.isnan(both):  # no such variant (skewed: N = 64 and 96 at four warpgroups only)
+                    continue
+                total, top = d + c, max(d, c)
+                overlap = (total - both) / (total - top) if total > top else float("nan")
+                lines.append(f"| {n}{' skewed' if skew else ''} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
+                             f"| {top:.0f} | {overlap:.2f} |")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ def test_probe_configurations_and_errors():
             wp.variant(n, wgs)
     variants = wp.probe_variants()
     # per warpgroup count: the decode alone, and at each N the chain with and without it
-    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES))
+    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2
     b, a, total = wp.smem_layout(96, 4)
     assert (b, a) == (0, 96 * 128) and total == a + 4 * 2 * (wp.A_TILE_BYTES + wp.SCALE_TILE_BYTES) <= 227 * 1024
 
@@ -22,7 +22,8 @@ def test_probe_binaries_hold_what_they_time(tmp_path):
     pytest.importorskip("cutlass")
     from gc_moe.runtime import jit
 
-    for v in (wp.variant(64, 4), wp.variant(96, 1), wp.variant(8, 4, decode=False), wp.variant(64, 1, chain=False)):
+    for v in (wp.variant(64, 4), wp.variant(96, 1), wp.variant(8, 4, decode=False), wp.variant(64, 1, chain=False),
+              wp.variant(96, 4, skew=True)):
         params = dict(v.params)
         entry = jit.build_variant(v, "sm_90a", cache_dir=tmp_path)
         ptx = entry.ptx_path.read_text()

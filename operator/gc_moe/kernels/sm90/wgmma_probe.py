@@ -9,6 +9,8 @@ that stays put:
   chain   four register-A m64nNk32 E4M3 WGMMAs into one accumulator from a token tile of N rows, the wait, and the
           N/2 FP32 multiply-adds that scale it into the accumulators; without it the decoded words are folded into
           one register (3 three-input XORs per 4 words) so the decode stays
+  skew    the odd warpgroups start half a step late (a spin of SKEW_CYCLES on %clock64 before their first step): do
+          warpgroups that start out of phase stay out of phase, or do they fall back into step with each other?
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -19,6 +21,7 @@ WARPGROUP_THREADS = 128
 A_TILE_BYTES = 4096  # a warpgroup's 64 rows x 128 FP4 codes per K128 step
 SCALE_TILE_BYTES = 256  # its 64 rows x 4 K32 scale bytes
 N_CHOICES = (8, 16, 32, 64, 96)
+SKEW_CYCLES = 500  # about half a decode-and-chain step at N = 64 with four warpgroups
 OUT_TOTALS = 64  # out: per warpgroup (cycles, folded words) as two int64 from 0, its accumulators' sum (f32) from here
 OUT_BYTES = OUT_TOTALS + 4 * 4
 
@@ -38,7 +41,8 @@ def check_config(n: int, warpgroups: int) -> None:
         raise ValueError(f"wgmma probe: warpgroups={warpgroups}, allowed 1..4")
 
 
-def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True):
+def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True,
+                skew: bool = False):
     """The runtime's builder: a CompileRequest for one probe configuration (no GPU needed)."""
     import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
@@ -97,6 +101,10 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
             acc[r] = Float32(0.0)
         sink = Uint32(0)
         scale = Float32(0.5)
+        if cutlass.const_expr(skew):  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if wg % 2 == 1:
+                ptx.asm("{\n.reg .u64 t0, t1;\n.reg .pred late;\nmov.u64 t0, %clock64;\nSPIN:\nmov.u64 t1, %clock64;\n"
+                        f"sub.u64 t1, t1, t0;\nsetp.lt.u64 late, t1, {SKEW_CYCLES};\n@late bra.uni SPIN;\n}}", [], [])
         start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
         for kb in cutlass.range(steps):
             a_regs = fixed
@@ -127,26 +135,27 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
     return CompileRequest(host, (Int64(0), Int32(1)), LaunchShape(block=(threads, 1, 1), dynamic_smem_bytes=smem_bytes))
 
 
-def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True):
+def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False):
     """The runtime KernelVariant of one probe configuration."""
     from gc_moe.runtime.jit import KernelVariant
 
     check_config(n, warpgroups)
+    extra = {"skew": True} if skew else {}
     promises = ("prmt.b32",) if decode else ()
     if chain:
         promises += ("wgmma.mma_async.sync.aligned.m64n",)
     return KernelVariant.make("sm90.wgmma_probe", __name__, "build_probe",
-                              {"n": n, "warpgroups": warpgroups, "decode": decode, "chain": chain},
+                              {"n": n, "warpgroups": warpgroups, "decode": decode, "chain": chain, **extra},
                               promises=promises,
                               extra_sources=("gc_moe.kernels.sm90.ptx", "gc_moe.kernels.sm90.grouped_gemm"))
 
 
 def probe_variants() -> list:
     """What the probe script measures: at each N the chain alone and with the decode, at 1 and 4 warpgroups, and
-    the decode alone at both."""
+    the decode alone at both; at N = 64 and 96 with four warpgroups also decode and chain skewed."""
     out = []
     for wgs in (1, 4):
         out.append(variant(64, wgs, decode=True, chain=False))
         for n in N_CHOICES:
             out += [variant(n, wgs, decode=False, chain=True), variant(n, wgs, decode=True, chain=True)]
-    return out
+    return out + [variant(n, 4, skew=True) for n in (64, 96)]
