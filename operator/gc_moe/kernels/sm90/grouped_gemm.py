@@ -303,6 +303,10 @@ class GemmConfig:
     # SASS) then stalls that warp, not warpgroup 0 and with it the ring (the pair's W1 epilogues took 1.8-3.3 us
     # against 0.7-1.3 in the separate W1: step 46). Both halves take it (one more warp in the CTA)
     publisher_warp: bool = False
+    # the unit grid's waited table loop (tiles 24, 64, 96): the odd consumer warpgroups spin this many cycles
+    # (%clock64) after the unit's first stage arrives, so that the four warpgroups run their steps out of phase (one
+    # decoding while another's chain runs) instead of in step. 0: off (step 49: does a skewed start stay skewed?)
+    skew_cycles: int = 0
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -388,6 +392,12 @@ class GemmConfig:
             raise ValueError("handover is a knob of the stand-alone stream-K W1 / W2 at one CTA per SM with one "
                              "producer warp: pass stream_k=True, ctas_per_sm=1 (the pair kernel hands over within "
                              "its launch)")
+        if self.skew_cycles and not (self.table_decode and self.warp_specialized and not self.table_pipelined
+                                     and not self.persistent and not self.ring_consumer and self.k_splits == 1):
+            raise ValueError("skew_cycles is a knob of the unit grid's waited table loop (table_decode=True at tiles "
+                             f"24, 64, 96, not persistent, no ring consumer, no K split), got {self.skew_cycles}")
+        if self.skew_cycles < 0:
+            raise ValueError(f"skew_cycles {self.skew_cycles}: allowed >= 0")
         if self.publisher_warp and not self.stream_pair:
             raise ValueError("publisher_warp is a knob of the stream-K pair kernel's halves: pass stream_pair=True")
         if self.words_first and not (self.stream_pair or self.handover):
@@ -604,6 +614,8 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers"
+        if self.skew_cycles:
+            s += f"_skew{self.skew_cycles}"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -1497,6 +1509,12 @@ def _make_kernel(cfg: GemmConfig):
         a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage, phase = ring_position(base)
+        if cutlass.const_expr(cfg.skew_cycles > 0):  # noqa: SIM102 (a compile-time branch around a run-time one)
+            # once the unit's first stage is there: the even warpgroups start on it first (the condition warp-uniform,
+            # or the loop after it loses its uniform registers)
+            if cute.arch.make_warp_uniform(wg) % 2 == 1:
+                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+                ptx.spin_cycles(cfg.skew_cycles)
         for kb in cutlass.range(k_blocks):
             sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             n_main = min(n, WIDE_MAIN_N)
@@ -2851,7 +2869,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
-               words_first: bool = False):
+               words_first: bool = False, skew_cycles: int = 0):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2864,7 +2882,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     persistent=persistent, words_first=words_first)
+                     persistent=persistent, words_first=words_first, skew_cycles=skew_cycles)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2878,7 +2896,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
-            persistent: bool = False, words_first: bool = False):
+            persistent: bool = False, words_first: bool = False, skew_cycles: int = 0):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2923,6 +2941,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                   and block_n not in TABLE_TWO_CTA_BLOCK_N)
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
         cfg = replace(cfg, persistent=True, stages=stages)
+    # a knob of the unit grid's waited table loop: sets may name it everywhere
+    skew_cycles = skew_cycles if (cfg.table_decode and cfg.warp_specialized and not cfg.table_pipelined
+                                  and not cfg.persistent and not ring_consumer and cfg.k_splits == 1) else 0
+    if skew_cycles:
+        cfg = replace(cfg, skew_cycles=skew_cycles)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2963,6 +2986,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["words_first"] = True
     if persistent:
         params["persistent"] = True
+    if skew_cycles:
+        params["skew_cycles"] = skew_cycles
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")

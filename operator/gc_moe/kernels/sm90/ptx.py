@@ -600,6 +600,12 @@ def wait_shared_at_least_acquire_cta(addr: Int32, target: Int32, limit_ns: int =
     )
 
 
+def spin_cycles(cycles: int) -> None:
+    """Busy-wait `cycles` SM clock cycles (%clock64): a warp started deliberately late (no memory traffic)."""
+    asm("{\n.reg .u64 t0, t1;\n.reg .pred early;\nmov.u64 t0, %clock64;\nSPIN:\nmov.u64 t1, %clock64;\n"
+        f"sub.u64 t1, t1, t0;\nsetp.lt.u64 early, t1, {int(cycles)};\n@early bra.uni SPIN;\n}}", [], [])
+
+
 def mbarrier_wait_cycles(addr: Int32, parity: Int32, max_tries: int = 1 << 24) -> Int32:
     """`mbarrier_wait` (polling, bounded by `max_tries`, then trap) that returns the %clock cycles from before its first
     try to its success: a try suspends the thread until the phase completes (or a hardware time limit), so the first

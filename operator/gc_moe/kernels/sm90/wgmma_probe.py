@@ -103,8 +103,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         scale = Float32(0.5)
         if cutlass.const_expr(skew):  # noqa: SIM102 (a compile-time branch around a run-time one)
             if wg % 2 == 1:
-                ptx.asm("{\n.reg .u64 t0, t1;\n.reg .pred late;\nmov.u64 t0, %clock64;\nSPIN:\nmov.u64 t1, %clock64;\n"
-                        f"sub.u64 t1, t1, t0;\nsetp.lt.u64 late, t1, {SKEW_CYCLES};\n@late bra.uni SPIN;\n}}", [], [])
+                ptx.spin_cycles(SKEW_CYCLES)
         start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
         for kb in cutlass.range(steps):
             a_regs = fixed
