@@ -910,15 +910,7 @@ def _make_kernel(cfg: GemmConfig):
         scale words (row g at s_off, row g + 8 32 bytes on) and per K32 block the two rows' tables."""
         wa = sbase + a_off
         words = ptx.lds128(wa) + ptx.lds128(wa + TILE_BYTES // 2)
-        sc_lo = ptx.lds32(sbase + s_off)
-        sc_hi = ptx.lds32(sbase + s_off + 32)
-        a_regs = []
-        for j in cutlass.range_constexpr(4):
-            table_lo = ptx.decode_table(sc_lo, j)
-            table_hi = ptx.decode_table(sc_hi, j)
-            a_regs += [*ptx.decode_fp4x8_table(words[2 * j], table_lo, table_hi),
-                       *ptx.decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
-        return a_regs
+        return ptx.decode_fragment_table(words, ptx.lds32(sbase + s_off), ptx.lds32(sbase + s_off + 32))
 
     @cute.jit
     def compute_stage_folded(smem, stage, wg, t, warp, g, q, acc):

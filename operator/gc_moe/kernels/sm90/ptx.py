@@ -193,6 +193,18 @@ def decode_fp4x8_table(w: Uint32, table_lo: tuple, table_hi: tuple) -> tuple:
     return decode(w, table_lo, table_hi, prmt, Uint32)
 
 
+def decode_fragment_table(words: list, scale_lo: Uint32, scale_hi: Uint32) -> list:
+    """A consumer thread's 16 A registers of a K128 step through the table decode: its eight code words (two 16-byte
+    loads) and its two rows' packed K32 scale words (row g, row g + 8), per K32 block the two rows' tables."""
+    a_regs = []
+    for j in range(4):
+        table_lo = decode_table(scale_lo, j)
+        table_hi = decode_table(scale_hi, j)
+        a_regs += [*decode_fp4x8_table(words[2 * j], table_lo, table_hi),
+                   *decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
+    return a_regs
+
+
 def fold_exponent_step(scale_word: Uint32, byte: int) -> Uint32:
     """Byte `byte` of a packed K32 scale word (d + 133) -> the exponent-field add 8 (d + 1)."""
     from gc_moe.kernels.sm90.grouped_gemm import fold_exponent_step as step

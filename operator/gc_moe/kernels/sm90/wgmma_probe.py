@@ -67,15 +67,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         wa = tile + t * 16
         words = ptx.lds128(wa) + ptx.lds128(wa + A_TILE_BYTES // 2)
         row = (t // 32) * 16 + (t % 32) // 4
-        sc_lo = ptx.lds32(scales + row * 4)
-        sc_hi = ptx.lds32(scales + row * 4 + 32)
-        a_regs = []
-        for j in cutlass.range_constexpr(4):
-            table_lo = ptx.decode_table(sc_lo, j)
-            table_hi = ptx.decode_table(sc_hi, j)
-            a_regs += [*ptx.decode_fp4x8_table(words[2 * j], table_lo, table_hi),
-                       *ptx.decode_fp4x8_table(words[2 * j + 1], table_lo, table_hi)]
-        return a_regs
+        return ptx.decode_fragment_table(words, ptx.lds32(scales + row * 4), ptx.lds32(scales + row * 4 + 32))
 
     @cute.kernel
     def probe_kernel(out: Int64, steps: Int32):
