@@ -294,11 +294,15 @@ def local_ops_in_mma_loops(lines: list[str]) -> int:
     return sum(1 for _, _, body in mma_loops(lines) for t in body if re.search(r"\b(LDL|STL)\b", t))
 
 
-def k_loop_sizes(lines: list[str]) -> list[int]:
-    """Instructions of each innermost QGMMA loop (one holding no other), in order: a K loop's SASS per trip."""
+def innermost_mma_loops(lines: list[str]) -> list[list[str]]:
+    """The instructions of each innermost QGMMA loop (one holding no other), in order: a K loop's SASS per trip."""
     loops = mma_loops(lines)
-    return [len(body) for a, b, body in loops
-            if not any((c, d) != (a, b) and a <= c and d <= b for c, d, _ in loops)]
+    return [body for a, b, body in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d, _ in loops)]
+
+
+def k_loop_sizes(lines: list[str]) -> list[int]:
+    """Instructions of each innermost QGMMA loop, in order."""
+    return [len(body) for body in innermost_mma_loops(lines)]
 
 
 def serialized_wgmmas(lines: list[str]) -> bool:

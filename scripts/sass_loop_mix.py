@@ -15,11 +15,8 @@ warps' overlap decide how much of the larger of these a step takes.
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,29 +58,19 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="also each loop's instruction counts by opcode")
     args = ap.parse_args()
 
+    import bench_grouped_gemm_sm90 as bench
     from gc_moe.kernels.sm90 import grouped_gemm as gg
     from gc_moe.runtime import jit
+    from sass_diff import cuobjdump
 
-    knobs = {}
-    for item in filter(None, args.knobs.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"knobs: {item!r} is not KNOB=VALUE")
-        knobs[key.strip()] = ast.literal_eval(value.strip())
+    knobs = bench.parse_extra_set(f"loop:{args.knobs}", {})["loop"] if args.knobs else {}
     variant = gg.variant(args.role, args.block_n, **knobs)
     entry = jit.find_entry(variant, "sm_90a")
     if entry is None:
         raise SystemExit(f"{variant.describe()} is not in the cubin cache: build it first (gcmoe-bench build)")
-    tool = shutil.which("cuobjdump") or os.environ.get("CUOBJDUMP") or "/usr/local/cuda/bin/cuobjdump"
-    if not Path(tool).exists():
-        raise SystemExit("cuobjdump not found: put it on PATH or name it in $CUOBJDUMP")
-    sass = subprocess.run([tool, "-sass", str(entry.cubin_path)], capture_output=True, text=True, check=True).stdout
-
-    import bench_grouped_gemm_sm90 as bench
-
-    lines = sass.splitlines()
-    loops = bench.mma_loops(lines)
-    inner = [body for a, b, body in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d, _ in loops)]
+    sass = subprocess.run([cuobjdump(), "-sass", str(entry.cubin_path)], capture_output=True, text=True,
+                          check=True).stdout
+    inner = bench.innermost_mma_loops(sass.splitlines())
     step_bytes = gg.STAGE_TX_BYTES * args.ctas
     memory = step_bytes / (args.bw * 1e12 / 132) * args.clock * 1e9
     print(f"{variant.describe()}\nper scheduler and K128 step ({args.warps} consumer warps each, {args.ctas} CTA(s) "
