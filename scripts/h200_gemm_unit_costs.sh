@@ -26,8 +26,7 @@
 #           both steps 45-46)
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (`pers`, the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp), the
-#           issue's table per model from one run; and `skew` (the odd consumer warpgroups half a step late at tiles 24, 64
-#           and 96: step 49)
+#           issue's table per model from one run
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -47,10 +46,9 @@ BENCH=scripts/bench_grouped_gemm_sm90.py
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
-SKEW="skew:skew_cycles=600"  # the odd consumer warpgroups half a step late (GemmConfig.skew_cycles, step 49)
 SKT1HF="skt1hf:stream_k=True,ctas_per_sm=1,trace=True,handover=True,words_first=True,pdl=True"
 SETS="$AUTO --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_ho:handover=True,pdl=True --extra-set $T8P
-  --auto-set $HOF --extra-set $SKT1HF --auto-set $SKEW
+  --auto-set $HOF --extra-set $SKT1HF
   --extra-set skt1h:stream_k=True,ctas_per_sm=1,trace=True,handover=True,pdl=True
   --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True
   --extra-set skt1l:stream_k=True,ctas_per_sm=1,trace=True,lean_epilogue=True
@@ -67,11 +65,11 @@ for s in $steps; do
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or skew" ;;
+             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
-    table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set pers:persistent=True --auto-set "$SKEW" \
+    table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set pers:persistent=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --tokens 1,2,4,8,16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/table.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \

@@ -6,7 +6,9 @@
 Per token tile N and warpgroups (1 and 4): cycles per step of the chain alone (four m64nNk32 WGMMAs, wait, N/2
 FP32 multiply-adds), of the chain after the table decode, and of the decode alone; then, at 4 warpgroups, where the
 decode-and-chain step falls between the sum of its parts (no overlap between warpgroups) and their maximum (full
-overlap). One CTA, one SM, no global memory: the consumer's own costs, not the pipeline's.
+overlap). One CTA, one SM, no global memory: the consumer's own costs, not the pipeline's. Then the split probe:
+two decoder warpgroups beside four chain warpgroups with no dependency between them, the chains register-A or
+shared-A (the decoders storing E4M3): what a kernel that takes the decode off the chains' warps could reach.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "operator")]
+
+
+def timed(params: dict, wg: int) -> bool:
+    """Whether warpgroup `wg` of a probe configuration runs steps (a split probe's role switched off does not)."""
+    split = params.get("split", 0)
+    if not split:
+        return True
+    return params["decode"] if wg < split else params["chain"]
 
 
 def measure(variants, steps: int, repeats: int) -> list[dict]:
@@ -40,7 +50,8 @@ def measure(variants, steps: int, repeats: int) -> list[dict]:
             out.fill_(-1)
             launch(kernel, (1, 1, 1), [ptr(out), i32(steps)], stream)
             torch.cuda.synchronize()
-            cycles = out.cpu()[0:2 * params["warpgroups"]:2].tolist()
+            cycles = [c for wg, c in enumerate(out.cpu()[0:2 * params["warpgroups"]:2].tolist())
+                      if timed(params, wg)]
             if min(cycles) <= 0:
                 raise SystemExit(f"{v.describe()}: a warpgroup stored no cycles ({cycles})")
             if r:
@@ -54,6 +65,8 @@ def measure(variants, steps: int, repeats: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Per N and warpgroups: chain alone, decode + chain, and at 4 warpgroups where that lies between the parts' sum
     and maximum (overlap 0: the sum, 1: the maximum)."""
+    rows = [r for r in rows if not r.get("split")]  # split_table's
+
     def get(n, wgs, decode, chain, skew=False):
         for r in rows:
             if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False)) == (wgs, decode, chain, skew)
@@ -74,6 +87,26 @@ def table(rows: list[dict]) -> str:
                 overlap = (total - both) / (total - top) if total > top else float("nan")
                 lines.append(f"| {n}{' skewed' if skew else ''} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
                              f"| {top:.0f} | {overlap:.2f} |")
+    return "\n".join(lines)
+
+
+def split_table(rows: list[dict]) -> str:
+    """The split probe (decoders beside chain warpgroups, no dependency): per N and A source the decoders' and the
+    chains' cycles per step alone and together (the slower role's), and the overlap as in `table`."""
+    def get(n, shared_a, decode, chain):
+        for r in rows:
+            if (r.get("split") and (r["n"], r["shared_a"], r["decode"], r["chain"]) == (n, shared_a, decode, chain)):
+                return r["cycles_per_step"]
+        return float("nan")
+
+    lines = ["| N | chains' A | decoders alone | chains alone | together | sum | max | overlap |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n, shared_a in sorted({(r["n"], r["shared_a"]) for r in rows if r.get("split")}):
+        d, c, both = get(n, shared_a, True, False), get(n, shared_a, False, True), get(n, shared_a, True, True)
+        total, top = d + c, max(d, c)
+        overlap = (total - both) / (total - top) if total > top else float("nan")
+        lines.append(f"| {n} | {'shared (SS)' if shared_a else 'registers (RS)'} | {d:.0f} | {c:.0f} | {both:.0f} "
+                     f"| {total:.0f} | {top:.0f} | {overlap:.2f} |")
     return "\n".join(lines)
 
 
@@ -98,6 +131,8 @@ def main() -> None:
         return
     rows = measure(variants, args.steps, args.repeats)
     print(table(rows))
+    if any(r.get("split") for r in rows):
+        print(split_table(rows))
     if args.json:
         import torch
 

@@ -168,13 +168,15 @@ def test_tile_knobs_follow_the_measured_points():
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
     assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24
     assert gg.tile_knobs(25) == (32, table) and gg.tile_knobs(32) == (32, table)
-    assert gg.tile_knobs(33) == (64, table) and gg.tile_knobs(500) == (64, table)
-    assert gg.tile_knobs(65) == (96, table) and gg.tile_knobs(96) == (96, table)  # the wide tile by default
+    persistent = {**table, "persistent": True}  # step 50: the persistent grid at tiles 64 and 96
+    assert gg.tile_knobs(33) == (64, persistent) and gg.tile_knobs(500) == (64, persistent)
+    assert gg.tile_knobs(65) == (96, persistent) and gg.tile_knobs(96) == (96, persistent)  # the wide tile by default
     for cap in (1, 9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
         bn, knobs = gg.tile_knobs(cap)
         for role in ("w1", "w2"):
             cfg = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
             assert (cfg.stream_k if bn == 8 else cfg.table_decode and cfg.fit_n) and cfg.block_n == bn
+            assert cfg.persistent == (bn in (64, 96))
             assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)
@@ -545,31 +547,6 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
     assert sorted((p["role"], p["block_n"]) for p in built) == sorted(
         (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
-
-
-def test_skew_knob_names_and_limits():
-    """skew_cycles delays the odd consumer warpgroups of the unit grid's waited table loop (tiles 24, 64, 96): named
-    only there, with the shared-memory plan of the loop it delays."""
-    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    ring = {"fold_scales": True, "table_decode": True, "ring_consumer": True}
-    for knobs in ({}, {"fold_scales": True}, {**tab, "persistent": True}, ring):
-        with pytest.raises(ValueError, match="skew_cycles is a knob of the unit grid's waited table loop"):
-            gg.GemmConfig("w1", 64, skew_cycles=600, **knobs)
-    with pytest.raises(ValueError, match="skew_cycles is a knob"):
-        gg.GemmConfig("w1", 32, skew_cycles=600, **tab)  # the pipelined loop
-    with pytest.raises(ValueError, match="allowed >= 0"):
-        gg.GemmConfig("w1", 64, skew_cycles=-1, **tab)
-    for role in ("w1", "w2"):
-        for bn, ctas in ((24, None), (64, None), (96, None)):
-            skewed = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, skew_cycles=600, **tab).params))
-            base = gg.GemmConfig(**dict(gg.variant(role, bn, ctas_per_sm=ctas, **tab).params))
-            assert skewed.skew_cycles == 600 and skewed.name == base.name.replace("_lean", "_lean_skew600")
-            assert (skewed.stages, skewed.smem_bytes, skewed.threads, skewed.params) == (
-                base.stages, base.smem_bytes, base.threads, base.params)
-        # sets may name it everywhere; the variants name it only at the waited unit-grid loop
-        for bn, knobs in ((8, {"stream_k": True}), (16, {**tab, "ctas_per_sm": 2}), (32, tab),
-                          (64, {**tab, "persistent": True})):
-            assert "skew_cycles" not in dict(gg.variant(role, bn, skew_cycles=600, **knobs).params)
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
@@ -1860,22 +1837,6 @@ def test_wide_tile_matches_float32_reference_and_tile_64(hidden, inter, experts,
     assert ((sf - sf_64).abs() <= 5e-7 * sf_64.abs()).all()
     ulps = (out.view(torch.int16).int() - out_64.view(torch.int16).int()).abs()
     assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 150), (512, 384, 45)])
-@pytest.mark.parametrize("block_n,ctas_per_sm", [(24, None), (64, None), (96, None)])
-def test_skewed_start_writes_the_same_bytes(hidden, inter, tokens, block_n, ctas_per_sm):
-    """The odd warpgroups half a step late (`skew_cycles`) run the same loop on the same stages: the float32
-    reference, and the loop without the skew to the byte."""
-    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True,
-             "ctas_per_sm": ctas_per_sm}
-    case = (hidden, inter, 7, 4, tokens, block_n)
-    seed = tokens + 7 * block_n + hidden
-    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, skew_cycles=600, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, skew_cycles=600, **knobs),
-                       _run_case(*case, seed=seed, return_raw=True, **knobs))
 
 
 @pytest.mark.gpu

@@ -11,11 +11,19 @@ def test_probe_configurations_and_errors():
     for n, wgs in ((12, 4), (128, 1), (64, 0), (64, 5)):
         with pytest.raises(ValueError, match="wgmma probe"):
             wp.variant(n, wgs)
+    # split: both roles at least one warpgroup, both dividing the step's four row blocks, the chains' accumulators
+    # within their registers; shared_a only with split
+    for n, wgs, split in ((64, 4, 4), (64, 6, 3), (64, 7, 2), (96, 3, 1), (64, 4, 0)):
+        with pytest.raises(ValueError, match="wgmma probe"):
+            wp.variant(n, wgs, split=split, shared_a=True)
+    wp.variant(96, 6, split=2, shared_a=True)
     variants = wp.probe_variants()
-    # per warpgroup count: the decode alone, and at each N the chain with and without it
-    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2
-    b, a, total = wp.smem_layout(96, 4)
-    assert (b, a) == (0, 96 * 128) and total == a + 4 * 2 * (wp.A_TILE_BYTES + wp.SCALE_TILE_BYTES) <= 227 * 1024
+    # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; three split
+    # configurations with each role alone and both
+    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 3 * 3
+    b, a, blocks, total = wp.smem_layout(96, 6)
+    assert (b, a) == (0, 96 * 128) and blocks >= a + 6 * 2 * (wp.A_TILE_BYTES + wp.SCALE_TILE_BYTES)
+    assert blocks % 1024 == 0 and total == blocks + 4 * wp.A_BLOCK_BYTES <= 227 * 1024
 
 
 def test_probe_binaries_hold_what_they_time(tmp_path):
@@ -35,3 +43,21 @@ def test_probe_binaries_hold_what_they_time(tmp_path):
         assert len(re.findall(r"\bprmt\.b32\b", ptx)) >= 16 * (1 + params["decode"]), v.describe()
         assert entry.resources["frame_bytes"] == 0, v.describe()
         assert entry.launch.block == (128 * params["warpgroups"], 1, 1)
+
+
+def test_split_probe_binaries_hold_what_they_time(tmp_path):
+    """The split probe's shared-A chains read A through a descriptor (no A registers), its decoders store the decoded
+    words (16-byte shared stores, a proxy fence) and the two roles move the register pool between them."""
+    pytest.importorskip("cutlass")
+    from gc_moe.runtime import jit
+
+    for n, shared_a in ((64, False), (96, True)):
+        v = wp.variant(n, wp.SPLIT_WARPGROUPS, split=wp.SPLIT_DECODERS, shared_a=shared_a)
+        entry = jit.build_variant(v, "sm_90a", cache_dir=tmp_path)
+        ptx = entry.ptx_path.read_text()
+        mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, (\S+)", ptx)
+        assert mma and len(mma) % 4 == 0
+        assert all(a.startswith("{") != shared_a for a in mma)  # register A: a brace list; shared A: a descriptor
+        assert ("st.shared.v4.b32" in ptx and "fence.proxy.async.shared::cta" in ptx) == shared_a
+        assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
+        assert entry.resources["frame_bytes"] == 0 and len(re.findall(r"\bprmt\.b32\b", ptx)) >= 16

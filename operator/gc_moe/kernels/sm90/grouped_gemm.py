@@ -303,10 +303,6 @@ class GemmConfig:
     # SASS) then stalls that warp, not warpgroup 0 and with it the ring (the pair's W1 epilogues took 1.8-3.3 us
     # against 0.7-1.3 in the separate W1: step 46). Both halves take it (one more warp in the CTA)
     publisher_warp: bool = False
-    # the unit grid's waited table loop (tiles 24, 64, 96): the odd consumer warpgroups spin this many cycles
-    # (%clock64) after the unit's first stage arrives, so that the four warpgroups run their steps out of phase (one
-    # decoding while another's chain runs) instead of in step. 0: off (step 49: does a skewed start stay skewed?)
-    skew_cycles: int = 0
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -392,12 +388,6 @@ class GemmConfig:
             raise ValueError("handover is a knob of the stand-alone stream-K W1 / W2 at one CTA per SM with one "
                              "producer warp: pass stream_k=True, ctas_per_sm=1 (the pair kernel hands over within "
                              "its launch)")
-        if self.skew_cycles and not (self.table_decode and self.warp_specialized and not self.table_pipelined
-                                     and not self.persistent and not self.ring_consumer and self.k_splits == 1):
-            raise ValueError("skew_cycles is a knob of the unit grid's waited table loop (table_decode=True at tiles "
-                             f"24, 64, 96, not persistent, no ring consumer, no K split), got {self.skew_cycles}")
-        if self.skew_cycles < 0:
-            raise ValueError(f"skew_cycles {self.skew_cycles}: allowed >= 0")
         if self.publisher_warp and not self.stream_pair:
             raise ValueError("publisher_warp is a knob of the stream-K pair kernel's halves: pass stream_pair=True")
         if self.words_first and not (self.stream_pair or self.handover):
@@ -614,8 +604,6 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers"
-        if self.skew_cycles:
-            s += f"_skew{self.skew_cycles}"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -1501,12 +1489,6 @@ def _make_kernel(cfg: GemmConfig):
         a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage, phase = ring_position(base)
-        if cutlass.const_expr(cfg.skew_cycles > 0):  # noqa: SIM102 (a compile-time branch around a run-time one)
-            # once the unit's first stage is there: the even warpgroups start on it first (the condition warp-uniform,
-            # or the loop after it loses its uniform registers)
-            if cute.arch.make_warp_uniform(wg) % 2 == 1:
-                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
-                ptx.spin_cycles(cfg.skew_cycles)
         for kb in cutlass.range(k_blocks):
             sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             n_main = min(n, WIDE_MAIN_N)
@@ -2861,7 +2843,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
-               words_first: bool = False, skew_cycles: int = 0):
+               words_first: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2874,7 +2856,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     persistent=persistent, words_first=words_first, skew_cycles=skew_cycles)
+                     persistent=persistent, words_first=words_first)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2888,7 +2870,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
-            persistent: bool = False, words_first: bool = False, skew_cycles: int = 0):
+            persistent: bool = False, words_first: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2933,11 +2915,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                   and block_n not in TABLE_TWO_CTA_BLOCK_N)
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
         cfg = replace(cfg, persistent=True, stages=stages)
-    # a knob of the unit grid's waited table loop: sets may name it everywhere
-    skew_cycles = skew_cycles if (cfg.table_decode and cfg.warp_specialized and not cfg.table_pipelined
-                                  and not cfg.persistent and not ring_consumer and cfg.k_splits == 1) else 0
-    if skew_cycles:
-        cfg = replace(cfg, skew_cycles=skew_cycles)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2978,8 +2955,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["words_first"] = True
     if persistent:
         params["persistent"] = True
-    if skew_cycles:
-        params["skew_cycles"] = skew_cycles
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3159,7 +3134,9 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     decode of the weights per K128 step for both chains) instead of two 64-token tiles (GLM-5.2 at 256 tokens 11%
     faster, 13.5% with the lean epilogue, step 34); False keeps tile 64 there. two_cta_tiles=False: 9-32 rows at tile 32
     (one CTA per SM) instead of tiles 16 / 24 at two: the choice measured against the serialized pipelined loop, open
-    again with the loops of steps 43-44."""
+    again with the loops of steps 43-44. Tiles 64 and 96 run as a persistent grid (`persistent`: one CTA per SM walks
+    the units on a stage ring that runs on across them; 2.8-4.2% faster at both models' 128-256 tokens, equal at 64,
+    step 50; at tiles 16 / 32 it is 3-5% slower, at 24 it is not built)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
@@ -3175,9 +3152,10 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
         return 24, {**table, "ctas_per_sm": 2}
     if capacity <= 32:
         return 32, table
+    persistent = {**table, "persistent": True}
     if wide_tile and 64 < capacity <= max(TABLE_WIDE_BLOCK_N):
-        return max(TABLE_WIDE_BLOCK_N), table
-    return 64, table
+        return max(TABLE_WIDE_BLOCK_N), persistent
+    return 64, persistent
 
 
 def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:

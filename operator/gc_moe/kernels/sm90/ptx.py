@@ -90,6 +90,10 @@ def sts_s32(addr: Int32, v: Int32) -> None:
     asm("st.shared.b32 [$0], $1;", [], [addr, v])
 
 
+def sts128(addr: Int32, words: list) -> None:
+    asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [], [addr, *words])
+
+
 def lds_f32(addr: Int32) -> Float32:
     return asm("ld.shared.f32 $0, [$1];", [Float32], [addr])
 
@@ -275,6 +279,28 @@ def wgmma_rs_e4m3_chain(n: int, a_regs: list, descs: list) -> list:
     lines.append("wgmma.wait_group.sync.aligned 0;")
     lines.append("}")
     return asm("\n".join(lines), [Float32] * per, list(a_regs) + list(descs) + [Int32(0)])
+
+
+def wgmma_ss_e4m3_chains(n: int, a_descs: list, b_descs: list) -> list:
+    """len(a_descs) chains of shared-A `m64n{n}k32` E4M3 WGMMAs (chain i: A descriptors a_descs[i], one per K32
+    block, against b_descs), each into its own accumulator, the first of a chain fresh; one commit, one wait.
+    Returns per chain its n/2 floats."""
+    per = n // 2
+    chains, count = len(a_descs), len(b_descs)
+    ins = [d for chain in a_descs for d in chain] + list(b_descs) + [Int32(0)]
+    zero = f"${chains * per + len(ins) - 1}"
+    lines = ["{", ".reg .pred fresh, chain;", f"setp.ne.b32 fresh, {zero}, 0;", f"setp.eq.b32 chain, {zero}, 0;"]
+    for c in range(chains):
+        d = ", ".join(f"${c * per + r}" for r in range(per))
+        for i in range(count):
+            a = f"${chains * per + c * count + i}"
+            b = f"${chains * per + chains * count + i}"
+            pred = "fresh" if i == 0 else "chain"
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {a}, {b}, {pred}, 1, 1;")
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    out = asm("\n".join(lines), [Float32] * (per * chains), ins)
+    out = out if isinstance(out, list) else [out]
+    return [out[c * per:(c + 1) * per] for c in range(chains)]
 
 
 # ------------------------------------------------------------------------------------------ warp / scalar

@@ -11,6 +11,13 @@ that stays put:
           one register (3 three-input XORs per 4 words) so the decode stays
   skew    the odd warpgroups start half a step late (a spin of SKEW_CYCLES on %clock64 before their first step): do
           warpgroups that start out of phase stay out of phase, or do they fall back into step with each other?
+  split   (split > 0: the work divided by role instead) warpgroups 0..split-1 only decode, the 4 fragments of a step
+          between them, and the others only run chains, the 4 m64 row blocks between them: one warpgroup's decode
+          beside another's WGMMAs with no dependency between them. With `shared_a` the decoders store each decoded
+          fragment (four 16-byte stores and a proxy fence) and the chains take A from shared memory (SS-WGMMA: the
+          design that takes the decode off the chains' warps); without it the chains are register-A from fixed
+          registers. No barrier between the roles: a measure of what the two share (issue slots, register file,
+          shared memory), not a pipeline
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -22,27 +29,43 @@ A_TILE_BYTES = 4096  # a warpgroup's 64 rows x 128 FP4 codes per K128 step
 SCALE_TILE_BYTES = 256  # its 64 rows x 4 K32 scale bytes
 N_CHOICES = (8, 16, 32, 64, 96)
 SKEW_CYCLES = 500  # about half a decode-and-chain step at N = 64 with four warpgroups
-OUT_TOTALS = 64  # out: per warpgroup (cycles, folded words) as two int64 from 0, its accumulators' sum (f32) from here
-OUT_BYTES = OUT_TOTALS + 4 * 4
+A_BLOCK_BYTES = 8192  # split with shared_a: one decoded m64 row block of a K128 step as E4M3 (64 rows x 128 bytes)
+DECODER_REGISTERS = 48  # split: what a decoder warpgroup keeps (its loop needs ~32)
+MAX_CHAIN_FLOATS = 48  # scaled accumulators per thread of a chain warpgroup (its row blocks x N/2; as many in flight)
+SPLIT_DECODERS, SPLIT_WARPGROUPS = 2, 6  # the measured split: two decoders beside four chain warpgroups
+MAX_WARPGROUPS = 6  # a split probe's decoders and chain warpgroups together (four without split)
+OUT_TOTALS = 16 * MAX_WARPGROUPS  # out: per warpgroup (cycles, folded words) as two int64 from 0, its sum (f32) here
+OUT_BYTES = OUT_TOTALS + 4 * MAX_WARPGROUPS
 
 
-def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int]:
-    """(token tile offset, weight tiles offset, total bytes): the token tile first (1 KB aligned), then per warpgroup
-    two weight tiles and two scale tiles."""
+def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int, int]:
+    """(token tile offset, weight tiles offset, decoded A blocks offset, total bytes): the token tile first (1 KB
+    aligned), then per warpgroup two weight tiles and two scale tiles, then (1 KB aligned) the four decoded m64 row
+    blocks of a split probe with shared_a."""
     a_offset = n * 128
-    total = a_offset + warpgroups * 2 * (A_TILE_BYTES + SCALE_TILE_BYTES)
-    return 0, a_offset, total
+    blocks = -(-(a_offset + warpgroups * 2 * (A_TILE_BYTES + SCALE_TILE_BYTES)) // 1024) * 1024
+    return 0, a_offset, blocks, blocks + 4 * A_BLOCK_BYTES
 
 
-def check_config(n: int, warpgroups: int) -> None:
+def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False) -> None:
     if n not in N_CHOICES:
         raise ValueError(f"wgmma probe: n={n}, allowed {N_CHOICES}")
-    if not 1 <= warpgroups <= 4:
-        raise ValueError(f"wgmma probe: warpgroups={warpgroups}, allowed 1..4")
+    if not 1 <= warpgroups <= (MAX_WARPGROUPS if split else 4):
+        raise ValueError(f"wgmma probe: warpgroups={warpgroups}, allowed 1..4 (1..{MAX_WARPGROUPS} with split)")
+    if split:
+        chains = warpgroups - split
+        if not 1 <= split < warpgroups or 4 % split or 4 % chains:
+            raise ValueError(f"wgmma probe: split={split} of {warpgroups} warpgroups; allowed: decoders and chain "
+                             "warpgroups both at least one and both dividing the step's 4 row blocks")
+        if 4 // chains * (n // 2) > MAX_CHAIN_FLOATS:
+            raise ValueError(f"wgmma probe: n={n} with {chains} chain warpgroup(s) holds {4 // chains * n // 2} "
+                             f"accumulators per thread; allowed at most {MAX_CHAIN_FLOATS}")
+    elif shared_a:
+        raise ValueError("wgmma probe: shared_a is a knob of the split probe (split > 0)")
 
 
 def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True,
-                skew: bool = False):
+                skew: bool = False, split: int = 0, shared_a: bool = False):
     """The runtime's builder: a CompileRequest for one probe configuration (no GPU needed)."""
     import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
@@ -52,11 +75,16 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
     if arch != "sm_90a":
         raise ValueError(f"the wgmma probe is built for sm_90a only, not {arch!r}")
-    check_config(n, warpgroups)
+    check_config(n, warpgroups, split, shared_a)
     if not (decode or chain):
         raise ValueError("wgmma probe: decode and chain both off leaves nothing to measure")
     threads = warpgroups * WARPGROUP_THREADS
-    b_offset, a_offset, smem_bytes = smem_layout(n, warpgroups)
+    b_offset, a_offset, blocks_offset, smem_bytes = smem_layout(n, warpgroups)
+    frags = 4 // split if split else 1  # per decoder warpgroup and step
+    mblocks = 4 // (warpgroups - split) if split else 1  # per chain warpgroup and step
+    # the register pool (65536 per SM) after the decoders give theirs up, per chain thread, a multiple of 8
+    chain_registers = min(256, (65536 // WARPGROUP_THREADS - split * DECODER_REGISTERS) // max(warpgroups - split, 1)
+                          // 8 * 8)
 
     @cute.jit
     def fragment(smem, wg, t, sel):
@@ -87,37 +115,113 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         ptx.fence_proxy_async_shared()  # the token tile was written by the generic proxy
         desc0 = ptx.smem_desc_kmajor_lo(smem + b_offset, 128)
         descs = [ptx.smem_desc_kmajor_from_lo(desc0 + j * 16, 1024) for j in range(4)]
-        fixed = fragment(smem, wg, t, Int32(0))
-        acc = cute.make_rmem_tensor((max(n // 2, 1),), Float32)
-        for r in cutlass.range_constexpr(n // 2):
-            acc[r] = Float32(0.0)
-        sink = Uint32(0)
         scale = Float32(0.5)
-        if cutlass.const_expr(skew):  # noqa: SIM102 (a compile-time branch around a run-time one)
-            if wg % 2 == 1:
-                ptx.spin_cycles(SKEW_CYCLES)
+        if cutlass.const_expr(split == 0):
+            fixed = fragment(smem, wg, t, Int32(0))
+            acc = cute.make_rmem_tensor((max(n // 2, 1),), Float32)
+            for r in cutlass.range_constexpr(n // 2):
+                acc[r] = Float32(0.0)
+            sink = Uint32(0)
+            if cutlass.const_expr(skew):  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if wg % 2 == 1:
+                    ptx.spin_cycles(SKEW_CYCLES)
+            start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+            for kb in cutlass.range(steps):
+                a_regs = fixed
+                if cutlass.const_expr(decode):
+                    a_regs = fragment(smem, wg, t, kb & 1)
+                if cutlass.const_expr(chain):
+                    ptx.wgmma_fence()
+                    part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
+                    for r in cutlass.range_constexpr(n // 2):
+                        acc[r] = acc[r] + part[r] * scale
+                else:
+                    for j in cutlass.range_constexpr(4):
+                        sink = sink ^ a_regs[4 * j] ^ a_regs[4 * j + 1] ^ a_regs[4 * j + 2] ^ a_regs[4 * j + 3]
+            stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(n // 2):
+                total = total + acc[r]
+            if t == 0:
+                record(out, wg, stop - start, sink, total)
+        else:
+            role_wg = cute.arch.make_warp_uniform(wg)  # a uniform branch keeps each role's loop on uniform registers
+            # the decoders need few registers, the chains' in-flight and scaled accumulators many (2 x N per thread
+            # at two row blocks): the pool moves to the chains as in a warp-specialized kernel
+            if role_wg < split:
+                cute.arch.setmaxregister_decrease(DECODER_REGISTERS)
+                if cutlass.const_expr(decode):
+                    decoder_steps(out, smem, role_wg, t, steps)
+            else:
+                cute.arch.setmaxregister_increase(chain_registers)
+                if cutlass.const_expr(chain):
+                    chain_steps(out, smem, role_wg, t, steps, descs, scale)
+
+    @cute.jit
+    def record(out, wg, cycles, sink, total):
+        ptx.stg_s64(out + Int64(wg) * 16, cycles)
+        # what the steps computed, so that no step is dead code (not checked)
+        ptx.stg_s64(out + Int64(wg) * 16 + 8, Int64(sink))
+        ptx.stg_f32(out + OUT_TOTALS + Int64(wg) * 4, total)
+
+    @cute.jit
+    def decoder_steps(out, smem, wg, t, steps):
+        """Decoder warpgroup `wg` of a split probe: per step its `frags` fragments (of row blocks wg * frags ..),
+        stored as E4M3 for the chains (shared_a: four 16-byte stores each, then one proxy fence) or folded."""
+        sink = Uint32(0)
         start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
         for kb in cutlass.range(steps):
-            a_regs = fixed
-            if cutlass.const_expr(decode):
-                a_regs = fragment(smem, wg, t, kb & 1)
-            if cutlass.const_expr(chain):
-                ptx.wgmma_fence()
-                part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
-                for r in cutlass.range_constexpr(n // 2):
-                    acc[r] = acc[r] + part[r] * scale
-            else:
-                for j in cutlass.range_constexpr(4):
-                    sink = sink ^ a_regs[4 * j] ^ a_regs[4 * j + 1] ^ a_regs[4 * j + 2] ^ a_regs[4 * j + 3]
+            for f in cutlass.range_constexpr(frags):
+                a_regs = fragment(smem, wg, t, (kb + f) & 1)
+                if cutlass.const_expr(shared_a):
+                    block = smem + blocks_offset + (wg * frags + f) * A_BLOCK_BYTES + t * 16
+                    for i in cutlass.range_constexpr(4):
+                        ptx.sts128(block + i * (A_BLOCK_BYTES // 4), a_regs[4 * i:4 * i + 4])
+                else:
+                    for j in cutlass.range_constexpr(4):
+                        sink = sink ^ a_regs[4 * j] ^ a_regs[4 * j + 1] ^ a_regs[4 * j + 2] ^ a_regs[4 * j + 3]
+            if cutlass.const_expr(shared_a):
+                ptx.fence_proxy_async_shared()  # the chains' WGMMAs read what the generic proxy stored
+        stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+        if t == 0:
+            record(out, wg, stop - start, sink, Float32(0.0))
+
+    @cute.jit
+    def chain_steps(out, smem, wg, t, steps, descs, scale):
+        """Chain warpgroup `wg` of a split probe: per step `mblocks` chains of four K32 WGMMAs (row blocks
+        (wg - split) * mblocks ..; A from the decoded blocks with shared_a, else from fixed registers), one wait,
+        N/2 multiply-adds per chain."""
+        acc = cute.make_rmem_tensor((mblocks * (n // 2),), Float32)
+        for r in cutlass.range_constexpr(mblocks * (n // 2)):
+            acc[r] = Float32(0.0)
+        first = (wg - split) * mblocks
+        a_descs = []
+        fixed = []
+        if cutlass.const_expr(shared_a):
+            lo = ptx.smem_desc_kmajor_lo(smem + blocks_offset + first * A_BLOCK_BYTES, 128)
+            a_descs = [[ptx.smem_desc_kmajor_from_lo(lo + (m * A_BLOCK_BYTES + j * 256) // 16, 1024)
+                        for j in range(4)] for m in range(mblocks)]
+        else:
+            fixed = fragment(smem, wg, t, Int32(0))
+        start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+        for _kb in cutlass.range(steps):
+            ptx.wgmma_fence()
+            if cutlass.const_expr(shared_a):  # every row block's chain in flight at once, one wait
+                parts = ptx.wgmma_ss_e4m3_chains(n, a_descs, descs)
+                for m in cutlass.range_constexpr(mblocks):
+                    for r in cutlass.range_constexpr(n // 2):
+                        acc[m * (n // 2) + r] = acc[m * (n // 2) + r] + parts[m][r] * scale
+            else:  # as the operator's waited loop: a chain, its wait, its multiply-adds
+                for m in cutlass.range_constexpr(mblocks):
+                    part = ptx.wgmma_rs_e4m3_chain(n, fixed, descs)
+                    for r in cutlass.range_constexpr(n // 2):
+                        acc[m * (n // 2) + r] = acc[m * (n // 2) + r] + part[r] * scale
         stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
         total = Float32(0.0)
-        for r in cutlass.range_constexpr(n // 2):
+        for r in cutlass.range_constexpr(mblocks * (n // 2)):
             total = total + acc[r]
         if t == 0:
-            ptx.stg_s64(out + Int64(wg) * 16, stop - start)
-            # what the steps computed, so that no step is dead code (not checked)
-            ptx.stg_s64(out + Int64(wg) * 16 + 8, Int64(sink))
-            ptx.stg_f32(out + OUT_TOTALS + Int64(wg) * 4, total)
+            record(out, wg, stop - start, Uint32(0), total)
 
     @cute.jit
     def host(out: Int64, steps: Int32):
@@ -126,12 +230,15 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
     return CompileRequest(host, (Int64(0), Int32(1)), LaunchShape(block=(threads, 1, 1), dynamic_smem_bytes=smem_bytes))
 
 
-def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False):
+def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False, split: int = 0,
+            shared_a: bool = False):
     """The runtime KernelVariant of one probe configuration."""
     from gc_moe.runtime.jit import KernelVariant
 
-    check_config(n, warpgroups)
+    check_config(n, warpgroups, split, shared_a)
     extra = {"skew": True} if skew else {}
+    if split:
+        extra.update(split=split, shared_a=shared_a)
     promises = ("prmt.b32",) if decode else ()
     if chain:
         promises += ("wgmma.mma_async.sync.aligned.m64n",)
@@ -149,4 +256,12 @@ def probe_variants() -> list:
         out.append(variant(64, wgs, decode=True, chain=False))
         for n in N_CHOICES:
             out += [variant(n, wgs, decode=False, chain=True), variant(n, wgs, decode=True, chain=True)]
-    return out + [variant(n, 4, skew=True) for n in (64, 96)]
+    out += [variant(n, 4, skew=True) for n in (64, 96)]
+    # the work divided by role (two decoders of two fragments each, four chain warpgroups of one row block each):
+    # register-A chains from fixed registers beside decoders, and the shared-A design (decoders storing E4M3,
+    # SS-WGMMA chains)
+    # SS-WGMMA chains, and register-A chains (their fixed A registers leave no room for N = 96 in 104 registers)
+    for n, shared_a in ((64, False), (64, True), (96, True)):
+        out += [variant(n, SPLIT_WARPGROUPS, split=SPLIT_DECODERS, shared_a=shared_a, decode=decode, chain=chain)
+                for decode, chain in ((True, False), (False, True), (True, True))]
+    return out
