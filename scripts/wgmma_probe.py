@@ -93,20 +93,25 @@ def table(rows: list[dict]) -> str:
 def split_table(rows: list[dict]) -> str:
     """The split probe (decoders beside chain warpgroups, no dependency): per N and A source the decoders' and the
     chains' cycles per step alone and together (the slower role's), and the overlap as in `table`."""
-    def get(n, shared_a, decode, chain):
+    def get(key, decode, chain):
         for r in rows:
-            if (r.get("split") and (r["n"], r["shared_a"], r["decode"], r["chain"]) == (n, shared_a, decode, chain)):
+            if r.get("split") and split_key(r) == key and (r["decode"], r["chain"]) == (decode, chain):
                 return r["cycles_per_step"]
         return float("nan")
 
-    lines = ["| N | chains' A | decoders alone | chains alone | together | sum | max | overlap |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for n, shared_a in sorted({(r["n"], r["shared_a"]) for r in rows if r.get("split")}):
-        d, c, both = get(n, shared_a, True, False), get(n, shared_a, False, True), get(n, shared_a, True, True)
+    def split_key(r):
+        return r["n"], r["split"], r["warpgroups"] - r["split"], r["shared_a"]
+
+    lines = ["| N | decoder warpgroups | chain warpgroups | chains' A | decoders alone | chains alone | together | sum "
+             "| max | overlap |",
+             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key in sorted({split_key(r) for r in rows if r.get("split")}):
+        d, c, both = get(key, True, False), get(key, False, True), get(key, True, True)
         total, top = d + c, max(d, c)
         overlap = (total - both) / (total - top) if total > top else float("nan")
-        lines.append(f"| {n} | {'shared (SS)' if shared_a else 'registers (RS)'} | {d:.0f} | {c:.0f} | {both:.0f} "
-                     f"| {total:.0f} | {top:.0f} | {overlap:.2f} |")
+        n, decoders, chains, shared_a = key
+        lines.append(f"| {n} | {decoders} | {chains} | {'shared (SS)' if shared_a else 'registers (RS)'} | {d:.0f} "
+                     f"| {c:.0f} | {both:.0f} | {total:.0f} | {top:.0f} | {overlap:.2f} |")
     return "\n".join(lines)
 
 

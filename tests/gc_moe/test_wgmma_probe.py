@@ -16,11 +16,12 @@ def test_probe_configurations_and_errors():
     for n, wgs, split in ((64, 4, 4), (64, 6, 3), (64, 7, 2), (96, 3, 1), (64, 4, 0)):
         with pytest.raises(ValueError, match="wgmma probe"):
             wp.variant(n, wgs, split=split, shared_a=True)
-    wp.variant(96, 6, split=2, shared_a=True)
+    wp.variant(96, 5, split=1, shared_a=True)
     variants = wp.probe_variants()
-    # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; three split
+    # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; the split
     # configurations with each role alone and both
-    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 3 * 3
+    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 3 * len(
+        wp.SPLITS)
     b, a, blocks, total = wp.smem_layout(96, 6)
     assert (b, a) == (0, 96 * 128) and blocks >= a + 6 * 2 * (wp.A_TILE_BYTES + wp.SCALE_TILE_BYTES)
     assert blocks % 1024 == 0 and total == blocks + 4 * wp.A_BLOCK_BYTES <= 227 * 1024
@@ -51,8 +52,8 @@ def test_split_probe_binaries_hold_what_they_time(tmp_path):
     pytest.importorskip("cutlass")
     from gc_moe.runtime import jit
 
-    for n, shared_a in ((64, False), (96, True)):
-        v = wp.variant(n, wp.SPLIT_WARPGROUPS, split=wp.SPLIT_DECODERS, shared_a=shared_a)
+    for n, split, wgs, shared_a in wp.SPLITS:
+        v = wp.variant(n, wgs, split=split, shared_a=shared_a)
         entry = jit.build_variant(v, "sm_90a", cache_dir=tmp_path)
         ptx = entry.ptx_path.read_text()
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, (\S+)", ptx)

@@ -30,9 +30,11 @@ SCALE_TILE_BYTES = 256  # its 64 rows x 4 K32 scale bytes
 N_CHOICES = (8, 16, 32, 64, 96)
 SKEW_CYCLES = 500  # about half a decode-and-chain step at N = 64 with four warpgroups
 A_BLOCK_BYTES = 8192  # split with shared_a: one decoded m64 row block of a K128 step as E4M3 (64 rows x 128 bytes)
-DECODER_REGISTERS = 48  # split: what a decoder warpgroup keeps (its loop needs ~32)
+DECODER_REGISTERS = 40  # split: what a decoder warpgroup keeps (its loop needs 36-39)
 MAX_CHAIN_FLOATS = 48  # scaled accumulators per thread of a chain warpgroup (its row blocks x N/2; as many in flight)
-SPLIT_DECODERS, SPLIT_WARPGROUPS = 2, 6  # the measured split: two decoders beside four chain warpgroups
+# the measured splits (N, decoders, warpgroups, shared_a): two decoders beside four chain warpgroups (the chains'
+# 96 registers hold N = 64 only), and one decoder of all four fragments (the chains get 104: N = 96 fits shared-A)
+SPLITS = ((64, 2, 6, False), (64, 2, 6, True), (64, 1, 5, True), (96, 1, 5, True))
 MAX_WARPGROUPS = 6  # a split probe's decoders and chain warpgroups together (four without split)
 OUT_TOTALS = 16 * MAX_WARPGROUPS  # out: per warpgroup (cycles, folded words) as two int64 from 0, its sum (f32) here
 OUT_BYTES = OUT_TOTALS + 4 * MAX_WARPGROUPS
@@ -82,9 +84,11 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
     b_offset, a_offset, blocks_offset, smem_bytes = smem_layout(n, warpgroups)
     frags = 4 // split if split else 1  # per decoder warpgroup and step
     mblocks = 4 // (warpgroups - split) if split else 1  # per chain warpgroup and step
-    # the register pool (65536 per SM) after the decoders give theirs up, per chain thread, a multiple of 8
-    chain_registers = min(256, (65536 // WARPGROUP_THREADS - split * DECODER_REGISTERS) // max(warpgroups - split, 1)
-                          // 8 * 8)
+    # the CTA's register pool is what the launch gave it (65536 / threads per thread, rounded down to 8), not the
+    # SM's 65536: a chain warpgroup may raise its share only to what the decoders give up (asking more never returns)
+    launch_registers = min(255, 65536 // threads) // 8 * 8
+    chain_registers = min(256, (threads * launch_registers // WARPGROUP_THREADS - split * DECODER_REGISTERS)
+                          // max(warpgroups - split, 1) // 8 * 8)
 
     @cute.jit
     def fragment(smem, wg, t, sel):
@@ -257,11 +261,10 @@ def probe_variants() -> list:
         for n in N_CHOICES:
             out += [variant(n, wgs, decode=False, chain=True), variant(n, wgs, decode=True, chain=True)]
     out += [variant(n, 4, skew=True) for n in (64, 96)]
-    # the work divided by role (two decoders of two fragments each, four chain warpgroups of one row block each):
-    # register-A chains from fixed registers beside decoders, and the shared-A design (decoders storing E4M3,
-    # SS-WGMMA chains)
-    # SS-WGMMA chains, and register-A chains (their fixed A registers leave no room for N = 96 in 104 registers)
-    for n, shared_a in ((64, False), (64, True), (96, True)):
-        out += [variant(n, SPLIT_WARPGROUPS, split=SPLIT_DECODERS, shared_a=shared_a, decode=decode, chain=chain)
+    # the work divided by role (decoders of all four fragments between them, four chain warpgroups of one row block
+    # each): register-A chains from fixed registers beside decoders, and the shared-A design (decoders storing E4M3,
+    # SS-WGMMA chains); each role alone and both
+    for n, split, wgs, shared_a in SPLITS:
+        out += [variant(n, wgs, split=split, shared_a=shared_a, decode=decode, chain=chain)
                 for decode, chain in ((True, False), (False, True), (True, True))]
     return out
