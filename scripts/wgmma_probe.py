@@ -67,10 +67,10 @@ def table(rows: list[dict]) -> str:
     and maximum (overlap 0: the sum, 1: the maximum)."""
     rows = [r for r in rows if not r.get("split")]  # split_table's
 
-    def get(n, wgs, decode, chain, skew=False):
+    def get(n, wgs, decode, chain, skew=False, wide=False):
         for r in rows:
-            if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False)) == (wgs, decode, chain, skew)
-                    and (r["n"] == n or not chain)):
+            if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False), r.get("wide", False))
+                    == (wgs, decode, chain, skew, wide) and (r["n"] == n or not chain)):
                 return r["cycles_per_step"]
         return float("nan")
 
@@ -79,13 +79,14 @@ def table(rows: list[dict]) -> str:
     ns = sorted({r["n"] for r in rows if r["chain"]})
     for wgs in sorted({r["warpgroups"] for r in rows}):
         for n in ns:
-            for skew in (False, True):
-                d, c, both = get(n, wgs, True, False), get(n, wgs, False, True), get(n, wgs, True, True, skew)
-                if math.isnan(both):  # no such variant (skewed: N = 64 and 96 at four warpgroups only)
+            for skew, wide in ((False, False), (True, False), (False, True)):
+                d, c = get(n, wgs, True, False), get(n, wgs, False, True, wide=wide)
+                both = get(n, wgs, True, True, skew, wide)
+                if math.isnan(both):  # no such variant (skewed: N = 64 and 96 at four warpgroups only; wide: 96)
                     continue
                 total, top = d + c, max(d, c)
                 overlap = (total - both) / (total - top) if total > top else float("nan")
-                lines.append(f"| {n}{' skewed' if skew else ''} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
+                lines.append(f"| {n}{' skewed' if skew else ''}{' wide (64 + 32)' if wide else ''} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
                              f"| {top:.0f} | {overlap:.2f} |")
     return "\n".join(lines)
 

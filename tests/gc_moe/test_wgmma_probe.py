@@ -20,8 +20,11 @@ def test_probe_configurations_and_errors():
     variants = wp.probe_variants()
     # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; the split
     # configurations with each role alone and both
-    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 3 * len(
+    assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 2 + 3 * len(
         wp.SPLITS)
+    for n, split in ((64, 0), (96, 1)):  # wide: the N = 96 tile's two chains, without split
+        with pytest.raises(ValueError, match="wide is the N = 96"):
+            wp.variant(n, 5 if split else 4, split=split, shared_a=bool(split), wide=True)
     b, a, blocks, total = wp.smem_layout(96, 6)
     assert (b, a) == (0, 96 * 128) and blocks >= a + 6 * 2 * (wp.A_TILE_BYTES + wp.SCALE_TILE_BYTES)
     assert blocks % 1024 == 0 and total == blocks + 4 * wp.A_BLOCK_BYTES <= 227 * 1024
@@ -32,11 +35,14 @@ def test_probe_binaries_hold_what_they_time(tmp_path):
     from gc_moe.runtime import jit
 
     for v in (wp.variant(64, 4), wp.variant(96, 1), wp.variant(8, 4, decode=False), wp.variant(64, 1, chain=False),
-              wp.variant(96, 4, skew=True)):
+              wp.variant(96, 4, skew=True), wp.variant(96, 4, wide=True)):
         params = dict(v.params)
         entry = jit.build_variant(v, "sm_90a", cache_dir=tmp_path)
         ptx = entry.ptx_path.read_text()
         n = params["n"]
+        if params.get("wide"):  # a chain of 64 rows and one of 32 per step
+            assert len(re.findall(r"m64n64k32\.f32\.e4m3", ptx)) == len(re.findall(r"m64n32k32\.f32\.e4m3", ptx)) > 0
+            n = 64
         chains = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3", ptx))
         # four K32 WGMMAs per step (the compiler may unroll the chain-only loop: whole chains still)
         assert (chains > 0 and chains % 4 == 0) if params["chain"] else chains == 0, v.describe()

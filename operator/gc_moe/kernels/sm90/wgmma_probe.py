@@ -11,6 +11,8 @@ that stays put:
           one register (3 three-input XORs per 4 words) so the decode stays
   skew    the odd warpgroups start half a step late (a spin of SKEW_CYCLES on %clock64 before their first step): do
           warpgroups that start out of phase stay out of phase, or do they fall back into step with each other?
+  wide    (N = 96) the operator's wide tile instead of one m64n96 chain: a chain of N = 64, its wait and multiply-adds,
+          then one of N = 32 from the same A registers, its wait and multiply-adds (two waits per step)
   split   (split > 0: the work divided by role instead) warpgroups 0..split-1 only decode, the 4 fragments of a step
           between them, and the others only run chains, the 4 m64 row blocks between them: one warpgroup's decode
           beside another's WGMMAs with no dependency between them. With `shared_a` the decoders store each decoded
@@ -49,7 +51,7 @@ def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int, int]:
     return 0, a_offset, blocks, blocks + 4 * A_BLOCK_BYTES
 
 
-def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False) -> None:
+def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False, wide: bool = False) -> None:
     if n not in N_CHOICES:
         raise ValueError(f"wgmma probe: n={n}, allowed {N_CHOICES}")
     if not 1 <= warpgroups <= (MAX_WARPGROUPS if split else 4):
@@ -64,10 +66,12 @@ def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False
                              f"accumulators per thread; allowed at most {MAX_CHAIN_FLOATS}")
     elif shared_a:
         raise ValueError("wgmma probe: shared_a is a knob of the split probe (split > 0)")
+    if wide and (n != 96 or split):
+        raise ValueError(f"wgmma probe: wide is the N = 96 tile's two chains without split, got n={n}, split={split}")
 
 
 def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True,
-                skew: bool = False, split: int = 0, shared_a: bool = False):
+                skew: bool = False, split: int = 0, shared_a: bool = False, wide: bool = False):
     """The runtime's builder: a CompileRequest for one probe configuration (no GPU needed)."""
     import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
@@ -77,7 +81,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
     if arch != "sm_90a":
         raise ValueError(f"the wgmma probe is built for sm_90a only, not {arch!r}")
-    check_config(n, warpgroups, split, shared_a)
+    check_config(n, warpgroups, split, shared_a, wide)
     if not (decode or chain):
         raise ValueError("wgmma probe: decode and chain both off leaves nothing to measure")
     threads = warpgroups * WARPGROUP_THREADS
@@ -119,6 +123,8 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         ptx.fence_proxy_async_shared()  # the token tile was written by the generic proxy
         desc0 = ptx.smem_desc_kmajor_lo(smem + b_offset, 128)
         descs = [ptx.smem_desc_kmajor_from_lo(desc0 + j * 16, 1024) for j in range(4)]
+        # the wide tile's tail chain: token rows 64.. (eight 1 KB row groups further)
+        tail_descs = [ptx.smem_desc_kmajor_from_lo(desc0 + j * 16 + 8 * 1024 // 16, 1024) for j in range(4)]
         scale = Float32(0.5)
         if cutlass.const_expr(split == 0):
             fixed = fragment(smem, wg, t, Int32(0))
@@ -134,7 +140,13 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 a_regs = fixed
                 if cutlass.const_expr(decode):
                     a_regs = fragment(smem, wg, t, kb & 1)
-                if cutlass.const_expr(chain):
+                if cutlass.const_expr(chain and wide):  # the operator's wide tile: 64 rows, then the other 32
+                    for first, width in ((0, 64), (64, 32)):
+                        ptx.wgmma_fence()
+                        part = ptx.wgmma_rs_e4m3_chain(width, a_regs, descs if first == 0 else tail_descs)
+                        for r in cutlass.range_constexpr(width // 2):
+                            acc[first // 2 + r] = acc[first // 2 + r] + part[r] * scale
+                elif cutlass.const_expr(chain):
                     ptx.wgmma_fence()
                     part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
                     for r in cutlass.range_constexpr(n // 2):
@@ -235,12 +247,14 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
 
 def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False, split: int = 0,
-            shared_a: bool = False):
+            shared_a: bool = False, wide: bool = False):
     """The runtime KernelVariant of one probe configuration."""
     from gc_moe.runtime.jit import KernelVariant
 
-    check_config(n, warpgroups, split, shared_a)
+    check_config(n, warpgroups, split, shared_a, wide)
     extra = {"skew": True} if skew else {}
+    if wide:
+        extra["wide"] = True
     if split:
         extra.update(split=split, shared_a=shared_a)
     promises = ("prmt.b32",) if decode else ()
@@ -261,6 +275,8 @@ def probe_variants() -> list:
         for n in N_CHOICES:
             out += [variant(n, wgs, decode=False, chain=True), variant(n, wgs, decode=True, chain=True)]
     out += [variant(n, 4, skew=True) for n in (64, 96)]
+    # the operator's wide tile (two chains, two waits per step) against the one m64n96 chain above
+    out += [variant(96, 4, decode=False, wide=True), variant(96, 4, wide=True)]
     # the work divided by role (decoders of all four fragments between them, four chain warpgroups of one row block
     # each): register-A chains from fixed registers beside decoders, and the shared-A design (decoders storing E4M3,
     # SS-WGMMA chains); each role alone and both
