@@ -178,11 +178,10 @@ class Point:
                       self.capacity, stream, split=self.split2, programmatic=programmatic, ready=self.ready)
 
     def programmatic_w2(self) -> bool:
-        """W2 goes out programmatically after W1: the set asks for it (pdl) and W2 waits for W1's grid itself (a
-        stream-K loop or the persistent grid)."""
-        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, programmatic_w2
+        """W2 goes out programmatically after W1: the set asks for it (pdl) and W2 is a stream-K loop."""
+        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig
 
-        return self.pdl and programmatic_w2(GemmConfig(**dict(self.k2.entry.variant.params)))
+        return self.pdl and GemmConfig(**dict(self.k2.entry.variant.params)).stream_k
 
     def token_tiles(self) -> dict:
         """{tile: the experts' token tiles at that tile}: what a tile rule weighs (experts above a tile take more)."""

@@ -1372,20 +1372,6 @@ def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,sms", [(64, None), (96, None), (64, 3)])
-@pytest.mark.parametrize("hidden,inter,tokens", [(1024, 512, 150), (512, 384, 45)])
-def test_programmatic_persistent_w2_reads_the_finished_w1_rows(block_n, sms, hidden, inter, tokens):
-    """The persistent W2 (tiles 64 / 96, tile_knobs's default there) launched programmatically right after its W1,
-    directly and in a captured graph, writes the bytes of the serialized pair: its producer issues its first unit's
-    weights, then waits for W1's grid before it copies a row. Over all SMs and over 3 (many units per CTA); outputs
-    poisoned before every pair."""
-    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True, "persistent": True}
-    got_mid, ref_mid, got, ref = _run_case(hidden, inter, 7, 4, tokens, block_n, seed=tokens + block_n + hidden,
-                                           sms=sms, programmatic_pairs=10, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
     (5120, 2304, 48, 6, 1, None),    # DeepSeek-V4.1-Flash at one token: W2's SMs start while W1's tail runs
     (6144, 2048, 32, 8, 8, None),    # GLM-5.2 at eight tokens
@@ -1680,14 +1666,8 @@ def test_programmatic_launch_is_for_the_stream_k_w2_only():
             self.entry = type("E", (), {"variant": variant})()
             self.name = variant.describe()
 
-    with pytest.raises(ValueError, match="only the stream_k and the persistent W2 wait for their W1 grid"):
+    with pytest.raises(ValueError, match="only the stream_k W2 waits for its W1 grid"):
         gg.launch_w2(Fake(gg.variant("w2", 8)), None, None, None, None, None, None, 1, None, programmatic=True)
-    table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    with pytest.raises(ValueError, match="only the stream_k and the persistent W2"):  # the unit grid's table tiles
-        gg.launch_w2(Fake(gg.variant("w2", 64, **table)), None, None, None, None, None, None, 1, None,
-                     programmatic=True)
-    for bn, knobs in ((8, {"stream_k": True}), (64, {**table, "persistent": True}), (96, {**table, "persistent": True})):
-        assert gg.programmatic_w2(gg.GemmConfig(**dict(gg.variant("w2", bn, **knobs).params)))
 
 
 @pytest.mark.gpu

@@ -2204,13 +2204,8 @@ def _make_kernel(cfg: GemmConfig):
         while the consumers finish this one. Producer and consumers walk the same units, each side on its own.
         role_args: W1's (routing_weight, out, out_scale), W2's (dest_row, out). lean_epilogue: unit j's words go to
         slot j mod 2; the producer stages unit j's once the consumers have left unit j - 2's epilogue (the slot's
-        empty barrier: one arrival per consumer warp). W1 lets a W2 launched programmatically after it start at once
-        (its CTAs take SMs as this grid's leave them, set up their rings and stage their first unit's words); W2's
-        producer waits for W1's grid before its first copy of a stage (no weights ahead of the wait: in the tile-96
-        W2's 32 producer registers that spilled)."""
+        empty barrier: one arrival per consumer warp)."""
         tid = cute.arch.thread_idx()[0]
-        if cutlass.const_expr(W1):
-            ptx.griddepcontrol_launch_dependents()
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         meta_bar = smem + cfg.meta_offset + 2 * cfg.meta_slot_bytes  # lean: the two slots' empty barriers
         if cutlass.const_expr(LEAN):  # noqa: SIM102 (a trace-time branch around a device one)
@@ -2228,8 +2223,6 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_decrease(cfg.producer_registers)
             pidx = tid - THREADS
-            if cutlass.const_expr(not W1):
-                ptx.griddepcontrol_wait()  # W1's grid, where this W2 was launched programmatically; else at once
             while b < units:
                 e, bx, _, row0, count = persistent_unit(expert_offsets, b, token_tiles, gy)
                 if count > 0:
@@ -2976,8 +2969,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
-    if persistent:  # W1 lets a programmatic W2 start; W2's producer waits for W1's grid before its first rows
-        promises += ("griddepcontrol.launch_dependents" if role == "w1" else "griddepcontrol.wait",)
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -3366,13 +3357,6 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra
 
 
-def programmatic_w2(cfg: GemmConfig) -> bool:
-    """Whether a W2 of this configuration may be launched programmatically after its W1: its producer waits for W1's
-    grid (griddepcontrol.wait) before its first row (the stream_k loops and the persistent grid; the pair kernel and
-    the hand-over W2 wait per K128 step instead, the latter launched programmatically too)."""
-    return cfg.stream_k or cfg.persistent
-
-
 def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, stream, ring_args=(),
               split=None, sms=None, programmatic=False, ready=None):
     """W2 over grouped rows: out[dest_row[r], :] = BF16(W2 act[r]). `kernel`: a loaded w2 variant.
@@ -3381,16 +3365,16 @@ def launch_w2(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     (a ring consumer: the local combine buffer, rows go to peers[ring_source div C k] + it);
     ring_args: `ring_args_w2(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
     variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's).
-    programmatic: a stream_k or persistent W2 only (`programmatic_w2`), launched right after its W1 in the same stream: it starts as W1's CTAs
+    programmatic: a stream_k W2 only, launched right after its W1 in the same stream: it starts as W1's CTAs
     leave their SMs and streams its first weight stages before it waits for W1's grid (programmatic dependent
     launch; the W1 stream_k loop signals at its start); a handover variant (ready: its W1's `handover_words`)
     takes its rows per K128 step as W1 publishes them instead of waiting for W1's grid.
     """
     from gc_moe.runtime.launch import launch
 
-    if programmatic and not programmatic_w2(GemmConfig(**dict(kernel.entry.variant.params))):
-        raise ValueError(f"{kernel.name} cannot be launched programmatically: only the stream_k and the persistent W2 "
-                         f"wait for their W1 grid (griddepcontrol.wait) before reading its rows; pass programmatic=False")
+    if programmatic and not GemmConfig(**dict(kernel.entry.variant.params)).stream_k:
+        raise ValueError(f"{kernel.name} cannot be launched programmatically: only the stream_k W2 waits for its "
+                         f"W1 grid (griddepcontrol.wait) before reading its rows; pass programmatic=False")
     g, args = w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capacity, ring_args, split,
                         sms, ready)
     return launch(kernel, g, args, stream, programmatic=programmatic)
