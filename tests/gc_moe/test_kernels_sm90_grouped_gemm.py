@@ -167,8 +167,8 @@ def test_tile_knobs_follow_the_measured_points():
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}  # steps 33-34
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
     assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24
-    assert gg.tile_knobs(25) == (32, table) and gg.tile_knobs(32) == (32, table)
-    persistent = {**table, "persistent": True}  # step 50: the persistent grid at tiles 64 and 96
+    persistent = {**table, "persistent": True}  # steps 50 / 54: the persistent grid at tiles 32, 64 and 96
+    assert gg.tile_knobs(25) == (32, persistent) and gg.tile_knobs(32) == (32, persistent)
     assert gg.tile_knobs(33) == (64, persistent) and gg.tile_knobs(500) == (64, persistent)
     assert gg.tile_knobs(65) == (96, persistent) and gg.tile_knobs(96) == (96, persistent)  # the wide tile by default
     for cap in (1, 9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
@@ -176,7 +176,7 @@ def test_tile_knobs_follow_the_measured_points():
         for role in ("w1", "w2"):
             cfg = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
             assert (cfg.stream_k if bn == 8 else cfg.table_decode and cfg.fit_n) and cfg.block_n == bn
-            assert cfg.persistent == (bn in (64, 96))
+            assert cfg.persistent == (bn in (32, 64, 96))
             assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)
@@ -184,7 +184,7 @@ def test_tile_knobs_follow_the_measured_points():
     assert [gg.tile_knobs(cap)[0] for cap in (8, 33, 64, 65, 96, 97)] == [8, 64, 64, 96, 96, 64]
     assert gg.tile_knobs(80, wide_tile=False)[0] == 64
     # two_cta_tiles=False: tile 32 at one CTA per SM for 9-32 rows, the rest as before
-    assert [gg.tile_knobs(cap, two_cta_tiles=False) for cap in (9, 17, 24, 32)] == [(32, table)] * 4
+    assert [gg.tile_knobs(cap, two_cta_tiles=False) for cap in (9, 17, 24, 32)] == [(32, persistent)] * 4
     assert [gg.tile_knobs(cap, two_cta_tiles=False)[0] for cap in (8, 33, 80)] == [8, 64, 96]
     for role in ("w1", "w2"):
         assert gg.variant(role, 96, **gg.tile_knobs(80, wide_tile=True)[1]) in gg.all_variants()

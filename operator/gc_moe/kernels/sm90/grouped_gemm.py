@@ -2509,6 +2509,14 @@ def _make_kernel(cfg: GemmConfig):
         loaded before the K loop, `words`)."""
         hidden = m_tiles * 64
         h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
+        staged = []
+        if cutlass.const_expr(LEAN and not FUSED and words is None):
+            # every combine row first, then the stores: loaded inside each token's branch, each store's address
+            # waited for its own shared load (W2's epilogue held a quarter of its consumers' warp samples at tile
+            # 96, the address IMADs stalled on those loads; docs step 55). The words past `count` are zeros
+            # (stage_epilogue_words), so loading them is safe
+            words_at = meta if cutlass.const_expr(meta is not None) else smem + cfg.meta_offset
+            staged = [ptx.lds_s32(words_at + (8 * i + 2 * q + c) * 4) for i in range(NSUB) for c in range(2)]
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * q + c
@@ -2517,10 +2525,8 @@ def _make_kernel(cfg: GemmConfig):
                         d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                     elif cutlass.const_expr(words is not None):
                         d = words[2 * i + c]
-                    elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
-                        d = ptx.lds_s32(meta + n * 4)
-                    elif cutlass.const_expr(LEAN):
-                        d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
+                    elif cutlass.const_expr(LEAN):  # the staged words (persistent: the unit's slot)
+                        d = staged[2 * i + c]
                     else:
                         d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                     if cutlass.const_expr(RING):
@@ -3134,9 +3140,11 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     decode of the weights per K128 step for both chains) instead of two 64-token tiles (GLM-5.2 at 256 tokens 11%
     faster, 13.5% with the lean epilogue, step 34); False keeps tile 64 there. two_cta_tiles=False: 9-32 rows at tile 32
     (one CTA per SM) instead of tiles 16 / 24 at two: the choice measured against the serialized pipelined loop, open
-    again with the loops of steps 43-44. Tiles 64 and 96 run as a persistent grid (`persistent`: one CTA per SM walks
-    the units on a stage ring that runs on across them; 2.8-4.2% faster at both models' 128-256 tokens, equal at 64,
-    step 50; at tiles 16 / 32 it is 3-5% slower, at 24 it is not built)."""
+    again with the loops of steps 43-44. Tiles 32, 64 and 96 run as a persistent grid (`persistent`: one CTA per SM
+    walks the units on a stage ring that runs on across them; at tiles 64 / 96 2.8-4.2% faster on the H100 at both
+    models' 128-256 tokens and 1.8-6.5% on the H200, steps 50 and 54; at tile 32 with the waited loop instead of the
+    serialized pipelined one, 4.1% faster on the H200 at both models, step 54; at tile 16 it is 2-5% slower, at 24 it
+    is not built)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
@@ -3144,15 +3152,15 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
             return 8, {}
         return 8, {"stream_k": True, "ctas_per_sm": 1}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    persistent = {**table, "persistent": True}
     if capacity <= 32 and not two_cta_tiles:
-        return 32, table
+        return 32, persistent
     if capacity <= 16:
         return 16, {**table, "ctas_per_sm": 2}
     if capacity <= 24:
         return 24, {**table, "ctas_per_sm": 2}
-    if capacity <= 32:
-        return 32, table
-    persistent = {**table, "persistent": True}
+    if capacity <= 32:  # the persistent grid's waited loop, not the pipelined one ptxas serializes (step 54)
+        return 32, persistent
     if wide_tile and 64 < capacity <= max(TABLE_WIDE_BLOCK_N):
         return max(TABLE_WIDE_BLOCK_N), persistent
     return 64, persistent
