@@ -2509,14 +2509,6 @@ def _make_kernel(cfg: GemmConfig):
         loaded before the K loop, `words`)."""
         hidden = m_tiles * 64
         h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
-        staged = []
-        if cutlass.const_expr(LEAN and not FUSED and words is None):
-            # every combine row first, then the stores: loaded inside each token's branch, each store's address
-            # waited for its own shared load (W2's epilogue held a quarter of its consumers' warp samples at tile
-            # 96, the address IMADs stalled on those loads; docs step 55). The words past `count` are zeros
-            # (stage_epilogue_words), so loading them is safe
-            words_at = meta if cutlass.const_expr(meta is not None) else smem + cfg.meta_offset
-            staged = [ptx.lds_s32(words_at + (8 * i + 2 * q + c) * 4) for i in range(NSUB) for c in range(2)]
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * q + c
@@ -2525,8 +2517,10 @@ def _make_kernel(cfg: GemmConfig):
                         d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                     elif cutlass.const_expr(words is not None):
                         d = words[2 * i + c]
-                    elif cutlass.const_expr(LEAN):  # the staged words (persistent: the unit's slot)
-                        d = staged[2 * i + c]
+                    elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
+                        d = ptx.lds_s32(meta + n * 4)
+                    elif cutlass.const_expr(LEAN):
+                        d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
                     else:
                         d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                     if cutlass.const_expr(RING):
