@@ -25,7 +25,8 @@
 #           skt1hf with words_first) and the traced pair kernel (pair_t, pair_tf with words_first, pair_tpubwf with
 #           both steps 45-46)
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
-#           it (`pers`, the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp), the
+#           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp), and `unit`
+#           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
 #           issue's table per model from one run
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
@@ -69,7 +70,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
-    table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set pers:persistent=True \
+    table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --tokens 1,2,4,8,16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/table.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
