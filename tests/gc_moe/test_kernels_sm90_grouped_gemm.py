@@ -545,8 +545,32 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w2", 32, fold_scales=True, persistent=True).params)
     assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
-    assert sorted((p["role"], p["block_n"]) for p in built) == sorted(
+    assert sorted((p["role"], p["block_n"]) for p in built if not p.get("snake_walk")) == sorted(
         (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
+
+
+def test_snake_walk_knob_needs_the_persistent_grid_and_takes_an_order_table():
+    """snake_walk orders the persistent grid's walk: without the persistent grid it is refused (and dropped by
+    `variant`, so sets may name it everywhere); with it the experts' order table (SNAKE_MAX_EXPERTS int32) follows
+    everything else in shared memory, the arguments stay the persistent grid's and the ring keeps its depth."""
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    with pytest.raises(ValueError, match="snake_walk is an order of the persistent grid's walk"):
+        gg.GemmConfig("w1", 64, snake_walk=True, **tab)
+    assert "snake_walk" not in dict(gg.variant("w1", 64, snake_walk=True, **tab).params)
+    assert "snake_walk" not in dict(gg.variant("w2", 24, snake_walk=True, persistent=True, **tab).params)
+    for role in ("w1", "w2"):
+        for bn in (32, 64, 96):
+            cfg = gg.GemmConfig(**dict(gg.variant(role, bn, persistent=True, snake_walk=True, **tab).params))
+            plain = gg.GemmConfig(**dict(gg.variant(role, bn, persistent=True, **tab).params))
+            assert cfg.snake_walk and cfg.name == plain.name.replace("_pers", "_pers_snake")
+            assert cfg.params == plain.params and cfg.stages == plain.stages
+            assert cfg.order_offset == plain.smem_bytes and cfg.smem_bytes == plain.smem_bytes + 4 * gg.SNAKE_MAX_EXPERTS
+            assert cfg.order_offset % 4 == 0 and cfg.smem_bytes <= cfg.smem_limit
+            # the experts' counts pass through the amax region before the first unit: it holds SNAKE_MAX_EXPERTS
+            assert 16 * bn * 4 >= 4 * gg.SNAKE_MAX_EXPERTS
+    built = [(dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
+             if dict(v.params).get("snake_walk")]
+    assert sorted(built) == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
@@ -748,8 +772,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
-    # the hand-over W2 taking its words first (plain and traced)
-    assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2)
+    # the hand-over W2 taking its words first (plain and traced), the snake walk at bn 32 / 64 / 96
+    assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
+                          + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -826,8 +851,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
-    # bn 8 / 16 / 32 / 64 / 96
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10
+    # bn 8 / 16 / 32 / 64 / 96 and their snake walk at bn 32 / 64 / 96
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -859,15 +884,16 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
-    # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
+    # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk at bn 32 / 64 / 96)
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
         ptx = _entry_body(entry)
-        # the ring consumer's W1 adds two before the main loop: after the RING_READY wait and the acquire
+        # the ring consumer's W1 adds two before the main loop: after the RING_READY wait and the acquire; the snake
+        # walk one, between the experts' counts and their ranking (before the stage ring's)
         ring_w1 = params.get("ring_consumer", False) and params["role"] == "w1"
-        assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1), variant.describe()
+        assert ptx.count("bar.sync 0;") == (3 if ring_w1 else 1) + bool(params.get("snake_walk")), variant.describe()
         # a split unit meets three times before the epilogue: partials stored, the arrival's flag, flag read; a
         # stream-K piece once (partials stored before the release; the owner: its acquire before the loads), and
         # a stream-K or persistent W1 epilogue once more at its end (its amax words are read before the next unit's
@@ -1864,6 +1890,25 @@ def test_persistent_writes_the_unit_grids_bytes(hidden, inter, tokens, block_n, 
     else:
         _assert_same_bytes(persistent, _run_case(*case, seed=seed, return_raw=True, persistent=True,
                                                  sms=3 if sms is None else None, **knobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
+@pytest.mark.parametrize("experts,topk,tokens", [(7, 4, 150), (12, 4, 45), (70, 6, 120)],
+                         ids=["7_experts", "12_experts", "70_experts_natural_order"])
+@pytest.mark.parametrize("block_n", [32, 64, 96])
+def test_snake_walk_writes_the_plain_walks_bytes(experts, topk, tokens, block_n, sms):
+    """snake_walk moves units between CTAs, not their arithmetic: against the float32 reference and the plain
+    persistent walk (another binary: to an ulp), over all SMs (one round or a few: the mirrored partial round) and
+    over 3 (dozens of rounds per CTA), with ties between the experts' counts, an expert with no rows, and more local
+    experts than the order table holds (the natural order)."""
+    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True, "persistent": True}
+    case = (512, 384, experts, topk, tokens, block_n)
+    seed = tokens + 3 * block_n + experts
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, sms=sms, snake_walk=True, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    _assert_same_bytes_to_an_ulp(_run_case(*case, seed=seed, return_raw=True, sms=sms, snake_walk=True, **knobs),
+                                 _run_case(*case, seed=seed, return_raw=True, sms=sms, **knobs))
 
 
 @pytest.mark.gpu

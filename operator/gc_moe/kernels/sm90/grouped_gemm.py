@@ -140,6 +140,8 @@ HANDOVER_MAX_K_BLOCKS = 32
 STREAM_MAX_EXPERTS = 64
 # persistent appends these: the local experts and the token tiles per expert of the grid of units it walks
 PERSIST_PARAMS = (("experts", "s32"), ("token_tiles", "s32"))
+# snake_walk: the experts' order by rows is kept for up to this many local experts (above it the natural order)
+SNAKE_MAX_EXPERTS = 64
 # stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
@@ -297,6 +299,13 @@ class GemmConfig:
     # Without it every segment issues the weights of its first stages, then polls, takes the permits and fences
     # before its first row copy: the traced pair waited 1.2-2.4 us at each segment switch for that (step 45)
     words_first: bool = False
+    # persistent: the CTAs walk the unit grid with its experts in decreasing row count and each round of G units in
+    # alternating direction (CTA c takes position c of even rounds, G - 1 - c of odd ones), so a CTA that took one of
+    # the round's largest units takes one of the next round's smallest. A unit's time grows with its rows (WGMMA's N
+    # and the scale FMAs per step), and the plain walk (units c, c + G, ... in expert order) leaves the CTAs' sums of
+    # unit times 8-13% over their mean at 128-256 tokens, the snake 4-5% (a model of both models' draws; docs step
+    # 56). The CTA ranks the experts' counts before its first unit (SNAKE_MAX_EXPERTS at most, in shared memory)
+    snake_walk: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
     # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
@@ -397,6 +406,8 @@ class GemmConfig:
                                     and self.k_splits == 1 and not self.compact_grid and self.token_tiles_fastest):
             raise ValueError("persistent is a knob of the stand-alone table decode (table_decode=True, warp-specialized, "
                              "no ring consumer, no K split, no compact grid, token tiles fastest)")
+        if self.snake_walk and not self.persistent:
+            raise ValueError("snake_walk is an order of the persistent grid's walk: pass persistent=True")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -439,7 +450,7 @@ class GemmConfig:
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
         fixed = (16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
-                 + self.sm_table_bytes + self.publish_bytes)
+                 + self.sm_table_bytes + self.publish_bytes + self.order_bytes)
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -541,8 +552,17 @@ class GemmConfig:
         return 16 if self.publisher_warp else 0
 
     @property
-    def smem_bytes(self) -> int:
+    def order_offset(self) -> int:
+        """snake_walk: the local experts in decreasing row count (one int32 each), after everything else."""
         return self.publish_offset + self.publish_bytes
+
+    @property
+    def order_bytes(self) -> int:
+        return 4 * SNAKE_MAX_EXPERTS if self.snake_walk else 0
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.order_offset + self.order_bytes
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -603,7 +623,7 @@ class GemmConfig:
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
-            s += "_pers"
+            s += "_pers" + ("_snake" if self.snake_walk else "")
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -811,6 +831,7 @@ def _make_kernel(cfg: GemmConfig):
     TRACE = cfg.trace
     SPLIT = cfg.consumer_registers is not None
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
+    SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -2185,17 +2206,58 @@ def _make_kernel(cfg: GemmConfig):
             trace_tail(trace, tid, segment)
 
     @cute.jit
-    def persistent_unit(expert_offsets, b, token_tiles, gy):
+    def rank_experts(expert_offsets, experts, smem, tid):
+        """snake_walk, before the CTA's first unit: the local experts in decreasing row count (ties by index) at
+        cfg.order_offset, thread e placing expert e by counting the experts ahead of it. The counts pass through the
+        amax region, which only W1's epilogues use. Above SNAKE_MAX_EXPERTS nothing is written (natural order). The
+        stage ring's initial barrier publishes the order."""
+        counts = smem + cfg.amax_offset
+        if experts <= SNAKE_MAX_EXPERTS:
+            if tid < experts:
+                ptx.sts_s32(counts + tid * 4, ptx.ldg_s32(expert_offsets + Int64(tid) * 4 + 4)
+                            - ptx.ldg_s32(expert_offsets + Int64(tid) * 4))
+            ptx.gemm_barrier(cfg)
+            if tid < experts:
+                mine = ptx.lds_s32(counts + tid * 4)
+                ahead = Int32(0)
+                for j in cutlass.range(experts, unroll=4):
+                    other = ptx.lds_s32(counts + j * 4)
+                    if other > mine or (other == mine and j < tid):
+                        ahead = ahead + 1
+                ptx.sts_s32(smem + cfg.order_offset + ahead * 4, tid)
+
+    @cute.jit
+    def persistent_unit(expert_offsets, b, token_tiles, gy, experts=None, smem=None):
         """(expert, weight-row CTA, token tile, the tile's first row, its rows from there) of unit b of the unit grid
         (token tiles fastest, then weight-row CTAs, then experts: the launch grid's order, so the CTAs that run side
-        by side read the same weights); rows <= 0 for a tile past the expert's rows."""
+        by side read the same weights); rows <= 0 for a tile past the expert's rows. snake_walk: the experts in
+        the ranked order, and rows 0 for a position past the grid (an odd round's mirror of a partial round)."""
         bz = b % token_tiles
         rest = b // token_tiles
         bx = rest % gy
         e = rest // gy
+        if cutlass.const_expr(SNAKE):
+            past = e >= experts
+            if past:
+                e = experts - 1
+            if experts <= SNAKE_MAX_EXPERTS:
+                e = ptx.lds_s32(smem + cfg.order_offset + e * 4)
         off0 = ptx.ldg_s32(expert_offsets + Int64(e) * 4)
         count = ptx.ldg_s32(expert_offsets + Int64(e) * 4 + 4) - off0 - bz * BN
+        if cutlass.const_expr(SNAKE):
+            if past:
+                count = Int32(0)
         return e, bx, bz, off0 + bz * BN, count
+
+    @cute.jit
+    def walk_position(b, cta, ctas):
+        """The unit a persistent CTA takes at plain position b = r * G + cta: b itself, or with snake_walk in odd
+        rounds the mirror r * G + G - 1 - cta."""
+        u = b
+        if cutlass.const_expr(SNAKE):
+            if (b // ctas) % 2 == 1:
+                u = b + ctas - 1 - 2 * cta
+        return u
 
     @cute.jit
     def persistent_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, token_tiles, role_args):
@@ -2212,19 +2274,24 @@ def _make_kernel(cfg: GemmConfig):
             if tid == 0:  # fenced and met by init_stage_ring
                 ptx.mbarrier_init(meta_bar, THREADS // 32)
                 ptx.mbarrier_init(meta_bar + 8, THREADS // 32)
+        if cutlass.const_expr(SNAKE):
+            rank_experts(expert_offsets, experts, smem, tid)
         init_stage_ring(smem, tid)
         gy = m_tiles // TILES_PER_CTA
         units = token_tiles * gy * experts
         ctas = Int32(cute.arch.grid_dim()[0])
-        b = Int32(cute.arch.block_idx()[0])
+        b = Int32(cute.arch.block_idx()[0])  # this round's position in the plain walk
+        cta = b
+        limit = units + cta if cutlass.const_expr(SNAKE) else units  # the snake: rounds while r * G < units
         base = Int32(0)
         done = Int32(0)  # units with rows this CTA has walked
         if tid >= THREADS:
             if cutlass.const_expr(SPLIT):
                 cute.arch.setmaxregister_decrease(cfg.producer_registers)
             pidx = tid - THREADS
-            while b < units:
-                e, bx, _, row0, count = persistent_unit(expert_offsets, b, token_tiles, gy)
+            while b < limit:
+                e, bx, _, row0, count = persistent_unit(expert_offsets, walk_position(b, cta, ctas), token_tiles, gy,
+                                                        experts, smem)
                 if count > 0:
                     if cutlass.const_expr(LEAN):
                         slot = done % 2
@@ -2242,8 +2309,9 @@ def _make_kernel(cfg: GemmConfig):
                 cute.arch.setmaxregister_increase(cfg.consumer_registers)
             wg, t, warp, g, q = thread_coords(tid)
             acc = cute.make_rmem_tensor((BN // 2,), Float32)
-            while b < units:
-                e, bx, _, row0, count = persistent_unit(expert_offsets, b, token_tiles, gy)
+            while b < limit:
+                e, bx, _, row0, count = persistent_unit(expert_offsets, walk_position(b, cta, ctas), token_tiles, gy,
+                                                        experts, smem)
                 if count > 0:
                     meta = None
                     if cutlass.const_expr(LEAN):
@@ -2843,7 +2911,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
-               words_first: bool = False):
+               words_first: bool = False, snake_walk: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2856,7 +2924,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     persistent=persistent, words_first=words_first)
+                     persistent=persistent, words_first=words_first, snake_walk=snake_walk)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2870,7 +2938,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
-            persistent: bool = False, words_first: bool = False):
+            persistent: bool = False, words_first: bool = False, snake_walk: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2913,8 +2981,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     persistent = (persistent and cfg.table_decode and cfg.warp_specialized and not ring_consumer
                   and cfg.k_splits == 1 and not compact_grid and token_tiles_fastest
                   and block_n not in TABLE_TWO_CTA_BLOCK_N)
+    snake_walk = snake_walk and persistent  # an order of the persistent walk: sets may name it everywhere
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
-        cfg = replace(cfg, persistent=True, stages=stages)
+        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, stages=stages)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -2955,6 +3024,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["words_first"] = True
     if persistent:
         params["persistent"] = True
+    if snake_walk:
+        params["snake_walk"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3059,7 +3130,12 @@ def all_variants():
                          persistent=True, ctas_per_sm=2 if bn == 16 else None)
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]
               + [variant(role, 8, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True, persistent=True)
-                 for role in ("w1", "w2")]):
+                 for role in ("w1", "w2")]
+              # their walk with the experts by decreasing rows, rounds in alternating direction, at the tiles
+              # tile_knobs runs persistent
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                         persistent=True, snake_walk=True)
+                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
