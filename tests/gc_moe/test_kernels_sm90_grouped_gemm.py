@@ -545,7 +545,8 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w2", 32, fold_scales=True, persistent=True).params)
     assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
-    assert sorted((p["role"], p["block_n"]) for p in built if not p.get("snake_walk")) == sorted(
+    assert sorted((p["role"], p["block_n"]) for p in built
+                  if not p.get("snake_walk") and not p.get("scale_ratios")) == sorted(
         (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
 
 
@@ -570,6 +571,37 @@ def test_snake_walk_knob_needs_the_persistent_grid_and_takes_an_order_table():
             assert 16 * bn * 4 >= 4 * gg.SNAKE_MAX_EXPERTS
     built = [(dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
              if dict(v.params).get("snake_walk")]
+    assert sorted(built) == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
+
+
+def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
+    """scale_ratios keeps the persistent grid's sums in units of each step's activation scale: refused without the
+    persistent grid or with more tokens than producer threads (one token each), dropped by `variant` where it does not
+    apply; its stage holds each token's scale and ratio (the ring keeps its depth at the tiles it is built at), each
+    producer thread arrives once more on a full barrier (its stores' publication), and at tiles 64 / 96 the consumers
+    take 104 registers so the producer warpgroup gets 64 (it holds the next step's scale)."""
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    with pytest.raises(ValueError, match="scale_ratios is a knob of the persistent grid"):
+        gg.GemmConfig("w1", 64, scale_ratios=True, **tab)
+    with pytest.raises(ValueError, match="scale_ratios is a knob of the persistent grid"):
+        gg.GemmConfig("w1", 64, persistent=True, scale_ratios=True, **tab)  # one producer warp, 64 tokens
+    assert "scale_ratios" not in dict(gg.variant("w2", 64, scale_ratios=True, **tab).params)
+    assert "scale_ratios" not in dict(gg.variant("w2", 24, persistent=True, scale_ratios=True, **tab).params)
+    for role in ("w1", "w2"):
+        for bn in (32, 64, 96):
+            cfg = gg.GemmConfig(**dict(gg.variant(role, bn, persistent=True, scale_ratios=True, **tab).params))
+            plain = gg.GemmConfig(**dict(gg.variant(role, bn, persistent=True, **tab).params))
+            assert cfg.scale_ratios and cfg.name.startswith(plain.name.split("_pers")[0] + "_pers_ratio")
+            assert cfg.xr_offset == cfg.xs_offset + 4 * bn and cfg.stage_bytes >= cfg.xr_offset + 4 * bn
+            assert cfg.stage_bytes % 128 == 0 and cfg.stages == plain.stages and cfg.smem_bytes <= cfg.smem_limit
+            assert cfg.full_arrivals == plain.full_arrivals + cfg.producer_threads
+            assert bn <= cfg.producer_threads and cfg.params == plain.params
+            if bn > 32:
+                assert (cfg.consumer_registers, cfg.producer_registers) == (104, 64)
+                assert (plain.consumer_registers, plain.producer_registers) == (112, 32)
+    assert gg.SCALE_RATIO_FLOOR * 2.0 ** 19 < 1e-13  # a clamped block's largest change (|products| < 2^19)
+    built = [(dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
+             if dict(v.params).get("scale_ratios")]
     assert sorted(built) == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
 
 
@@ -772,9 +804,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # bn 8 (one and two CTAs per SM, both roles, and traced at one), the lean epilogue at the table decode's bn 16 / 24 /
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
-    # the hand-over W2 taking its words first (plain and traced), the snake walk at bn 32 / 64 / 96
+    # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6)
+                          + 6 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -829,8 +861,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
             assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
-        else:  # the wide tile's two-chain loops wait twice per step
-            second = (tails if cfg.fit_n else 1) if wide else 0
+        else:  # the wide tile's two-chain loops wait twice per step (with scale_ratios once: one commit for both)
+            second = (tails if cfg.fit_n else 1) if wide and not cfg.scale_ratios else 0
             assert waits == ["0"] * ((1 if fold else 4 // cfg.wgmmas_per_wait) * loops + second), variant.describe()
 
 
@@ -851,8 +883,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
-    # bn 8 / 16 / 32 / 64 / 96 and their snake walk at bn 32 / 64 / 96
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6
+    # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -867,8 +899,12 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         assert len(mma) == 4 * chains, variant.describe()
         assert all(len({acc for acc, _ in mma[i:i + 4]}) == 1 for i in range(0, len(mma), 4)), variant.describe()
         assert len(mma[0][0].split(",")) == top // 2
-        assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"] * chains
-        assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
+        if cfg.scale_ratios:  # every WGMMA accumulates into the rescaled sums (scale-d true), one wait per chain pair
+            assert [pred for _, pred in mma] == ["sum"] * 4 * chains and "setp.eq.b32 sum, 0, 0;" in ptx
+            assert "fresh" not in ptx
+        else:
+            assert [pred for _, pred in mma] == ["fresh", "chain", "chain", "chain"] * chains
+            assert "setp.ne.b32 fresh" in ptx and "setp.eq.b32 chain" in ptx  # fresh false, chain true (zero input)
         assert entry.resources["frame_bytes"] <= variant.local_bytes_budget and entry.resources["registers"] <= 128
 
 
@@ -884,8 +920,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the table decode at bn 8..64 and at bn 16 / 24 with two CTAs per SM, its fitted N at bn 16 / 24 / 32 / 64; the
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
-    # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk at bn 32 / 64 / 96)
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6
+    # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
+    # bn 32 / 64 / 96)
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1912,13 +1949,36 @@ def test_snake_walk_writes_the_plain_walks_bytes(experts, topk, tokens, block_n,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 150), (512, 384, 12, 4, 45),
+                                                              (256, 128, 10, 6, 21)])
+@pytest.mark.parametrize("block_n", [32, 64, 96])
+def test_scale_ratios_match_the_float32_reference_and_the_plain_sums(hidden, inter, experts, topk, tokens, block_n,
+                                                                      sms):
+    """scale_ratios (the sums rescaled by s_(k-1) / s_k before each step, the products accumulated in place, x s_(K-1)
+    after the last): against the float32 reference, and against the plain persistent grid's W2 rows (the same
+    products, rounded in another order: within 1% of the largest output), with K steps from 1 (W2 at inter 128) to 8,
+    tiles of a few rows to several per expert, the wide tile's two chains under one wait."""
+    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True, "persistent": True}
+    case = (hidden, inter, experts, topk, tokens, block_n)
+    seed = tokens + 7 * block_n + hidden
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, sms=sms, scale_ratios=True, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    _, _, out = _run_case(*case, seed=seed, return_raw=True, sms=sms, scale_ratios=True, **knobs)
+    _, _, plain = _run_case(*case, seed=seed, return_raw=True, sms=sms, **knobs)
+    assert torch.isfinite(out.float()).all()
+    assert float((out.float() - plain.float()).abs().max()) <= 0.01 * float(plain.float().abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratios", [False, True], ids=["sums", "scale_ratios"])
 @pytest.mark.parametrize("block_n", [32, 64, 96])
 @pytest.mark.parametrize("hidden,inter,topk,tokens", [(5120, 2304, 6, 70), (6144, 2048, 8, 90)],
                          ids=["deepseek", "glm"])
-def test_persistent_model_shapes_match_float32_reference(hidden, inter, topk, tokens, block_n):
+def test_persistent_model_shapes_match_float32_reference(hidden, inter, topk, tokens, block_n, ratios):
     got_mid, ref_mid, got, ref = _run_case(hidden, inter, topk + 2, topk, tokens, block_n, seed=hidden + 3 * block_n,
                                            fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
-                                           persistent=True)
+                                           persistent=True, **({"scale_ratios": True} if ratios else {}))
     _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

@@ -142,6 +142,9 @@ STREAM_MAX_EXPERTS = 64
 PERSIST_PARAMS = (("experts", "s32"), ("token_tiles", "s32"))
 # snake_walk: the experts' order by rows is kept for up to this many local experts (above it the natural order)
 SNAKE_MAX_EXPERTS = 64
+# scale_ratios: activation scales below this count as it (zero scales included), so every ratio is finite; a block
+# changes by less than this x its products (< 2^19), and the sums stay inside FP32 for scales up to 2^20
+SCALE_RATIO_FLOOR = 2.0 ** -64
 # stream_k with trace: per CTA TRACE_SLOTS slots of two 64-bit words (mostly (%globaltimer, %clock64) events) at the
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
@@ -306,6 +309,13 @@ class GemmConfig:
     # unit times 8-13% over their mean at 128-256 tokens, the snake 4-5% (a model of both models' draws; docs step
     # 56). The CTA ranks the experts' counts before its first unit (SNAKE_MAX_EXPERTS at most, in shared memory)
     snake_walk: bool = False
+    # persistent: the consumers keep their sums in units of the current K128 step's activation scale, so each step's
+    # WGMMAs accumulate into them (no fresh chain beside the sums): before step k the sums are multiplied by
+    # s_(k-1) / s_k, after the last by s_(K-1). The producer threads (one token each) load the scales (a step ahead),
+    # clamp them to SCALE_RATIO_FLOOR (a zero scale would make the ratio infinite), store ratio and scale into the stage
+    # and publish them with one plain arrival each on the stage's full barrier. At the wide tile this frees the 48
+    # registers of the fresh chains, so its two chains go out under one wait (docs step 57)
+    scale_ratios: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
     # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
@@ -408,6 +418,9 @@ class GemmConfig:
                              "no ring consumer, no K split, no compact grid, token tiles fastest)")
         if self.snake_walk and not self.persistent:
             raise ValueError("snake_walk is an order of the persistent grid's walk: pass persistent=True")
+        if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
+            raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
+                             f"<= producer threads, {self.producer_threads} here): pass persistent=True")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -468,8 +481,13 @@ class GemmConfig:
         return self.b_offset + self.block_n * 128
 
     @property
+    def xr_offset(self) -> int:
+        """scale_ratios: the step's ratios s_(k-1) / s_k per token, after its (clamped) scales."""
+        return self.xs_offset + self.block_n * 4
+
+    @property
     def stage_bytes(self) -> int:
-        return -(-(self.xs_offset + self.block_n * 4) // 128) * 128
+        return -(-(self.xs_offset + self.block_n * 4 * (2 if self.scale_ratios else 1)) // 128) * 128
 
     @property
     def amax_offset(self) -> int:
@@ -533,8 +551,9 @@ class GemmConfig:
     @property
     def full_arrivals(self) -> int:
         """Arrivals that complete a stage's full barrier: the byte announcement, each producer thread's copies,
-        and in a fused half producer thread 0's plain arrival (the W2 half publishes its scale stores with it)."""
-        return self.producer_threads + 1 + (1 if self.fused_role2 else 0)
+        and in a fused half producer thread 0's plain arrival (the W2 half publishes its scale stores with it);
+        scale_ratios: each producer thread's plain arrival after its ratio and scale stores."""
+        return (self.producer_threads * (2 if self.scale_ratios else 1) + 1 + (1 if self.fused_role2 else 0))
 
     @property
     def sm_table_bytes(self) -> int:
@@ -623,7 +642,7 @@ class GemmConfig:
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
-            s += "_pers" + ("_snake" if self.snake_walk else "")
+            s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -832,6 +851,7 @@ def _make_kernel(cfg: GemmConfig):
     SPLIT = cfg.consumer_registers is not None
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
+    RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -1134,6 +1154,11 @@ def _make_kernel(cfg: GemmConfig):
                         ptx.stamp_times(trace_seg + Int64(16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3)))
                 for kb in cutlass.range(early):
                     copy_stage_inputs(smem, kb, kb, rows_in, scales_in, pidx)
+        scale_next = Float32(0.0)  # scale_ratios: this thread's token's scale of the step to come (loaded a step ahead)
+        scale_prev = Float32(0.0)
+        if cutlass.const_expr(RATIOS):  # noqa: SIM102 (a trace-time branch around a device one)
+            if pidx < BN and x_bytes[0] != 0:
+                scale_next = ptx.ldg_f32(x_src[0])
         for kb in cutlass.range(early, k_steps):
             step = kb if cutlass.const_expr(base is None) else base + kb
             stage = step % STAGES
@@ -1146,10 +1171,16 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
             issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
             copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
-            for r in cutlass.range_constexpr(-(-BN // PT)):
-                if pidx + PT * r < BN:
-                    ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
-                                         x_src[r] + Int64(kb * 4), x_bytes[r])
+            if cutlass.const_expr(RATIOS):
+                scale_prev = stage_scale_ratio(sbase, kb, k_steps, x_src[0], x_bytes[0], pidx, scale_next, scale_prev)
+                if pidx < BN and x_bytes[0] != 0 and kb + 1 < k_steps:
+                    scale_next = ptx.ldg_f32(x_src[0] + Int64((kb + 1) * 4))
+                ptx.mbarrier_arrive(full)  # publishes the stores (release); the copies arrive below
+            else:
+                for r in cutlass.range_constexpr(-(-BN // PT)):
+                    if pidx + PT * r < BN:
+                        ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
+                                             x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if pidx == 0:
@@ -1265,6 +1296,22 @@ def _make_kernel(cfg: GemmConfig):
             ptx.cp_async_mbarrier_arrive_noinc(full)
 
     @cute.jit
+    def stage_scale_ratio(sbase, kb, k_steps, x_src, x_bytes, pidx, scale, scale_prev):
+        """scale_ratios: token pidx's step-kb scale, clamped to SCALE_RATIO_FLOOR (rows past the count: the floor),
+        and its ratio to the step before (1 at the first step: the sums are zero) into the stage. Returns the clamped
+        scale, the next step's `scale_prev`."""
+        clamped = scale
+        if clamped < Float32(SCALE_RATIO_FLOOR):
+            clamped = Float32(SCALE_RATIO_FLOOR)
+        ratio = Float32(1.0)
+        if kb > 0:
+            ratio = scale_prev * ptx.rcp_approx_f32(clamped)
+        if pidx < BN:
+            ptx.sts_f32(sbase + cfg.xs_offset + pidx * 4, clamped)
+            ptx.sts_f32(sbase + cfg.xr_offset + pidx * 4, ratio)
+        return clamped
+
+    @cute.jit
     def copy_stage_inputs(smem, kb, stage, rows_in, scales_in, pidx):
         """Step kb's token rows and activation scales into stage `stage` (cp.async), then this thread's arrival
         on its full barrier once they land: what a step whose weights went out earlier still needs."""
@@ -1365,6 +1412,14 @@ def _make_kernel(cfg: GemmConfig):
             for c in cutlass.range_constexpr(4):
                 k = 4 * (first // 8 + i) + c
                 acc[k] = acc[k] + tsum[4 * i + c] * xv[c % 2]
+
+    @cute.jit
+    def rescale(xs, acc, n=BN):
+        """scale_ratios: acc x the stage's per-token factors at `xs` (the thread's column pair) for n tokens."""
+        for i in cutlass.range_constexpr(n // 8):
+            xv = ptx.lds_f32x2(xs + 8 * i * 4)
+            for c in cutlass.range_constexpr(4):
+                acc[4 * i + c] = acc[4 * i + c] * xv[c % 2]
 
     @cute.jit
     def wide_tail_descs(desc_lo):
@@ -1513,13 +1568,25 @@ def _make_kernel(cfg: GemmConfig):
         for kb in cutlass.range(k_blocks):
             sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             n_main = min(n, WIDE_MAIN_N)
-            ptx.wgmma_fence()
-            part = ptx.wgmma_rs_e4m3_chain(n_main, a_regs, descs)
-            finish_step(sbase + x_off, part, acc, n_main)
-            if cutlass.const_expr(n > WIDE_MAIN_N):  # the wide tile's rows past 64: the same A fragment
-                ptx.wgmma_fence()  # the FMAs above read registers the tail chain may write
-                part = ptx.wgmma_rs_e4m3_chain(n - WIDE_MAIN_N, a_regs, wide_tail_descs(desc_lo))
-                finish_step(sbase + x_off, part, acc, n - WIDE_MAIN_N, WIDE_MAIN_N)
+            if cutlass.const_expr(RATIOS):  # the sums to this step's scale, then its products straight into them
+                rescale(sbase + x_off + BN * 4, acc, n)
+                ptx.wgmma_fence()
+                chains = [(n_main, descs)]
+                if cutlass.const_expr(n > WIDE_MAIN_N):  # the wide tile's rows past 64 under the same wait
+                    chains.append((n - WIDE_MAIN_N, wide_tail_descs(desc_lo)))
+                out = ptx.wgmma_rs_e4m3_accumulate(chains, a_regs, [acc[r] for r in range(n // 2)])
+                for r in cutlass.range_constexpr(n // 2):
+                    acc[r] = out[r]
+                if kb == k_blocks - 1:  # the last step's scale, read before the stage is released
+                    rescale(sbase + x_off, acc, n)
+            else:
+                ptx.wgmma_fence()
+                part = ptx.wgmma_rs_e4m3_chain(n_main, a_regs, descs)
+                finish_step(sbase + x_off, part, acc, n_main)
+                if cutlass.const_expr(n > WIDE_MAIN_N):  # the wide tile's rows past 64: the same A fragment
+                    ptx.wgmma_fence()  # the FMAs above read registers the tail chain may write
+                    part = ptx.wgmma_rs_e4m3_chain(n - WIDE_MAIN_N, a_regs, wide_tail_descs(desc_lo))
+                    finish_step(sbase + x_off, part, acc, n - WIDE_MAIN_N, WIDE_MAIN_N)
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
@@ -2911,7 +2978,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
-               words_first: bool = False, snake_walk: bool = False):
+               words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2924,7 +2991,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      compact_grid=compact_grid, wait_suspend_ns=wait_suspend_ns,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
-                     persistent=persistent, words_first=words_first, snake_walk=snake_walk)
+                     persistent=persistent, words_first=words_first, snake_walk=snake_walk,
+                     scale_ratios=scale_ratios)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -2938,7 +3006,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             compact_grid: bool = False, consumer_registers: int | None = None, k_splits: int = 1,
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
-            persistent: bool = False, words_first: bool = False, snake_walk: bool = False):
+            persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
+            scale_ratios: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -2965,8 +3034,12 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
             and ctas_per_sm in (None, 1)):
         # the table decode's bn 64 on the warp-specialized pipeline: W1's epilogue spills in the launch's 96
-        # registers, so the consumers take 112 from a producer warpgroup (W2 likewise, one shape for both roles)
-        producer_warps, consumer_registers = 4, max(CONSUMER_REGISTER_CHOICES)
+        # registers, so the consumers take 112 from a producer warpgroup (W2 likewise, one shape for both roles).
+        # scale_ratios: 104 (no fresh chains beside the sums), the producer's 64 hold its scales a step ahead (its
+        # 32 spilled at tile 96)
+        producer_warps = 4
+        consumer_registers = min(CONSUMER_REGISTER_CHOICES) if scale_ratios and persistent \
+            else max(CONSUMER_REGISTER_CHOICES)
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
@@ -2982,8 +3055,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                   and cfg.k_splits == 1 and not compact_grid and token_tiles_fastest
                   and block_n not in TABLE_TWO_CTA_BLOCK_N)
     snake_walk = snake_walk and persistent  # an order of the persistent walk: sets may name it everywhere
+    scale_ratios = scale_ratios and persistent and block_n <= cfg.producer_threads  # likewise
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
-        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, stages=stages)
+        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -3026,6 +3100,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["persistent"] = True
     if snake_walk:
         params["snake_walk"] = True
+    if scale_ratios:
+        params["scale_ratios"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3135,6 +3211,10 @@ def all_variants():
               # tile_knobs runs persistent
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, snake_walk=True)
+                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
+              # and their sums kept in units of the step's activation scale (in-place chains)
+              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
+                         persistent=True, scale_ratios=True)
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]):
         if v.describe() not in seen:
             seen.add(v.describe())

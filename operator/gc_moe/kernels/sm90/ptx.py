@@ -475,6 +475,31 @@ def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pend
     return _asm_tied("\n".join(lines), per, list(a_regs) + list(descs), list(acc))
 
 
+def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list) -> list:
+    """Register-A `m64n{n}k32` E4M3 WGMMAs that all accumulate into `acc` (in/out operands, scale-d 1), one chain
+    per (n, descs) of `chains` on the same A fragment, chain i on the next n_i / 2 floats of acc; one commit, one
+    wait. The scale-ratio consumer (grouped_gemm's `scale_ratios`): its sums are rescaled before the step, so the
+    step's products go straight into them, and the wide tile's two chains need no second wait."""
+    per = sum(n // 2 for n, _ in chains)
+    count = sum(len(descs) for _, descs in chains)
+    lines = ["{", ".reg .pred sum;", "setp.eq.b32 sum, 0, 0;"]
+    first, desc_at = 0, per + len(a_regs)
+    for n, descs in chains:
+        d = ", ".join(f"${first + r}" for r in range(n // 2))
+        for i in range(len(descs)):
+            a = ", ".join(f"${per + 4 * i + r}" for r in range(4))
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, ${desc_at}, sum, 1, 1;")
+            desc_at += 1
+        first += n // 2
+    assert desc_at == per + len(a_regs) + count and len(acc) == per
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    return _asm_tied("\n".join(lines), per, list(a_regs) + [d for _, descs in chains for d in descs], list(acc))
+
+
+def rcp_approx_f32(v: Float32) -> Float32:
+    return asm("rcp.approx.ftz.f32 $0, $1;", [Float32], [v])
+
+
 def wgmma_wait_tied(acc: list, pending: int = 0) -> list:
     """wgmma.wait_group `pending` with `acc` as in/out operands (the registers a group in flight writes)."""
     return _asm_tied(f"wgmma.wait_group.sync.aligned {pending};", len(acc), [], list(acc))
