@@ -25,8 +25,8 @@
 #           skt1hf with words_first) and the traced pair kernel (pair_t, pair_tf with words_first, pair_tpubwf with
 #           both steps 45-46)
 #   candidates  32-256 tokens: `snake` (tile_knobs's choice with the persistent grid's snake walk,
-#           GemmConfig.snake_walk) and `ratio` (with its sums kept in units of the step's scale, GemmConfig.scale_ratios)
-#           against ws_auto in one run (docs steps 56-57)
+#           GemmConfig.snake_walk), `ratio` (with its sums kept in units of the step's scale, GemmConfig.scale_ratios)
+#           and `both` against ws_auto in one run (docs steps 56-57)
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp, `snake`, `ratio`), and `unit`
 #           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
@@ -66,7 +66,7 @@ for s in $steps; do
     # shellcheck disable=SC2086
     build) run build 1200 python $BENCH --build-only $SETS
            run build-sets 600 python $BENCH --build-only --auto-ctas --pdl --auto-set snake:snake_walk=True \
-             --auto-set ratio:scale_ratios=True \
+             --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
              --auto-set unit:persistent=False --auto-set ws_auto_pair:pair=True \
              --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
@@ -78,8 +78,8 @@ for s in $steps; do
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
     candidates) run candidates 240 python $BENCH --check --time --auto-ctas --auto-set snake:snake_walk=True \
-             --auto-set ratio:scale_ratios=True --tokens 32,64,128,256 --windows 5 --replays 10 \
-             --json "$OUT/candidates.json" ;;
+             --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
+             --tokens 32,64,128,256 --windows 5 --replays 10 --json "$OUT/candidates.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
