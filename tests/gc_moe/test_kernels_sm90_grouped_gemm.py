@@ -587,6 +587,9 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
         gg.GemmConfig("w1", 64, persistent=True, scale_ratios=True, **tab)  # one producer warp, 64 tokens
     assert "scale_ratios" not in dict(gg.variant("w2", 64, scale_ratios=True, **tab).params)
     assert "scale_ratios" not in dict(gg.variant("w2", 24, persistent=True, scale_ratios=True, **tab).params)
+    # where the persistent grid does not apply, neither do the ratios' registers: the plain tile's split
+    dropped = dict(gg.variant("w1", 64, persistent=True, scale_ratios=True, token_tiles_fastest=False, **tab).params)
+    assert "scale_ratios" not in dropped and dropped["consumer_registers"] == max(gg.CONSUMER_REGISTER_CHOICES)
     for role in ("w1", "w2"):
         for bn in (32, 64, 96):
             cfg = gg.GemmConfig(**dict(gg.variant(role, bn, persistent=True, scale_ratios=True, **tab).params))

@@ -1172,7 +1172,7 @@ def _make_kernel(cfg: GemmConfig):
             issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
             copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
             if cutlass.const_expr(RATIOS):
-                scale_prev = stage_scale_ratio(sbase, kb, k_steps, x_src[0], x_bytes[0], pidx, scale_next, scale_prev)
+                scale_prev = stage_scale_ratio(sbase, kb, pidx, scale_next, scale_prev)
                 if pidx < BN and x_bytes[0] != 0 and kb + 1 < k_steps:
                     scale_next = ptx.ldg_f32(x_src[0] + Int64((kb + 1) * 4))
                 ptx.mbarrier_arrive(full)  # publishes the stores (release); the copies arrive below
@@ -1296,7 +1296,7 @@ def _make_kernel(cfg: GemmConfig):
             ptx.cp_async_mbarrier_arrive_noinc(full)
 
     @cute.jit
-    def stage_scale_ratio(sbase, kb, k_steps, x_src, x_bytes, pidx, scale, scale_prev):
+    def stage_scale_ratio(sbase, kb, pidx, scale, scale_prev):
         """scale_ratios: token pidx's step-kb scale, clamped to SCALE_RATIO_FLOOR (rows past the count: the floor),
         and its ratio to the step before (1 at the first step: the sums are zero) into the stage. Returns the clamped
         scale, the next step's `scale_prev`."""
@@ -3040,6 +3040,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         producer_warps = 4
         consumer_registers = min(CONSUMER_REGISTER_CHOICES) if scale_ratios and persistent \
             else max(CONSUMER_REGISTER_CHOICES)
+        ratio_registers = consumer_registers == min(CONSUMER_REGISTER_CHOICES)
+    else:
+        ratio_registers = False
     cfg = GemmConfig(role, block_n, stages, l2_evict_first=l2_evict_first, fold_scales=fold_scales,
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
@@ -3056,6 +3059,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                   and block_n not in TABLE_TWO_CTA_BLOCK_N)
     snake_walk = snake_walk and persistent  # an order of the persistent walk: sets may name it everywhere
     scale_ratios = scale_ratios and persistent and block_n <= cfg.producer_threads  # likewise
+    if ratio_registers and not scale_ratios:  # the knob did not apply: the plain tile's split of the registers
+        consumer_registers = max(CONSUMER_REGISTER_CHOICES)
+        cfg = replace(cfg, consumer_registers=consumer_registers)
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
         cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
