@@ -546,7 +546,7 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
     assert sorted((p["role"], p["block_n"]) for p in built
-                  if not p.get("snake_walk") and not p.get("scale_ratios")) == sorted(
+                  if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")) == sorted(
         (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
 
 
@@ -606,6 +606,35 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
     built = [(dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
              if dict(v.params).get("scale_ratios")]
     assert sorted(built) == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
+
+
+def test_transposed_stores_knob_limits_and_region():
+    """transposed_stores is a knob of the lean W2 outside stream-K: refused elsewhere (and dropped by `variant`, so
+    sets may name it everywhere); its region (512 bytes per consumer warp) follows everything else, 128-byte aligned,
+    and at every tile tile_knobs runs from 16 rows the ring keeps its depth and the arguments stay the same."""
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    for role, knobs in (("w1", tab), ("w2", {**tab, "lean_epilogue": False}), ("w2", {"ring_consumer": True})):
+        with pytest.raises(ValueError, match="transposed_stores is a knob of the lean W2 epilogue"):
+            gg.GemmConfig(role, 64, transposed_stores=True, **knobs)
+    with pytest.raises(ValueError, match="transposed_stores is a knob of the lean W2 epilogue"):
+        gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True, transposed_stores=True)
+    assert "transposed_stores" not in dict(gg.variant("w1", 64, transposed_stores=True, **tab).params)
+    assert "transposed_stores" not in dict(gg.variant("w2", 64, transposed_stores=True, fold_scales=True).params)
+    assert "transposed_stores" not in dict(gg.variant("w2", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True,
+                                                      transposed_stores=True).params)
+    assert gg.TRANSPOSE_WARP_BYTES == 16 * 16 * 2  # 16 tokens x 16 hidden rows of a warp, BF16
+    for bn in (16, 24, 32, 64, 96):
+        knobs = gg.tile_knobs(bn)[1]
+        cfg = gg.GemmConfig(**dict(gg.variant("w2", bn, transposed_stores=True, **knobs).params))
+        plain = gg.GemmConfig(**dict(gg.variant("w2", bn, **knobs).params))
+        tag = "_pers" if knobs.get("persistent") else "_lean"
+        assert cfg.transposed_stores and cfg.name == plain.name.replace(tag, tag + "_tst", 1)
+        assert cfg.stages == plain.stages and cfg.params == plain.params and cfg.threads == plain.threads
+        assert cfg.transpose_offset >= plain.smem_bytes and cfg.transpose_offset % 128 == 0
+        assert cfg.smem_bytes == cfg.transpose_offset + gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES <= cfg.smem_limit
+    built = [(dict(v.params)["block_n"], dict(v.params).get("persistent", False)) for v in gg.all_variants()
+             if dict(v.params).get("transposed_stores")]
+    assert sorted(built) == [(16, False), (24, False), (32, True), (64, True), (96, True)]
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
@@ -1983,6 +2012,29 @@ def test_persistent_model_shapes_match_float32_reference(hidden, inter, topk, to
                                            fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                                            persistent=True, **({"scale_ratios": True} if ratios else {}))
     _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True], ids=["unit_grid", "persistent"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 150), (512, 384, 12, 4, 45),
+                                                              (256, 128, 10, 6, 21)])
+@pytest.mark.parametrize("block_n", [16, 24, 32, 64, 96])
+def test_transposed_stores_write_the_value_stores_bytes(hidden, inter, experts, topk, tokens, block_n, persistent):
+    """transposed_stores moves W2's partials through shared memory, not their arithmetic: the same BF16 bytes as the
+    lean epilogue's value stores (the same product, the same rounding) and within the float32 reference's bounds,
+    every output written, at tile_knobs's tiles from 16 rows (two CTAs per SM at 16 / 24), with chunks of 16
+    tokens cut by the tile's count and an odd last token group (tile 24, counts like 21), one unit per CTA and the
+    persistent grid's walk (the region reused unit after unit)."""
+    knobs = dict(gg.tile_knobs(block_n)[1])
+    if knobs.get("persistent") != persistent and (persistent or block_n in (16, 24)):
+        pytest.skip("tiles 16 / 24 run as a unit grid")
+    knobs["persistent"] = persistent
+    case = (hidden, inter, experts, topk, tokens, block_n)
+    seed = tokens + 5 * block_n + hidden + persistent
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, transposed_stores=True, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, transposed_stores=True, **knobs),
+                       _run_case(*case, seed=seed, return_raw=True, **knobs))
 
 
 @pytest.mark.gpu

@@ -140,6 +140,8 @@ HANDOVER_MAX_K_BLOCKS = 32
 STREAM_MAX_EXPERTS = 64
 # persistent appends these: the local experts and the token tiles per expert of the grid of units it walks
 PERSIST_PARAMS = (("experts", "s32"), ("token_tiles", "s32"))
+# transposed_stores: one consumer warp's chunk of 16 tokens x 16 hidden BF16 values in shared memory
+TRANSPOSE_WARP_BYTES = 16 * 16 * 2
 # snake_walk: the experts' order by rows is kept for up to this many local experts (above it the natural order)
 SNAKE_MAX_EXPERTS = 64
 # scale_ratios: activation scales below this count as it (zero scales included), so every ratio is finite; a block
@@ -322,6 +324,12 @@ class GemmConfig:
     # SASS) then stalls that warp, not warpgroup 0 and with it the ring (the pair's W1 epilogues took 1.8-3.3 us
     # against 0.7-1.3 in the separate W1: step 46). Both halves take it (one more warp in the CTA)
     publisher_warp: bool = False
+    # lean W2 (not stream-K, not the ring consumer): each consumer warp writes its BF16 partials through a 512-byte
+    # region of its own in shared memory, 16 tokens at a time: the fragments go in transposed (stmatrix, rows
+    # swizzled by half), and each lane stores one token's 8 hidden values with one 16-byte store. The plain epilogue
+    # issues a 2-byte store per value with its own address, and each warp instruction writes half of eight
+    # tokens' 32-byte sectors (26% of W2's consumer samples at GLM-5.2 T=256 sat in that epilogue, step 54)
+    transposed_stores: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -421,6 +429,10 @@ class GemmConfig:
         if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
             raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
                              f"<= producer threads, {self.producer_threads} here): pass persistent=True")
+        if self.transposed_stores and not (self.role == "w2" and self.lean_epilogue and not self.stream_k
+                                           and not self.ring_consumer and not self.fused_role2):
+            raise ValueError("transposed_stores is a knob of the lean W2 epilogue (role 'w2', lean_epilogue=True, "
+                             "not stream-K, not the ring consumer)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -463,7 +475,8 @@ class GemmConfig:
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
         fixed = (16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
-                 + self.sm_table_bytes + self.publish_bytes + self.order_bytes)
+                 + self.sm_table_bytes + self.publish_bytes + self.order_bytes
+                 + (self.transpose_bytes + 128 if self.transposed_stores else 0))  # 128: its alignment
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
 
@@ -580,8 +593,19 @@ class GemmConfig:
         return 4 * SNAKE_MAX_EXPERTS if self.snake_walk else 0
 
     @property
+    def transpose_offset(self) -> int:
+        """transposed_stores: each consumer warp's region for its 16-token chunks, after everything else."""
+        return -(-(self.order_offset + self.order_bytes) // 128) * 128
+
+    @property
+    def transpose_bytes(self) -> int:
+        return THREADS // 32 * TRANSPOSE_WARP_BYTES if self.transposed_stores else 0
+
+    @property
     def smem_bytes(self) -> int:
-        return self.order_offset + self.order_bytes
+        if not self.transposed_stores:
+            return self.order_offset + self.order_bytes
+        return self.transpose_offset + self.transpose_bytes
 
     @property
     def wgmmas_per_wait(self) -> int:
@@ -643,6 +667,8 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
+        if self.transposed_stores:
+            s += "_tst"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -822,7 +848,7 @@ class StreamHalf:
 
 def _make_kernel(cfg: GemmConfig):
     import cutlass  # the CuTe DSL is needed to build only; launching needs the cubin and the driver
-    from cutlass import Float32, Int32, Int64, cute
+    from cutlass import Float32, Int32, Int64, Uint32, cute
 
     from gc_moe.kernels.sm90 import ptx
 
@@ -852,6 +878,7 @@ def _make_kernel(cfg: GemmConfig):
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
+    TRANSPOSED = cfg.transposed_stores  # the lean W2's partials through a per-warp transpose, 16-byte stores
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -2642,36 +2669,79 @@ def _make_kernel(cfg: GemmConfig):
         """A consumer thread's W2 epilogue: BF16 partials to each row's combine row (the ring consumer's: in the
         source rank's buffer; lean_epilogue: the combine rows the producer staged at `smem`, or the thread's own
         loaded before the K loop, `words`)."""
-        hidden = m_tiles * 64
-        h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
-        for i in cutlass.range_constexpr(NSUB):
-            for c in cutlass.range_constexpr(2):
-                n = 8 * i + 2 * q + c
-                if n < count:
-                    if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
-                        d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
-                    elif cutlass.const_expr(words is not None):
-                        d = words[2 * i + c]
-                    elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
-                        d = ptx.lds_s32(meta + n * 4)
-                    elif cutlass.const_expr(LEAN):
-                        d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
-                    else:
-                        d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
-                    if cutlass.const_expr(RING):
-                        # the row's source rank owns the combine buffer: its peer offset moves the address
-                        ring_source, peers, source_rows = ring
-                        if cutlass.const_expr(FUSED):
-                            source = ptx.ld_relaxed_gpu_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+        if cutlass.const_expr(TRANSPOSED):
+            words_at = meta if cutlass.const_expr(meta is not None) else smem + cfg.meta_offset
+            w2_transposed_stores(tid, wg, warp, factor, acc, count, bx, m_tiles, out, words_at,
+                                 smem + cfg.transpose_offset)
+        else:
+            hidden = m_tiles * 64
+            h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
+            for i in cutlass.range_constexpr(NSUB):
+                for c in cutlass.range_constexpr(2):
+                    n = 8 * i + 2 * q + c
+                    if n < count:
+                        if cutlass.const_expr(FUSED):  # role1 wrote it during this kernel
+                            d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                        elif cutlass.const_expr(words is not None):
+                            d = words[2 * i + c]
+                        elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
+                            d = ptx.lds_s32(meta + n * 4)
+                        elif cutlass.const_expr(LEAN):
+                            d = ptx.lds_s32(smem + cfg.meta_offset + n * 4)
                         else:
-                            source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
-                        source = source // source_rows
-                        base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
-                            + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
-                    else:
-                        base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
-                    ptx.stg_bf16(base, acc[4 * i + c] * factor)
-                    ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+                            d = ptx.ldg_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
+                        if cutlass.const_expr(RING):
+                            # the row's source rank owns the combine buffer: its peer offset moves the address
+                            ring_source, peers, source_rows = ring
+                            if cutlass.const_expr(FUSED):
+                                source = ptx.ld_relaxed_gpu_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+                            else:
+                                source = ptx.ldg_s32(ring_source + (Int64(row0) + Int64(n)) * 4)
+                            source = source // source_rows
+                            base = out + ptx.ldg_s64(peers + Int64(source) * 8) \
+                                + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                        else:
+                            base = out + (Int64(d) * Int64(hidden) + Int64(h_row)) * 2
+                        ptx.stg_bf16(base, acc[4 * i + c] * factor)
+                        ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
+
+
+    @cute.jit
+    def w2_transposed_stores(tid, wg, warp, factor, acc, count, bx, m_tiles, out, words_at, region):
+        """transposed_stores: the warp's partials 16 tokens at a time through its region (16 rows of 32 bytes, a
+        token's 16 hidden values each): stmatrix writes the four 8x8 fragments of two token groups transposed, the
+        row's two 16-byte halves swapped in rows 4-7 of each group (a matrix's eight rows then fall in distinct
+        banks), and lane l stores hidden half l // 16 of token l % 16 with one 16-byte store to its combine row."""
+        hidden = m_tiles * 64
+        lane = tid % 32
+        buf = region + (wg * 4 + warp) * TRANSPOSE_WARP_BYTES
+        # stmatrix: lane 8 j + c names row c of matrix j (token group j // 2, hidden half j % 2)
+        matrix = lane // 8
+        put_token = 8 * (matrix // 2) + lane % 8
+        put_at = buf + put_token * 32 + 16 * ((matrix % 2) ^ ((put_token // 4) % 2))
+        token = lane % 16
+        half = lane // 16
+        take_at = buf + token * 32 + 16 * (half ^ ((token // 4) % 2))
+        h_col = Int64(bx * ROWS_PER_CTA + wg * 64 + warp * 16 + 8 * half)
+        chunks = (NSUB + 1) // 2
+        for ch in cutlass.range_constexpr(chunks):
+            if 16 * ch < count:
+                words = []
+                for sub in cutlass.range_constexpr(2):
+                    for h in cutlass.range_constexpr(2):
+                        i = 2 * ch + sub
+                        if cutlass.const_expr(i < NSUB):
+                            words.append(ptx.pack_bf16x2(acc[4 * i + 2 * h] * factor, acc[4 * i + 2 * h + 1] * factor))
+                        else:  # an odd last token group: its partner's rows are past block_n (never stored)
+                            words.append(Uint32(0))
+                ptx.stmatrix_x4_trans(put_at, words)
+                ptx.warp_sync()  # every lane's fragments before any lane's row
+                n = 16 * ch + token
+                if n < count:
+                    d = ptx.lds_s32(words_at + n * 4)
+                    ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
+                if cutlass.const_expr(ch + 1 < chunks):
+                    ptx.warp_sync()  # every lane's row read before the next chunk's fragments
 
     if W1:
         @cute.jit
@@ -2978,7 +3048,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                consumer_registers: int | None = None, k_splits: int = 1, table_decode: bool = False,
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
-               words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False):
+               words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
+               transposed_stores: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -2992,7 +3063,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
-                     scale_ratios=scale_ratios)
+                     scale_ratios=scale_ratios, transposed_stores=transposed_stores)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3007,7 +3078,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
-            scale_ratios: bool = False):
+            scale_ratios: bool = False, transposed_stores: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3052,6 +3123,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
         cfg = replace(cfg, lean_epilogue=True)
+    # a knob of the lean W2 (not stream-K): sets may name it everywhere
+    transposed_stores = transposed_stores and lean_epilogue and role == "w2" and not stream_k
+    if transposed_stores:  # the deepest ring again (its region may take a stage)
+        cfg = replace(cfg, transposed_stores=True, stages=stages)
     # a knob of the stand-alone table decode: sets may name it everywhere (not at tile 24, where the waited loop of a
     # persistent CTA spills inside the loop in two CTAs' registers)
     persistent = (persistent and cfg.table_decode and cfg.warp_specialized and not ring_consumer
@@ -3108,6 +3183,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["snake_walk"] = True
     if scale_ratios:
         params["scale_ratios"] = True
+    if transposed_stores:
+        params["transposed_stores"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3122,6 +3199,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
+    if transposed_stores:
+        promises += ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "st.global.v4.b32")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -3221,7 +3300,10 @@ def all_variants():
               # and their sums kept in units of the step's activation scale (in-place chains)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, scale_ratios=True)
-                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]):
+                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
+              # W2's partials through the per-warp transpose, at tile_knobs's tiles from 16 rows
+              + [variant("w2", bn, **tile_knobs(bn)[1], transposed_stores=True)
+                 for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

@@ -139,6 +139,22 @@ def stg_bf16(addr: Int64, v: Float32) -> None:
 
 
 # ------------------------------------------------------------------------------------------ math
+def pack_bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    """Two FP32 values rounded to BF16 in one word (lo in the low half: the lower address once stored)."""
+    return asm("cvt.rn.bf16x2.f32 $0, $1, $2;", [Uint32], [hi, lo])
+
+
+def stmatrix_x4_trans(addr: Int32, words: list) -> None:
+    """Four 8x8 BF16 matrices from the warp's fragments (word j: matrix j, lane l holding row l // 4, columns
+    2 (l % 4) and 2 (l % 4) + 1), stored transposed: lane 8 j + c names the shared row that takes column c of
+    matrix j (16 bytes, the matrix's eight rows in order)."""
+    asm("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};", [], [addr, *words])
+
+
+def stg128(addr: Int64, words: list) -> None:
+    asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", [], [addr, *words])
+
+
 def ue8m0_byte_to_f32(word: Uint32, byte: int) -> Float32:
     """Byte `byte` of a packed scale word as the float 2^(b - 127) (the byte becomes the exponent field)."""
     bits = ((word >> (8 * byte)) & Uint32(0xFF)) << 23
