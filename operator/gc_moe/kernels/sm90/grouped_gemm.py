@@ -2737,9 +2737,15 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.stmatrix_x4_trans(put_at, words)
                 ptx.warp_sync()  # every lane's fragments before any lane's row
                 n = 16 * ch + token
-                if n < count:
-                    d = ptx.lds_s32(words_at + n * 4)
-                    ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
+                if cutlass.const_expr(2 * ch + 1 < NSUB):
+                    if n < count:
+                        d = ptx.lds_s32(words_at + n * 4)
+                        ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
+                elif token < 8:  # an odd last group: its partner's rows are past the tile (a unit's count may
+                    # exceed block_n: the expert's rows from row0 on)
+                    if n < count:
+                        d = ptx.lds_s32(words_at + n * 4)
+                        ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
                 if cutlass.const_expr(ch + 1 < chunks):
                     ptx.warp_sync()  # every lane's row read before the next chunk's fragments
 
