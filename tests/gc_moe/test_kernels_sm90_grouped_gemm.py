@@ -609,32 +609,37 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
 
 
 def test_transposed_stores_knob_limits_and_region():
-    """transposed_stores is a knob of the lean W2 outside stream-K: refused elsewhere (and dropped by `variant`, so
-    sets may name it everywhere); its region (512 bytes per consumer warp) follows everything else, 128-byte aligned,
-    and at every tile tile_knobs runs from 16 rows the ring keeps its depth and the arguments stay the same."""
+    """transposed_stores is a knob of the lean epilogue outside stream-K: refused elsewhere (and dropped by `variant`,
+    so sets may name it everywhere); its region (W1: the tile's E4M3 rows, 128 bytes each; W2: 512 bytes per consumer
+    warp) follows everything else, 128-byte aligned, and at every tile tile_knobs runs from 16 rows the ring keeps its
+    depth and the arguments stay the same."""
     tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    for role, knobs in (("w1", tab), ("w2", {**tab, "lean_epilogue": False}), ("w2", {"ring_consumer": True})):
-        with pytest.raises(ValueError, match="transposed_stores is a knob of the lean W2 epilogue"):
+    for role, knobs in (("w1", {**tab, "lean_epilogue": False}), ("w2", {**tab, "lean_epilogue": False}),
+                        ("w2", {"ring_consumer": True})):
+        with pytest.raises(ValueError, match="transposed_stores is a knob of the lean epilogue"):
             gg.GemmConfig(role, 64, transposed_stores=True, **knobs)
-    with pytest.raises(ValueError, match="transposed_stores is a knob of the lean W2 epilogue"):
+    with pytest.raises(ValueError, match="transposed_stores is a knob of the lean epilogue"):
         gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True, transposed_stores=True)
-    assert "transposed_stores" not in dict(gg.variant("w1", 64, transposed_stores=True, **tab).params)
     assert "transposed_stores" not in dict(gg.variant("w2", 64, transposed_stores=True, fold_scales=True).params)
-    assert "transposed_stores" not in dict(gg.variant("w2", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True,
+    assert "transposed_stores" not in dict(gg.variant("w1", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True,
                                                       transposed_stores=True).params)
     assert gg.TRANSPOSE_WARP_BYTES == 16 * 16 * 2  # 16 tokens x 16 hidden rows of a warp, BF16
-    for bn in (16, 24, 32, 64, 96):
+    # not W1 at tile 24 (its copy spilled in two CTAs' registers)
+    assert "transposed_stores" not in dict(gg.variant("w1", 24, transposed_stores=True, **gg.tile_knobs(24)[1]).params)
+    for role, bn in [(role, bn) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96) if (role, bn) != ("w1", 24)]:
         knobs = gg.tile_knobs(bn)[1]
-        cfg = gg.GemmConfig(**dict(gg.variant("w2", bn, transposed_stores=True, **knobs).params))
-        plain = gg.GemmConfig(**dict(gg.variant("w2", bn, **knobs).params))
+        cfg = gg.GemmConfig(**dict(gg.variant(role, bn, transposed_stores=True, **knobs).params))
+        plain = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
         tag = "_pers" if knobs.get("persistent") else "_lean"
         assert cfg.transposed_stores and cfg.name == plain.name.replace(tag, tag + "_tst", 1)
         assert cfg.stages == plain.stages and cfg.params == plain.params and cfg.threads == plain.threads
         assert cfg.transpose_offset >= plain.smem_bytes and cfg.transpose_offset % 128 == 0
-        assert cfg.smem_bytes == cfg.transpose_offset + gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES <= cfg.smem_limit
-    built = [(dict(v.params)["block_n"], dict(v.params).get("persistent", False)) for v in gg.all_variants()
-             if dict(v.params).get("transposed_stores")]
-    assert sorted(built) == [(16, False), (24, False), (32, True), (64, True), (96, True)]
+        region = bn * 128 if role == "w1" else gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES
+        assert cfg.smem_bytes == cfg.transpose_offset + region <= cfg.smem_limit
+    built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("persistent", False))
+             for v in gg.all_variants() if dict(v.params).get("transposed_stores")]
+    assert sorted(built) == sorted((role, bn, bn >= 32) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96)
+                                   if (role, bn) != ("w1", 24))
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
@@ -837,9 +842,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
     # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96,
-    # W2's transposed stores at bn 16 / 24 / 32 / 64 / 96
+    # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 5)
+                          + 6 + 6 + 9)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -916,9 +921,9 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     folded = {v: e for v, e in built.items() if dict(v.params).get("fold_scales")}
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
-    # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, W2's transposed stores at
-    # bn 16 / 24 / 32 / 64 / 96
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 5
+    # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, the transposed stores at
+    # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -955,8 +960,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
     # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
-    # bn 32 / 64 / 96); W2's transposed stores at bn 16 / 24 / 32 / 64 / 96
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 5
+    # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24)
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2022,11 +2027,12 @@ def test_persistent_model_shapes_match_float32_reference(hidden, inter, topk, to
                                                               (256, 128, 10, 6, 21)])
 @pytest.mark.parametrize("block_n", [16, 24, 32, 64, 96])
 def test_transposed_stores_write_the_value_stores_bytes(hidden, inter, experts, topk, tokens, block_n, persistent):
-    """transposed_stores moves W2's partials through shared memory, not their arithmetic: the same BF16 bytes as the
-    lean epilogue's value stores (the same product, the same rounding) and within the float32 reference's bounds,
-    every output written, at tile_knobs's tiles from 16 rows (two CTAs per SM at 16 / 24), with chunks of 16
-    tokens cut by the tile's count and an odd last token group (tile 24, counts like 21), one unit per CTA and the
-    persistent grid's walk (the region reused unit after unit)."""
+    """transposed_stores moves the epilogues' outputs through shared memory, not their arithmetic: the same W1 E4M3
+    rows and scales and the same W2 BF16 bytes as the lean epilogue's stores (the same products, the same rounding)
+    and within the float32 reference's bounds, every output written, at tile_knobs's tiles from 16 rows (two CTAs per
+    SM at 16 / 24), with chunks of 16 tokens cut by the tile's count, an odd last token group (tile 24) and units
+    whose count runs past the tile, one unit per CTA and the persistent grid's walk (the region reused unit after
+    unit)."""
     knobs = dict(gg.tile_knobs(block_n)[1])
     if knobs.get("persistent") != persistent and (persistent or block_n in (16, 24)):
         pytest.skip("tiles 16 / 24 run as a unit grid")

@@ -324,11 +324,13 @@ class GemmConfig:
     # SASS) then stalls that warp, not warpgroup 0 and with it the ring (the pair's W1 epilogues took 1.8-3.3 us
     # against 0.7-1.3 in the separate W1: step 46). Both halves take it (one more warp in the CTA)
     publisher_warp: bool = False
-    # lean W2 (not stream-K, not the ring consumer): each consumer warp writes its BF16 partials through a 512-byte
-    # region of its own in shared memory, 16 tokens at a time: the fragments go in transposed (stmatrix, rows
-    # swizzled by half), and each lane stores one token's 8 hidden values with one 16-byte store. The plain epilogue
-    # issues a 2-byte store per value with its own address, and each warp instruction writes half of eight
-    # tokens' 32-byte sectors (26% of W2's consumer samples at GLM-5.2 T=256 sat in that epilogue, step 54)
+    # the lean epilogue (not stream-K, not the ring consumer) writes its outputs through shared memory with 16-byte
+    # stores. W2: each consumer warp its BF16 partials through a 512-byte region of its own, 16 tokens at a time: the
+    # fragments go in transposed (stmatrix, rows swizzled by half), and each lane stores one token's 8 hidden values.
+    # The plain W2 issues a 2-byte store per value with its own address, each warp instruction writing half of eight
+    # tokens' 32-byte sectors (26% of W2's consumer samples at GLM-5.2 T=256 sat in that epilogue, step 54). W1: the
+    # CTA's E4M3 rows (block_n x 128 bytes) go to shared memory byte by byte, then each thread copies 16-byte pieces
+    # of whole rows out (the plain W1 stores one byte per value: a warp instruction writes 8 bytes of 4 tokens)
     transposed_stores: bool = False
 
     def __post_init__(self):
@@ -429,10 +431,10 @@ class GemmConfig:
         if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
             raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
                              f"<= producer threads, {self.producer_threads} here): pass persistent=True")
-        if self.transposed_stores and not (self.role == "w2" and self.lean_epilogue and not self.stream_k
-                                           and not self.ring_consumer and not self.fused_role2):
-            raise ValueError("transposed_stores is a knob of the lean W2 epilogue (role 'w2', lean_epilogue=True, "
-                             "not stream-K, not the ring consumer)")
+        if self.transposed_stores and not (self.lean_epilogue and not self.stream_k and not self.ring_consumer
+                                           and not self.fused_role2):
+            raise ValueError("transposed_stores is a knob of the lean epilogue (lean_epilogue=True, not stream-K, not "
+                             "the ring consumer)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -599,7 +601,10 @@ class GemmConfig:
 
     @property
     def transpose_bytes(self) -> int:
-        return THREADS // 32 * TRANSPOSE_WARP_BYTES if self.transposed_stores else 0
+        """W1: the CTA's E4M3 rows (128 channels per token); W2: 16 tokens x 16 hidden values per consumer warp."""
+        if not self.transposed_stores:
+            return 0
+        return self.block_n * 128 if self.role == "w1" else THREADS // 32 * TRANSPOSE_WARP_BYTES
 
     @property
     def smem_bytes(self) -> int:
@@ -878,7 +883,7 @@ def _make_kernel(cfg: GemmConfig):
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
-    TRANSPOSED = cfg.transposed_stores  # the lean W2's partials through a per-warp transpose, 16-byte stores
+    TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -2033,6 +2038,12 @@ def _make_kernel(cfg: GemmConfig):
                     ring_protocol.atom_add_release_gpu(
                         l1_empty_count + Int64(block - generation * ring_blocks) * 4, released)
                     block = block + 1
+        put_rows = None
+        if cutlass.const_expr(TRANSPOSED):
+            # row n's 16-byte pieces swizzled by (n // 2) % 8 = (4 i + q) % 8, so the four rows (tokens 2q + c) a
+            # store instruction writes fall in distinct banks: row 8 i + c's byte at put_rows[i % 2] + (8 i + c) x 128
+            put_even = smem + cfg.transpose_offset + q * 256 + ((wg * 32 + warp * 8 + g) ^ (q * 16))
+            put_rows = (put_even, put_even ^ 64)
         if cutlass.const_expr(LEAN):
             # one thread per token reduces the 16 warps' maxima into the token's first slot (its column is read by
             # it alone), then every thread reads one word per value
@@ -2053,7 +2064,14 @@ def _make_kernel(cfg: GemmConfig):
                         amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
                 amax = ptx.fmax(amax, Float32(AMAX_FLOOR))
                 inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
-                if n < count:
+                if cutlass.const_expr(TRANSPOSED):
+                    # the token's row in shared memory (every row of the tile: those past the count stay there)
+                    ptx.sts_e4m3((put_rows[i % 2]) + (8 * i + c) * 128, hv[2 * i + c] * inv)
+                    if n < count:  # noqa: SIM102 (a device branch around a device branch, as below)
+                        if tid < 4:
+                            ptx.stg_f32(out_scale + ((out_first + Int64(n)) * Int64(inter // 128) + Int64(bx)) * 4,
+                                        amax * Float32(1.0 / FP8_MAX))
+                elif n < count:
                     nrow = out_first + Int64(n)
                     if cutlass.const_expr(REUSE):
                         if nrow >= Int64(out_rows):
@@ -2062,6 +2080,10 @@ def _make_kernel(cfg: GemmConfig):
                     if tid < 4:
                         ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
                                     amax * Float32(1.0 / FP8_MAX))
+        if cutlass.const_expr(TRANSPOSED):
+            consumer_sync()  # every warp's channels of the rows before any thread's copy
+            w1_copy_rows(tid, smem + cfg.transpose_offset, out + out_first * Int64(inter) + Int64(bx * 128), inter,
+                         count)
         if cutlass.const_expr(FUSED):
             # every consumer's stores of this unit precede the barrier; thread 0's release of bit bx
             # (W2's K128 block bx) then carries them to whoever acquires the word
@@ -2073,6 +2095,23 @@ def _make_kernel(cfg: GemmConfig):
             # unit shorter than the ring from stages already full and reach that epilogue while another still
             # reads these (the fused half's barrier above does the same for its units)
             consumer_sync()
+
+    @cute.jit
+    def w1_copy_rows(tid, rows_at, first, inter, count):
+        """transposed_stores: the tile's E4M3 rows from shared memory to their 128 channels at `first` (row 0's),
+        eight threads per row, a 16-byte piece each (rows up to the count and the tile)."""
+        for k in cutlass.range_constexpr(-(-BN * 8 // THREADS)):
+            idx = tid + k * THREADS
+            n = idx // 8
+            piece = idx % 8
+            if cutlass.const_expr((k + 1) * THREADS <= BN * 8):
+                if n < count:
+                    ptx.stg128(first + Int64(n) * Int64(inter) + Int64(piece * 16),
+                               ptx.lds128(rows_at + n * 128 + (piece ^ ((n // 2) % 8)) * 16))
+            elif n < BN:  # the last round's threads past the tile's rows
+                if n < count:
+                    ptx.stg128(first + Int64(n) * Int64(inter) + Int64(piece * 16),
+                               ptx.lds128(rows_at + n * 128 + (piece ^ ((n // 2) % 8)) * 16))
 
     @cute.jit
     def split_unit(ks_index, k_blocks, m_tiles, e, bx, bz):
@@ -3129,8 +3168,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
         cfg = replace(cfg, lean_epilogue=True)
-    # a knob of the lean W2 (not stream-K): sets may name it everywhere
-    transposed_stores = transposed_stores and lean_epilogue and role == "w2" and not stream_k
+    # a knob of the lean epilogue (not stream-K): sets may name it everywhere (not W1 at tile 24, where its copy
+    # spills 8 bytes in two CTAs' registers)
+    transposed_stores = transposed_stores and lean_epilogue and not stream_k and (role, block_n) != ("w1", 24)
     if transposed_stores:  # the deepest ring again (its region may take a stage)
         cfg = replace(cfg, transposed_stores=True, stages=stages)
     # a knob of the stand-alone table decode: sets may name it everywhere (not at tile 24, where the waited loop of a
@@ -3205,8 +3245,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
-    if transposed_stores:
-        promises += ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "st.global.v4.b32")
+    if transposed_stores:  # W2's fragments transposed by stmatrix, W1's bytes stored one by one; 16-byte stores out
+        promises += ("st.global.v4.b32", "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" if role == "w2"
+                     else "st.shared.b8")
     extra_sources = ("gc_moe.kernels.sm90.ptx",)
     if ring_consumer:
         params["ring_consumer"] = True
@@ -3307,9 +3348,9 @@ def all_variants():
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, scale_ratios=True)
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
-              # W2's partials through the per-warp transpose, at tile_knobs's tiles from 16 rows
-              + [variant("w2", bn, **tile_knobs(bn)[1], transposed_stores=True)
-                 for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
+              # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
+              + [variant(role, bn, **tile_knobs(bn)[1], transposed_stores=True)
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N if (role, bn) != ("w1", 24)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

@@ -134,6 +134,16 @@ def stg_e4m3(addr: Int64, v: Float32) -> None:
     )
 
 
+def sts_e4m3(addr: Int32, v: Float32) -> None:
+    """Round v to E4M3 (saturating) and store the byte to shared memory."""
+    asm(
+        "{\n.reg .b16 t;\n.reg .f32 z;\nmov.f32 z, 0f00000000;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 t, z, $1;\nst.shared.b8 [$0], t;\n}",
+        [],
+        [addr, v],
+    )
+
+
 def stg_bf16(addr: Int64, v: Float32) -> None:
     asm("{\n.reg .b16 t;\ncvt.rn.bf16.f32 t, $1;\nst.global.b16 [$0], t;\n}", [], [addr, v])
 
