@@ -31,8 +31,11 @@ def cuobjdump() -> str:
 
 
 def entries(cache: Path, name: str | None) -> dict[str, Path]:
-    """{variant description: its cubin} of a cache (the entries' JSON names the cubin by its SHA-256)."""
-    out = {}
+    """{variant description: its cubin} of a cache (the entries' JSON names the cubin by its SHA-256).
+
+    A cache that holds builds of two source trees (an A/B's) has two entries for a variant whose sources differ:
+    which one to compare would be a guess, so that is refused."""
+    out, seen = {}, {}
     for path in sorted((cache / "entries").rglob("*.json")):
         entry = json.loads(path.read_text())
         variant = entry["variant"]
@@ -41,7 +44,11 @@ def entries(cache: Path, name: str | None) -> dict[str, Path]:
         params = ",".join(f"{k}={v}" for k, v in sorted(dict(variant["params"]).items()))
         cubins = sorted((cache / "objects").glob(entry["cubin_sha256"] + "*"))
         if cubins:
-            out[f"{variant['name']}[{params}] {entry.get('arch', '')}".strip()] = cubins[0]
+            key = f"{variant['name']}[{params}] {entry.get('arch', '')}".strip()
+            if key in out and seen[key] != entry["cubin_sha256"]:
+                raise SystemExit(f"{cache}: two builds of {key} (two source trees' entries in one cache?): compare "
+                                 f"caches built from one tree each")
+            out[key], seen[key] = cubins[0], entry["cubin_sha256"]
     return out
 
 

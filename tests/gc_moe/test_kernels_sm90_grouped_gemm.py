@@ -2181,7 +2181,8 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n, comp
 
 def test_sass_diff_pairs_the_variants_two_caches_share(tmp_path):
     """scripts/sass_diff.py compares the variants built in both caches: entries pair by kernel name, parameters and
-    arch, each with its cubin found by SHA-256 (a variant whose cubin is missing is left out)."""
+    arch, each with its cubin found by SHA-256 (a variant whose cubin is missing is left out); two builds of one
+    variant in one cache are refused."""
     import json
 
     sass_diff = _load_script("sass_diff")
@@ -2196,5 +2197,12 @@ def test_sass_diff_pairs_the_variants_two_caches_share(tmp_path):
     found = sass_diff.entries(tmp_path, "sm90.grouped_gemm")
     assert found == {"sm90.grouped_gemm[block_n=8,role=w1] sm_90a": tmp_path / "objects" / "aa.cubin"}
     assert sass_diff.entries(tmp_path, "sm90.other") == {}
+    # another tree's build of the same variant in the same cache (an A/B's): refused, not one of them picked
+    (tmp_path / "objects" / "cc.cubin").write_bytes(b"\1")
+    entry = {"variant": {"name": "sm90.grouped_gemm", "params": [list(p) for p in cases[0][0]]}, "arch": "sm_90a",
+             "cubin_sha256": "cc"}
+    (tmp_path / "entries" / "sm_90a" / "2.json").write_text(json.dumps(entry))
+    with pytest.raises(SystemExit, match="two builds of sm90.grouped_gemm"):
+        sass_diff.entries(tmp_path, "sm90.grouped_gemm")
     assert sass_diff.INSTRUCTION.findall("        /*0a10*/                   QGMMA.64x64x32 R24, R56 ;  /* 0x0 */") == [
         "QGMMA.64x64x32 R24, R56"]
