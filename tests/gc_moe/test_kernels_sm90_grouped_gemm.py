@@ -974,12 +974,12 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # stream-K piece once (partials stored before the release; the owner: its acquire before the loads), and
         # a stream-K or persistent W1 epilogue once more at its end (its amax words are read before the next unit's
         # epilogue), a lean W1 epilogue once more after its per-token amax, a handover W1 once more before it publishes
-        # a unit
+        # a unit, a W1 with transposed stores once more before its rows are copied out
         split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
         w1_meets = 0
         if params["role"] == "w1":
             w1_meets = (1 + bool(params.get("stream_k") or params.get("persistent")) + bool(params.get("lean_epilogue"))
-                        + bool(params.get("handover")))
+                        + bool(params.get("handover")) + bool(params.get("transposed_stores")))
         assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
         # a handover W2's producer warp meets on its own named barrier around the permit vote (bar.warp.sync there
         # cost every K loop its uniform registers), with words_first around its first look too
