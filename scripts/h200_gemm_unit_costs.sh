@@ -26,8 +26,9 @@
 #           both steps 45-46)
 #   candidates  16-256 tokens: `snake` (tile_knobs's choice with the persistent grid's snake walk,
 #           GemmConfig.snake_walk), `ratio` (with its sums kept in units of the step's scale, GemmConfig.scale_ratios),
-#           `both`, and `tst` (W2's partials through a per-warp transpose, GemmConfig.transposed_stores) against
-#           ws_auto in one run (docs steps 56-58)
+#           `both`, `tst` (the epilogues' outputs through shared memory, GemmConfig.transposed_stores) and `early`
+#           (W2's combine rows loaded before its stores, GemmConfig.early_rows) against ws_auto in one run (docs
+#           steps 55-59)
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp, `snake`, `ratio`), and `unit`
 #           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
@@ -68,20 +69,20 @@ for s in $steps; do
     build) run build 1200 python $BENCH --build-only $SETS
            run build-sets 600 python $BENCH --build-only --auto-ctas --pdl --auto-set snake:snake_walk=True \
              --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
-             --auto-set tst:transposed_stores=True \
+             --auto-set tst:transposed_stores=True --auto-set early:early_rows=True \
              --auto-set unit:persistent=False --auto-set ws_auto_pair:pair=True \
              --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio or transposed" ;;
+             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio or transposed or early_rows" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
     candidates) run candidates 240 python $BENCH --check --time --auto-ctas --auto-set snake:snake_walk=True \
              --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
-             --auto-set tst:transposed_stores=True --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/candidates.json" ;;
+             --auto-set tst:transposed_stores=True --auto-set early:early_rows=True --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/candidates.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \

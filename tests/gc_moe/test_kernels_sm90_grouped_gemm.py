@@ -546,7 +546,8 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
     assert sorted((p["role"], p["block_n"]) for p in built
-                  if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")) == sorted(
+                  if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")
+                  and not p.get("early_rows")) == sorted(
         (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
 
 
@@ -640,6 +641,26 @@ def test_transposed_stores_knob_limits_and_region():
              for v in gg.all_variants() if dict(v.params).get("transposed_stores")]
     assert sorted(built) == sorted((role, bn, bn >= 32) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96)
                                    if (role, bn) != ("w1", 24))
+
+
+def test_early_rows_knob_limits():
+    """early_rows is a knob of the lean W2's value stores: refused elsewhere (W1, no lean epilogue, stream-K, with
+    transposed_stores) and dropped by `variant` there; it changes nothing of the shared-memory plan."""
+    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
+    for role, knobs in (("w1", tab), ("w2", {**tab, "lean_epilogue": False}), ("w2", {**tab, "transposed_stores": True})):
+        with pytest.raises(ValueError, match="early_rows is a knob of the lean W2's value stores"):
+            gg.GemmConfig(role, 64, early_rows=True, **knobs)
+    assert "early_rows" not in dict(gg.variant("w1", 64, early_rows=True, **tab).params)
+    assert "early_rows" not in dict(gg.variant("w2", 64, early_rows=True, transposed_stores=True, **tab).params)
+    assert "early_rows" not in dict(gg.variant("w2", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True,
+                                               early_rows=True).params)
+    for bn in (16, 24, 32, 64, 96):
+        knobs = gg.tile_knobs(bn)[1]
+        cfg = gg.GemmConfig(**dict(gg.variant("w2", bn, early_rows=True, **knobs).params))
+        plain = gg.GemmConfig(**dict(gg.variant("w2", bn, **knobs).params))
+        assert cfg.early_rows and cfg.smem_bytes == plain.smem_bytes and cfg.stages == plain.stages
+    built = sorted(dict(v.params)["block_n"] for v in gg.all_variants() if dict(v.params).get("early_rows"))
+    assert built == [16, 24, 32, 64, 96]
 
 
 def test_lean_epilogue_knob_names_limits_and_shared_words():
@@ -842,9 +863,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
     # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96,
-    # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24)
+    # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24), W2's early combine rows at the same tiles
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9)
+                          + 6 + 6 + 9 + 5)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -922,8 +943,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     # the folded decode, the table decode (+ bn 16 and 24 at 2 per SM), its fitted N at bn 16 / 24 / 32 / 64, and
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
     # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, the transposed stores at
-    # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24)
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9
+    # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24), W2's early combine rows at the same tiles
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 5
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -960,8 +981,8 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
     # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
-    # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24)
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9
+    # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24), W2's early combine rows
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 5
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2042,6 +2063,21 @@ def test_transposed_stores_write_the_value_stores_bytes(hidden, inter, experts, 
     got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, transposed_stores=True, **knobs)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
     _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, transposed_stores=True, **knobs),
+                       _run_case(*case, seed=seed, return_raw=True, **knobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 150), (256, 128, 10, 6, 21)])
+@pytest.mark.parametrize("block_n", [16, 24, 32, 64, 96])
+def test_early_rows_write_the_value_stores_bytes(hidden, inter, experts, topk, tokens, block_n):
+    """early_rows only moves the combine rows' shared loads ahead of the stores: the same bytes as the plain lean W2
+    (and within the float32 reference's bounds), at tile_knobs's tiles, units whose count runs past the tile."""
+    knobs = dict(gg.tile_knobs(block_n)[1])
+    case = (hidden, inter, experts, topk, tokens, block_n)
+    seed = tokens + 11 * block_n + hidden
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, early_rows=True, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
+    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, early_rows=True, **knobs),
                        _run_case(*case, seed=seed, return_raw=True, **knobs))
 
 

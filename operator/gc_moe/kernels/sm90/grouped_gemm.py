@@ -332,6 +332,10 @@ class GemmConfig:
     # CTA's E4M3 rows (block_n x 128 bytes) go to shared memory byte by byte, then each thread copies 16-byte pieces
     # of whole rows out (the plain W1 stores one byte per value: a warp instruction writes 8 bytes of 4 tokens)
     transposed_stores: bool = False
+    # the lean W2's value stores (not stream-K, not the ring consumer, not with transposed_stores) load every combine
+    # row of the tile from shared memory before the first store, so no store's address waits for its own load (step
+    # 54's profile: the epilogue's address IMADs stalled on the shared loads just before them; docs step 55)
+    early_rows: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -435,6 +439,10 @@ class GemmConfig:
                                            and not self.fused_role2):
             raise ValueError("transposed_stores is a knob of the lean epilogue (lean_epilogue=True, not stream-K, not "
                              "the ring consumer)")
+        if self.early_rows and not (self.role == "w2" and self.lean_epilogue and not self.stream_k
+                                    and not self.ring_consumer and not self.fused_role2 and not self.transposed_stores):
+            raise ValueError("early_rows is a knob of the lean W2's value stores (role 'w2', lean_epilogue=True, not "
+                             "stream-K, not the ring consumer, not transposed_stores)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -674,6 +682,8 @@ class GemmConfig:
             s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
         if self.transposed_stores:
             s += "_tst"
+        if self.early_rows:
+            s += "_early"
         if self.ring_consumer:
             s += "_ring"
         if self.fused_role2:
@@ -884,6 +894,7 @@ def _make_kernel(cfg: GemmConfig):
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
+    EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -2715,6 +2726,11 @@ def _make_kernel(cfg: GemmConfig):
         else:
             hidden = m_tiles * 64
             h_row = bx * ROWS_PER_CTA + wg * 64 + warp * 16 + g
+            staged = []
+            if cutlass.const_expr(EARLY_ROWS):
+                # every combine row first (the words past the count are zeros, stage_epilogue_words: safe to load)
+                words_at = meta if cutlass.const_expr(meta is not None) else smem + cfg.meta_offset
+                staged = [ptx.lds_s32(words_at + (8 * i + 2 * q + c) * 4) for i in range(NSUB) for c in range(2)]
             for i in cutlass.range_constexpr(NSUB):
                 for c in cutlass.range_constexpr(2):
                     n = 8 * i + 2 * q + c
@@ -2723,6 +2739,8 @@ def _make_kernel(cfg: GemmConfig):
                             d = ptx.ld_relaxed_gpu_s32(dest_row + (Int64(row0) + Int64(n)) * 4)
                         elif cutlass.const_expr(words is not None):
                             d = words[2 * i + c]
+                        elif cutlass.const_expr(EARLY_ROWS):
+                            d = staged[2 * i + c]
                         elif cutlass.const_expr(LEAN and meta is not None):  # the persistent unit's slot
                             d = ptx.lds_s32(meta + n * 4)
                         elif cutlass.const_expr(LEAN):
@@ -3094,7 +3112,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
-               transposed_stores: bool = False):
+               transposed_stores: bool = False, early_rows: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3108,7 +3126,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
-                     scale_ratios=scale_ratios, transposed_stores=transposed_stores)
+                     scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3123,7 +3141,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
-            scale_ratios: bool = False, transposed_stores: bool = False):
+            scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3173,6 +3191,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     transposed_stores = transposed_stores and lean_epilogue and not stream_k and (role, block_n) != ("w1", 24)
     if transposed_stores:  # the deepest ring again (its region may take a stage)
         cfg = replace(cfg, transposed_stores=True, stages=stages)
+    # a knob of the lean W2's value stores: sets may name it everywhere
+    early_rows = early_rows and lean_epilogue and role == "w2" and not stream_k and not transposed_stores
+    if early_rows:
+        cfg = replace(cfg, early_rows=True)
     # a knob of the stand-alone table decode: sets may name it everywhere (not at tile 24, where the waited loop of a
     # persistent CTA spills inside the loop in two CTAs' registers)
     persistent = (persistent and cfg.table_decode and cfg.warp_specialized and not ring_consumer
@@ -3231,6 +3253,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["scale_ratios"] = True
     if transposed_stores:
         params["transposed_stores"] = True
+    if early_rows:
+        params["early_rows"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3350,7 +3374,9 @@ def all_variants():
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
               # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
               + [variant(role, bn, **tile_knobs(bn)[1], transposed_stores=True)
-                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N if (role, bn) != ("w1", 24)]):
+                 for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N if (role, bn) != ("w1", 24)]
+              # the lean W2's value stores with every combine row loaded first
+              + [variant("w2", bn, **tile_knobs(bn)[1], early_rows=True) for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
