@@ -2111,18 +2111,16 @@ def _make_kernel(cfg: GemmConfig):
     def w1_copy_rows(tid, rows_at, first, inter, count):
         """transposed_stores: the tile's E4M3 rows from shared memory to their 128 channels at `first` (row 0's),
         eight threads per row, a 16-byte piece each (rows up to the count and the tile)."""
+        rows = count
+        if rows > BN:  # a unit's count is the expert's rows from its first on
+            rows = Int32(BN)
         for k in cutlass.range_constexpr(-(-BN * 8 // THREADS)):
             idx = tid + k * THREADS
             n = idx // 8
             piece = idx % 8
-            if cutlass.const_expr((k + 1) * THREADS <= BN * 8):
-                if n < count:
-                    ptx.stg128(first + Int64(n) * Int64(inter) + Int64(piece * 16),
-                               ptx.lds128(rows_at + n * 128 + (piece ^ ((n // 2) % 8)) * 16))
-            elif n < BN:  # the last round's threads past the tile's rows
-                if n < count:
-                    ptx.stg128(first + Int64(n) * Int64(inter) + Int64(piece * 16),
-                               ptx.lds128(rows_at + n * 128 + (piece ^ ((n // 2) % 8)) * 16))
+            if n < rows:
+                ptx.stg128(first + Int64(n) * Int64(inter) + Int64(piece * 16),
+                           ptx.lds128(rows_at + n * 128 + (piece ^ ((n // 2) % 8)) * 16))
 
     @cute.jit
     def split_unit(ks_index, k_blocks, m_tiles, e, bx, bz):
@@ -2762,7 +2760,6 @@ def _make_kernel(cfg: GemmConfig):
                         ptx.stg_bf16(base, acc[4 * i + c] * factor)
                         ptx.stg_bf16(base + Int64(16), acc[4 * i + 2 + c] * factor)
 
-
     @cute.jit
     def w2_transposed_stores(tid, wg, warp, factor, acc, count, bx, m_tiles, out, words_at, region):
         """transposed_stores: the warp's partials 16 tokens at a time through its region (16 rows of 32 bytes, a
@@ -2780,6 +2777,9 @@ def _make_kernel(cfg: GemmConfig):
         half = lane // 16
         take_at = buf + token * 32 + 16 * (half ^ ((token // 4) % 2))
         h_col = Int64(bx * ROWS_PER_CTA + wg * 64 + warp * 16 + 8 * half)
+        rows = count
+        if rows > BN:  # a unit's count is the expert's rows from its first on; an odd last group's partner is past BN
+            rows = Int32(BN)
         chunks = (NSUB + 1) // 2
         for ch in cutlass.range_constexpr(chunks):
             if 16 * ch < count:
@@ -2794,15 +2794,9 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.stmatrix_x4_trans(put_at, words)
                 ptx.warp_sync()  # every lane's fragments before any lane's row
                 n = 16 * ch + token
-                if cutlass.const_expr(2 * ch + 1 < NSUB):
-                    if n < count:
-                        d = ptx.lds_s32(words_at + n * 4)
-                        ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
-                elif token < 8:  # an odd last group: its partner's rows are past the tile (a unit's count may
-                    # exceed block_n: the expert's rows from row0 on)
-                    if n < count:
-                        d = ptx.lds_s32(words_at + n * 4)
-                        ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
+                if n < rows:
+                    d = ptx.lds_s32(words_at + n * 4)
+                    ptx.stg128(out + (Int64(d) * Int64(hidden) + h_col) * 2, ptx.lds128(take_at))
                 if cutlass.const_expr(ch + 1 < chunks):
                     ptx.warp_sync()  # every lane's row read before the next chunk's fragments
 
