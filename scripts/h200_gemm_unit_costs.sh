@@ -76,13 +76,15 @@ for s in $steps; do
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
-             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio or transposed or early_rows" ;;
+             -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio \
+                 or transposed or early_rows" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
     candidates) run candidates 240 python $BENCH --check --time --auto-ctas --auto-set snake:snake_walk=True \
              --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
-             --auto-set tst:transposed_stores=True --auto-set early:early_rows=True --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/candidates.json" ;;
+             --auto-set tst:transposed_stores=True --auto-set early:early_rows=True \
+             --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/candidates.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
