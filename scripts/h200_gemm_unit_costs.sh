@@ -29,6 +29,8 @@
 #           `both`, `tst` (the epilogues' outputs through shared memory, GemmConfig.transposed_stores) and `early`
 #           (W2's combine rows loaded before its stores, GemmConfig.early_rows) against ws_auto in one run (docs
 #           steps 55-59)
+#   combos  64-256 tokens, twice: `tst`, `ratio`, `tr` (both), `trs` (both with the snake walk) and `snake` against
+#           ws_auto (the candidates step's winners on an H100, docs step 61)
 #   prefetch  1-8 tokens: the stream-K W1 prefetching 0 / 8 / 16 / 32 MiB of its W2's weights into the L2 after its
 #           last copies (GemmConfig.prefetch_w2; pf0: the same binary, no prefetch) against ws_auto_pdl, all with
 #           the programmatic W2 (docs step 60)
@@ -75,6 +77,8 @@ for s in $steps; do
              --auto-set tst:transposed_stores=True --auto-set early:early_rows=True \
              --auto-set unit:persistent=False --auto-set ws_auto_pair:pair=True \
              --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True --auto-set pf:prefetch_w2=True \
+             --auto-set tr:transposed_stores=True,scale_ratios=True \
+             --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
@@ -89,6 +93,12 @@ for s in $steps; do
              --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
              --auto-set tst:transposed_stores=True --auto-set early:early_rows=True \
              --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/candidates.json" ;;
+    combos) for r in 1 2; do  # twice: the 1-3% effects against the run's spread
+              run combos$r 240 python $BENCH --check --time --auto-ctas --auto-set tst:transposed_stores=True \
+                --auto-set ratio:scale_ratios=True --auto-set tr:transposed_stores=True,scale_ratios=True \
+                --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set snake:snake_walk=True \
+                --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/combos$r.json"
+            done ;;
     prefetch) run prefetch 240 python $BENCH --check --time --auto-ctas --pdl --auto-set pf0:pdl=True,prefetch_mb=0 \
              --auto-set pf8:pdl=True,prefetch_mb=8 --auto-set pf16:pdl=True,prefetch_mb=16 \
              --auto-set pf32:pdl=True,prefetch_mb=32 --tokens 1,2,4,8 --windows 5 --replays 10 \
@@ -122,7 +132,7 @@ for s in $steps; do
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
-    *) echo "unknown step $s (build, tests, pair, shapes, candidates, prefetch, table, probe, trace, ncu)"; exit 2 ;;
+    *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, prefetch, table, probe, trace, ncu)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

@@ -3471,6 +3471,10 @@ def all_variants():
               # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
               + [variant(role, bn, **tile_knobs(bn)[1], transposed_stores=True)
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N if (role, bn) != ("w1", 24)]
+              # and at the persistent tiles as the unit grid (its epilogue's region used once per CTA; the GPU test
+              # compares both walks)
+              + [variant(role, bn, **{**tile_knobs(bn)[1], "persistent": False}, transposed_stores=True)
+                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
               # the lean W2's value stores with every combine row loaded first
               + [variant("w2", bn, **tile_knobs(bn)[1], early_rows=True) for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
         if v.describe() not in seen:
