@@ -1,5 +1,6 @@
 """SM90 grouped GEMM: offline builds of every variant (CPU, CuTe DSL) and the on-GPU check against float32."""
 
+import dataclasses
 import json
 import re
 import struct
@@ -248,6 +249,11 @@ def test_prefetch_w2_picks_every_dth_step_of_the_active_experts_once(rows, m_til
         assert abs(hits - (end - first) / d) <= 2, (cta, first, end, hits, d)
 
 
+def _tile_knobs_without(block_n, *names):
+    """tile_knobs's set at a tile without the named knobs (what a knob's test compares with and without it)."""
+    return {k: v for k, v in gg.tile_knobs(block_n)[1].items() if k not in names}
+
+
 def test_tile_knobs_follow_the_measured_points():
     stream = {"stream_k": True, "ctas_per_sm": 1}
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
@@ -261,7 +267,8 @@ def test_tile_knobs_follow_the_measured_points():
     persistent = {**table, "persistent": True}  # steps 50 / 54: the persistent grid at tiles 32, 64 and 96
     assert gg.tile_knobs(25) == (32, persistent) and gg.tile_knobs(32) == (32, persistent)
     assert gg.tile_knobs(33) == (64, persistent) and gg.tile_knobs(500) == (64, persistent)
-    assert gg.tile_knobs(65) == (96, persistent) and gg.tile_knobs(96) == (96, persistent)  # the wide tile by default
+    wide = {**persistent, "transposed_stores": True, "scale_ratios": True}  # step 61: at the wide tile only
+    assert gg.tile_knobs(65) == (96, wide) and gg.tile_knobs(96) == (96, wide)  # the wide tile by default
     for cap in (1, 9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
         bn, knobs = gg.tile_knobs(cap)
         for role in ("w1", "w2"):
@@ -695,9 +702,11 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
                 assert (cfg.consumer_registers, cfg.producer_registers) == (104, 64)
                 assert (plain.consumer_registers, plain.producer_registers) == (112, 32)
     assert gg.SCALE_RATIO_FLOOR * 2.0 ** 19 < 1e-13  # a clamped block's largest change (|products| < 2^19)
-    built = [(dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
-             if dict(v.params).get("scale_ratios")]
-    assert sorted(built) == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
+    built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("transposed_stores", False),
+              dict(v.params).get("early_rows", False)) for v in gg.all_variants() if dict(v.params).get("scale_ratios")]
+    # at tiles 32 / 64 / 96, and tile_knobs's wide tile with the transposed stores (and W2's early rows beside it)
+    assert sorted(built) == sorted([(role, bn, False, False) for role in ("w1", "w2") for bn in (32, 64, 96)]
+                                   + [("w1", 96, True, False), ("w2", 96, True, False), ("w2", 96, False, True)])
 
 
 def test_transposed_stores_knob_limits_and_region():
@@ -719,12 +728,16 @@ def test_transposed_stores_knob_limits_and_region():
     # not W1 at tile 24 (its copy spilled in two CTAs' registers)
     assert "transposed_stores" not in dict(gg.variant("w1", 24, transposed_stores=True, **gg.tile_knobs(24)[1]).params)
     for role, bn in [(role, bn) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96) if (role, bn) != ("w1", 24)]:
-        knobs = gg.tile_knobs(bn)[1]
+        knobs = _tile_knobs_without(bn, "transposed_stores")
         cfg = gg.GemmConfig(**dict(gg.variant(role, bn, transposed_stores=True, **knobs).params))
         plain = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
-        tag = "_pers" if knobs.get("persistent") else "_lean"
+        tag = "_ratio" if knobs.get("scale_ratios") else "_pers" if knobs.get("persistent") else "_lean"
+        # the ring as deep, but W1's at the wide tile with the scale ratios (tile_knobs's set there): its 12 KB region
+        # beside the ratios' stage words takes one stage (7 -> 6)
+        assert cfg.stages == plain.stages - ((role, bn) == ("w1", 96))
+        plain = dataclasses.replace(plain, stages=cfg.stages)  # the plain plan at that depth (name, offsets)
         assert cfg.transposed_stores and cfg.name == plain.name.replace(tag, tag + "_tst", 1)
-        assert cfg.stages == plain.stages and cfg.params == plain.params and cfg.threads == plain.threads
+        assert cfg.params == plain.params and cfg.threads == plain.threads
         assert cfg.transpose_offset >= plain.smem_bytes and cfg.transpose_offset % 128 == 0
         region = bn * 128 if role == "w1" else gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES
         assert cfg.smem_bytes == cfg.transpose_offset + region <= cfg.smem_limit
@@ -748,7 +761,7 @@ def test_early_rows_knob_limits():
     assert "early_rows" not in dict(gg.variant("w2", 8, stream_k=True, ctas_per_sm=1, lean_epilogue=True,
                                                early_rows=True).params)
     for bn in (16, 24, 32, 64, 96):
-        knobs = gg.tile_knobs(bn)[1]
+        knobs = _tile_knobs_without(bn, "transposed_stores")
         cfg = gg.GemmConfig(**dict(gg.variant("w2", bn, early_rows=True, **knobs).params))
         plain = gg.GemmConfig(**dict(gg.variant("w2", bn, **knobs).params))
         assert cfg.early_rows and cfg.smem_bytes == plain.smem_bytes and cfg.stages == plain.stages
@@ -2179,10 +2192,12 @@ def test_transposed_stores_write_the_value_stores_bytes(hidden, inter, experts, 
     SM at 16 / 24), with chunks of 16 tokens cut by the tile's count, an odd last token group (tile 24) and units
     whose count runs past the tile, one unit per CTA and the persistent grid's walk (the region reused unit after
     unit)."""
-    knobs = dict(gg.tile_knobs(block_n)[1])
+    knobs = _tile_knobs_without(block_n, "transposed_stores")
     if knobs.get("persistent") != persistent and (persistent or block_n in (16, 24)):
         pytest.skip("tiles 16 / 24 run as a unit grid")
     knobs["persistent"] = persistent
+    if not persistent:
+        knobs.pop("scale_ratios", None)  # a knob of the persistent grid
     case = (hidden, inter, experts, topk, tokens, block_n)
     seed = tokens + 5 * block_n + hidden + persistent
     got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, transposed_stores=True, **knobs)
@@ -2197,7 +2212,7 @@ def test_transposed_stores_write_the_value_stores_bytes(hidden, inter, experts, 
 def test_early_rows_write_the_value_stores_bytes(hidden, inter, experts, topk, tokens, block_n):
     """early_rows only moves the combine rows' shared loads ahead of the stores: the same bytes as the plain lean W2
     (and within the float32 reference's bounds), at tile_knobs's tiles, units whose count runs past the tile."""
-    knobs = dict(gg.tile_knobs(block_n)[1])
+    knobs = _tile_knobs_without(block_n, "transposed_stores")
     case = (hidden, inter, experts, topk, tokens, block_n)
     seed = tokens + 11 * block_n + hidden
     got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, early_rows=True, **knobs)
