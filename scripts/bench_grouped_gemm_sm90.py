@@ -45,9 +45,6 @@ MODELS = {  # per-rank slices of the paper's Table 4 models on 8 ranks
     "glm-5.2": {"hidden": 6144, "inter": 2048, "experts": 256, "topk": 8},
 }
 RANKS = 8
-# prefetch_w2 without the pseudo-knob prefetch_mb: the MiB of W2 its stream-K W1 prefetches into the L2 (about what
-# the HBM streams in the 3-4 us of W1's tail and W2's start on the H200, docs step 60)
-PREFETCH_W2_MB = 16
 # --auto-set knobs for the pair kernel alone (the pseudo-knob pair: run it where tile_knobs picks stream-K)
 PAIR_ONLY_KNOBS = ("pair", "publisher_warp")
 # --pair's sets: the pair kernel's knobs (kernels.sm90.stream_pair.variant); the traced ones with --trace only
@@ -128,7 +125,6 @@ class Point:
         self.pdl = False  # W2 launched programmatically after W1 where it can be (a set's pseudo-knob `pdl`)
         self.pair = None  # (the stream-K pair kernel, its buffers): W1 and W2 as one launch (`--pair`)
         self.ready = None  # a handover set's hand-over words (one buffer for its W1 and W2)
-        self.prefetch_bytes = 0  # a prefetch_w2 W1's budget of W2 bytes into the L2 (a set's pseudo-knob prefetch_mb)
         self.use(kernels)
 
     def use(self, kernels, max_block_n=None):
@@ -157,7 +153,7 @@ class Point:
     def launch(self, stream, sync_each: bool = False, roles=("w1", "w2")):
         """roles: the kernels to launch (the per-role times launch one; W2 then reads the last W1's output).
         With self.pdl and a stream_k W2 after its W1, W2 goes out programmatically (launch_w2(programmatic=True))."""
-        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, launch_w1, launch_w2
+        from gc_moe.kernels.sm90.grouped_gemm import launch_w1, launch_w2
 
         if self.pair is not None:
             from gc_moe.kernels.sm90.stream_pair import launch_pair
@@ -171,11 +167,8 @@ class Point:
         if self.ready is not None and tuple(roles) != ("w1", "w2"):
             raise ValueError("a handover set's W1 and W2 run as a pair (W1 alone leaves the hand-over words set)")
         if "w1" in roles:
-            prefetch = None
-            if GemmConfig(**dict(self.k1.entry.variant.params)).prefetch_w2:
-                prefetch = (self.weights.l2, self.prefetch_bytes)
             launch_w1(self.k1, self.weights.l1, self.act, self.act_scale, self.offsets, self.rw, self.mid,
-                      self.mid_scale, self.capacity, stream, split=self.split1, ready=self.ready, prefetch=prefetch)
+                      self.mid_scale, self.capacity, stream, split=self.split1, ready=self.ready)
             if sync_each:
                 torch.cuda.synchronize()
                 print("# w1 ran", flush=True)
@@ -649,20 +642,12 @@ def parse_shape(spec: str) -> tuple[str, dict]:
     return name, shape
 
 
-def parse_auto_set(spec: str) -> tuple[str, dict, bool, int]:
+def parse_auto_set(spec: str) -> tuple[str, dict, bool]:
     """--auto-set 'tag:knob=value,...' -> (tag, the knobs it adds to tile_knobs's, whether its stream-K W2 launches
-    programmatically: the pseudo-knob pdl, the bytes its stream-K W1 prefetches of W2 into the L2: the pseudo-knob
-    prefetch_mb, which implies the knob prefetch_w2). The pseudo-knobs wide and two_cta stay in the knobs: `tile_rule`
-    reads them."""
+    programmatically: the pseudo-knob pdl). The pseudo-knobs wide and two_cta stay in the knobs: `tile_rule` reads
+    them."""
     (tag, extra), = parse_extra_set(spec, {}).items()
-    prefetch_mb = extra.pop("prefetch_mb", None)
-    if prefetch_mb is not None:
-        if not isinstance(prefetch_mb, (int, float)) or prefetch_mb < 0:
-            raise SystemExit(f"--auto-set {tag}: prefetch_mb must be a number >= 0 (MiB), got {prefetch_mb!r}")
-        extra["prefetch_w2"] = True
-    elif extra.get("prefetch_w2"):
-        prefetch_mb = PREFETCH_W2_MB
-    return tag, extra, bool(extra.pop("pdl", False)), int((prefetch_mb or 0) * (1 << 20))
+    return tag, extra, bool(extra.pop("pdl", False))
 
 
 def tile_rule(gg, extra: dict):
@@ -866,11 +851,10 @@ def main() -> int:
             kernel_sets["ws_auto_pdl"] = None  # the same, W2 launched programmatically where it is stream-K
     auto_knobs = {"ws_auto": {}, "ws_auto_pdl": {}}  # per tile_knobs set: the knobs it adds
     auto_pdl = {}  # --auto-set sets that launch a stream-K W2 programmatically (pseudo-knob pdl=True)
-    auto_prefetch = {}  # --auto-set sets whose stream-K W1 prefetches W2 into the L2: the bytes (prefetch_mb)
     auto_pair = {}  # --auto-set sets that run the stream-K pair kernel where tile_knobs picks stream-K (pair=True):
     # the pair kernel's own knobs
     for spec in args.auto_set if args.auto_ctas else ():
-        tag, auto_knobs[tag], auto_pdl[tag], auto_prefetch[tag] = parse_auto_set(spec)
+        tag, auto_knobs[tag], auto_pdl[tag] = parse_auto_set(spec)
         pair_only = {k: auto_knobs[tag].pop(k) for k in PAIR_ONLY_KNOBS if k in auto_knobs[tag]}
         if pair_only.pop("pair", False):  # the pseudo-knob pair: the pair kernel where the rule picks stream-K
             auto_pair[tag] = {k: auto_knobs[tag][k] for k in ("lean_epilogue", "words_first") if k in auto_knobs[tag]}
@@ -977,7 +961,6 @@ def main() -> int:
                         row_note["knobs"] = {**row_note["knobs"], "stream_pair": False}
                 pt.use(set_kernels, max_bn)
                 pt.pdl = set_pdl.get(tag, False)
-                pt.prefetch_bytes = auto_prefetch.get(tag, 0)
                 if tag in pair_kernels and row_note.get("knobs", {}).get("stream_pair"):  # buffers before any capture
                     pt.pair = (pair_kernels[tag], pair_buffers(pt.weights.l1, pt.weights.l2, pt.capacity, device,
                                                                sm_weights=sm_table if tag == "pair_w" else None))
@@ -986,8 +969,6 @@ def main() -> int:
                        "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
                        "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **row_note}
-                if gg.GemmConfig(**dict(pt.k1.entry.variant.params)).prefetch_w2:
-                    row["prefetch_mb"] = pt.prefetch_bytes / (1 << 20)
                 all_ok &= run_point(pt, row, args, stream, flush, bw)
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)

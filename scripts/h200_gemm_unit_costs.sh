@@ -31,9 +31,6 @@
 #           steps 55-59)
 #   combos  64-256 tokens, twice: `tst`, `ratio`, `tr` (both), `trs` (both with the snake walk) and `snake` against
 #           ws_auto (the candidates step's winners on an H100, docs step 61)
-#   prefetch  1-8 tokens: the stream-K W1 prefetching 0 / 8 / 16 / 32 MiB of its W2's weights into the L2 after its
-#           last copies (GemmConfig.prefetch_w2; pf0: the same binary, no prefetch) against ws_auto_pdl, all with
-#           the programmatic W2 (docs step 60)
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp, `snake`, `ratio`), and `unit`
 #           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
@@ -76,7 +73,7 @@ for s in $steps; do
              --auto-set ratio:scale_ratios=True --auto-set both:snake_walk=True,scale_ratios=True \
              --auto-set tst:transposed_stores=True --auto-set early:early_rows=True \
              --auto-set unit:persistent=False --auto-set ws_auto_pair:pair=True \
-             --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True --auto-set pf:prefetch_w2=True \
+             --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --auto-set tr:transposed_stores=True,scale_ratios=True \
              --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True \
              --tokens 1,2,4,8,16,32,64,128,256
@@ -85,7 +82,7 @@ for s in $steps; do
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio \
-                 or transposed or early_rows or prefetch" ;;
+                 or transposed or early_rows" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -99,10 +96,6 @@ for s in $steps; do
                 --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set snake:snake_walk=True \
                 --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/combos$r.json"
             done ;;
-    prefetch) run prefetch 240 python $BENCH --check --time --auto-ctas --pdl --auto-set pf0:pdl=True,prefetch_mb=0 \
-             --auto-set pf8:pdl=True,prefetch_mb=8 --auto-set pf16:pdl=True,prefetch_mb=16 \
-             --auto-set pf32:pdl=True,prefetch_mb=32 --tokens 1,2,4,8 --windows 5 --replays 10 \
-             --json "$OUT/prefetch.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
@@ -132,7 +125,7 @@ for s in $steps; do
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
-    *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, prefetch, table, probe, trace, ncu)"; exit 2 ;;
+    *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

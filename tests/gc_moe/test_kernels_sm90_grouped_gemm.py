@@ -122,18 +122,15 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
             gg.GemmConfig(**{"role": "w1", "block_n": 8, "stream_k": True, **bad})
     built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
                     dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False),
-                    dict(v.params).get("handover", False), dict(v.params).get("words_first", False),
-                    dict(v.params).get("prefetch_w2", False))
+                    dict(v.params).get("handover", False), dict(v.params).get("words_first", False))
                    for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
-    assert built == sorted([(role, 8, ctas, False, False, False, False, False) for role in ("w1", "w2")
-                            for ctas in (0, 1)]
-                           + [(role, 8, 1, True, False, False, False, False) for role in ("w1", "w2")]
-                           + [(role, 8, 1, trace, True, False, False, False) for role in ("w1", "w2")
+    assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
+                           + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
+                           + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
                               for trace in (False, True)]
-                           + [(role, 8, 1, trace, False, True, False, False) for role in ("w1", "w2")
+                           + [(role, 8, 1, trace, False, True, False) for role in ("w1", "w2")
                               for trace in (False, True)]
-                           + [("w2", 8, 1, trace, False, True, True, False) for trace in (False, True)]
-                           + [("w1", 8, 1, False, False, False, False, True)])
+                           + [("w2", 8, 1, trace, False, True, True) for trace in (False, True)])
     # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
     # phases ahead of the partials
     with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
@@ -159,94 +156,6 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     assert int(counts.abs().sum()) == 0
     traced, _ = gg.split_buffers(Fake(gg.variant("w1", 8, stream_k=True, trace=True)), mat, 5, "cpu", sms=132)
     assert traced.shape == (132 * gg.TRACE_SLOTS * 4 + (units + 132) * gg.THREADS * 4,)  # one CTA per SM
-
-
-def test_prefetch_w2_knob_its_parameters_and_launch_arguments():
-    """prefetch_w2 is a knob of the stand-alone stream-K W1: sets may name it everywhere (W2, other tiles, the
-    handover loops drop it), its launch takes the W2 matrix of the same experts and a byte budget, named errors."""
-    from types import SimpleNamespace
-
-    cfg = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, prefetch_w2=True)
-    assert [n for n, _ in cfg.params] == [n for n, _ in gg.PARAMS_W1 + gg.STREAM_PARAMS + gg.PREFETCH_PARAMS_W1]
-    assert "_pf" in cfg.name and "_pf" not in gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1).name
-    assert dict(gg.variant("w1", 8, stream_k=True, ctas_per_sm=1, prefetch_w2=True).params)["prefetch_w2"] is True
-    for role, bn, knobs in (("w2", 8, {"stream_k": True}), ("w1", 8, {}), ("w1", 16, {"stream_k": True}),
-                            ("w1", 8, {"stream_k": True, "handover": True}),
-                            ("w1", 32, {"fold_scales": True, "table_decode": True, "persistent": True})):
-        assert "prefetch_w2" not in dict(gg.variant(role, bn, prefetch_w2=True, **knobs).params)
-    for bad in ({"role": "w2", "stream_k": True}, {"role": "w1"},
-                {"role": "w1", "stream_k": True, "ctas_per_sm": 1, "handover": True}):
-        with pytest.raises(ValueError, match="prefetch_w2 is a knob of the stand-alone stream-K W1"):
-            gg.GemmConfig(**{"block_n": 8, "prefetch_w2": True, **bad})
-
-    class Fake:  # the arguments read only the loaded kernel's variant parameters and name
-        def __init__(self, variant):
-            self.entry = type("E", (), {"variant": variant})()
-            self.name = variant.describe()
-
-    w1 = SimpleNamespace(rows=2 * 2048, cols=6144, num_experts=32, gate_up_interleaved=True)
-    w2 = SimpleNamespace(rows=6144, cols=2048, num_experts=32, gate_up_interleaved=False, codes=4096, scales=8192)
-    pf, plain = (Fake(gg.variant("w1", 8, stream_k=True, ctas_per_sm=1, prefetch_w2=p)) for p in (True, False))
-    args = gg._prefetch_args(_config_of(pf), pf, w1, (w2, 16 << 20))
-    # W2's codes and scales, its K128 steps (I / 128) and 64-row tiles (H / 64), the budget
-    assert [int.from_bytes(a.data, "little") for a in args] == [4096, 8192, 16, 96, 16 << 20]
-    assert [a.size for a in args] == [8, 8, 4, 4, 8]
-    assert gg._prefetch_args(_config_of(plain), plain, w1, None) == []
-    with pytest.raises(ValueError, match="pass prefetch=None"):
-        gg._prefetch_args(_config_of(plain), plain, w1, (w2, 0))
-    with pytest.raises(ValueError, match=r"pass prefetch=\(W2 matrix, bytes\)"):
-        gg._prefetch_args(_config_of(pf), pf, w1, None)
-    with pytest.raises(ValueError, match="the W2 matrix of the same experts"):
-        gg._prefetch_args(_config_of(pf), pf, w1, (w1, 0))
-    with pytest.raises(ValueError, match="byte budget must be an int >= 0"):
-        gg._prefetch_args(_config_of(pf), pf, w1, (w2, -1))
-
-
-def _config_of(kernel):
-    return gg.GemmConfig(**dict(kernel.entry.variant.params))
-
-
-@pytest.mark.parametrize("rows,m_tiles,k_blocks,budget,ctas", [
-    ([1, 0, 3, 0, 2, 1, 0, 0, 5], 80, 18, 16 << 20, 132),    # DeepSeek-V4.1-Flash's W2 at one token, 16 MiB
-    ([2] * 5 + [0] * 27, 96, 16, 16 << 20, 132),              # GLM-5.2's at one token
-    ([1] * 32, 96, 16, 1 << 40, 132),                          # a budget past every byte: each step
-    ([0, 4, 0, 1], 8, 5, 3 * 4352, 7),                         # budgets below one tile per row tile: step 0 only
-    ([3] * 64, 4, 3, 10 << 20, 2)])
-def test_prefetch_w2_picks_every_dth_step_of_the_active_experts_once(rows, m_tiles, k_blocks, budget, ctas):
-    """The picks as the producer warps of `ctas` CTAs walk them (pick j: lane j mod 32 of CTA (j div 32) mod ctas):
-    every d-th step of every row tile of each expert with rows, each once, none of an expert without rows, inside
-    the W2 matrix; the bytes within the budget plus one step per tile; and every W2 stream-K range (units of 4 row
-    tiles of the active experts) holds its share of the picked steps within 2."""
-    experts = len(rows)
-    active = sum(1 for r in rows if r > 0)
-    d = gg.prefetch_stride(active, m_tiles, k_blocks, budget)
-    per_tile = -(-k_blocks // d)
-    per_expert = m_tiles * per_tile
-    picks = experts * per_expert
-    seen = []
-    for cta in range(ctas):
-        for i in range(-(-picks // (ctas * 32))):
-            for lane in range(32):
-                j = (i * ctas + cta) * 32 + lane
-                e, tile = gg.prefetch_pick(j, per_expert, per_tile, d, m_tiles, k_blocks)
-                if j < picks and rows[e] > 0:
-                    seen.append(tile)
-    want = [(e * m_tiles + mt) * k_blocks + k for e in range(experts) if rows[e] > 0 for mt in range(m_tiles)
-            for k in range(0, k_blocks, d)]
-    assert sorted(seen) == sorted(want) and len(set(seen)) == len(seen)
-    assert all(0 <= t < experts * m_tiles * k_blocks for t in seen)
-    tile_bytes = gg.TILE_BYTES + gg.TILE_SCALE_BYTES
-    assert len(seen) * tile_bytes <= budget + active * m_tiles * tile_bytes
-    if d > 1:  # without the rounding up of each tile's steps, under the budget
-        assert (len(seen) - active * m_tiles) * tile_bytes < budget
-    # W2's stream-K steps: units (expert with rows, 4 row tiles) x k_blocks; a step is picked where k % d == 0
-    units = active * (m_tiles // gg.TILES_PER_CTA)
-    work = units * k_blocks
-    working = gg.stream_ctas(132, work)
-    for cta in range(working):
-        first, end = gg.stream_range(cta, working, work)
-        hits = sum(1 for step in range(first, end) if (step % k_blocks) % d == 0)
-        assert abs(hits - (end - first) / d) <= 2, (cta, first, end, hits, d)
 
 
 def _tile_knobs_without(block_n, *names):
@@ -969,10 +878,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # 32 / 64 and in the stream-K loops at one CTA per SM (plain and traced), the wide tile 96 with and without it,
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
     # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96,
-    # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24), W2's early combine rows at the same tiles,
-    # (and as the unit grid at 32 / 64 / 96), the stream-K W1 prefetching W2's weights
+    # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's
+    # early combine rows at the same tiles
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 1)
+                          + 6 + 6 + 9 + 6 + 5)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1017,8 +926,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0) + (
             len(gg.STREAM_PARAMS) if params.get("stream_k") else 0) + (
             len(gg.HANDOVER_PARAMS_W1 if params["role"] == "w1" else gg.HANDOVER_PARAMS_W2)
-            if params.get("handover") else 0) + (len(gg.PERSIST_PARAMS) if params.get("persistent") else 0) + (
-            len(gg.PREFETCH_PARAMS_W1) if params.get("prefetch_w2") else 0)
+            if params.get("handover") else 0) + (len(gg.PERSIST_PARAMS) if params.get("persistent") else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
@@ -1090,10 +998,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # stream-K loops at bn 8 (plain, and traced at one CTA per SM); the lean epilogue at bn 16 / 24 / 32 / 64 and in
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
     # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
-    # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24), W2's early combine rows;
-    # (and as the unit grid at 32 / 64 / 96); the stream-K W1 prefetching W2's weights
-    assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 1)
+    # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
+    # 32 / 64 / 96), W2's early combine rows
+    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1252,8 +1159,7 @@ def test_ring_consumer_w2_ptx_scatters_through_the_peer_table(built):
 # --------------------------------------------------------------------------------------------- GPU check
 def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=False, warp_specialized=None,
               return_raw=False, w2_k_splits=1, sms=None, splits_out=None, relaunches=1, programmatic_pairs=0,
-              pair_launches=0, pair_sm_weights=None, handover_pairs=0, handover_words_first=False, prefetch_bytes=0,
-              **more_knobs):
+              pair_launches=0, pair_sm_weights=None, handover_pairs=0, handover_words_first=False, **more_knobs):
     """sms: the SMs a stream_k variant's grid spreads over (None: the device's); splits_out: a list that gets
     (offsets, W1's split buffers, W2's) after the launches; relaunches: how many times a split W1 and W2 are
     launched again on the same buffers (each must write the first launch's bytes); programmatic_pairs: then that
@@ -1265,8 +1171,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     loops' SM ids, for the sm_weights variant instead (its outputs are then what the function returns checks);
     handover_pairs: then that many W1 + W2 pairs of the handover variants (`GemmConfig.handover`, W2 launched
     programmatically) on poisoned outputs, half of them graph replays: each must write the bytes of the plain
-    stream-K kernels (the same partition over the same SMs) and leave the hand-over words zero; prefetch_bytes: a
-    prefetch_w2 W1's budget of W2 bytes it prefetches into the L2 (`GemmConfig.prefetch_w2`)."""
+    stream-K kernels (the same partition over the same SMs) and leave the hand-over words zero."""
     from gc_moe.runtime import jit
 
     dev = torch.device("cuda")
@@ -1302,8 +1207,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     cap = int(counts.max())
     split = gg.split_buffers(k1, w.l1, cap, dev, sms)  # k_splits > 1: partials and arrival counts, else None
     _poison_partials(split)
-    pf = (w.l2, prefetch_bytes) if gg.GemmConfig(**dict(k1.entry.variant.params)).prefetch_w2 else None
-    gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms, prefetch=pf)
+    gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
     if split is not None:
         # a second launch on the same buffers writes the same bytes (the last split sums in split order, whichever
         # arrives last) and leaves every arrival count at zero again
@@ -1312,8 +1216,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             mid.view(torch.uint8).fill_(0x7F)
             mid_sf.fill_(float("nan"))
             _poison_partials(split)
-            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms,
-                         prefetch=pf)
+            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
             torch.cuda.synchronize()
             assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf), \
                 f"{k1.name} relaunch {launch + 1} of {relaunches}: " + _byte_mismatch(mid, first, mid_sf, first_sf)
@@ -1339,8 +1242,7 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
             mid.view(torch.uint8).fill_(0x7F)
             mid_sf.fill_(float("nan"))
             out.fill_(float("nan"))
-            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, on, split=split, sms=sms,
-                         prefetch=pf)
+            gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, on, split=split, sms=sms)
             gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, on, split=split2, sms=sms,
                          programmatic=True)
 
@@ -1608,25 +1510,6 @@ def test_programmatic_w2_reads_the_finished_w1_rows(ctas_per_sm, hidden, inter, 
     row, though its CTAs and their weight stages start earlier. Outputs poisoned before every pair."""
     _run_case(hidden, inter, experts, topk, tokens, 8, seed=hidden + tokens, stream_k=True, ctas_per_sm=ctas_per_sm,
               programmatic_pairs=10, return_raw=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("prefetch_bytes", [0, 16 << 20, 1 << 40], ids=["none", "16MiB", "every_step"])
-@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [
-    (5120, 2304, 48, 6, 1),          # DeepSeek-V4.1-Flash at one token
-    (6144, 2048, 32, 8, 4),          # GLM-5.2 at four
-    (1024, 512, 10, 6, 40)])         # many units per CTA
-def test_prefetch_w2_writes_the_plain_stream_k_bytes(prefetch_bytes, hidden, inter, experts, topk, tokens):
-    """prefetch_w2 adds only L2 prefetches of W2's weights after the W1 producer's last copies: W1, and W2 launched
-    programmatically after it (directly and in captured graphs, outputs poisoned before each pair), write the plain
-    stream-K kernels' bytes at every budget, and those are within the float32 reference's bounds."""
-    case = (hidden, inter, experts, topk, tokens, 8)
-    seed = hidden + tokens + 5
-    got = _run_case(*case, seed=seed, stream_k=True, ctas_per_sm=1, prefetch_w2=True, prefetch_bytes=prefetch_bytes,
-                    programmatic_pairs=4, return_raw=True)
-    _assert_same_bytes(got, _run_case(*case, seed=seed, stream_k=True, ctas_per_sm=1, return_raw=True))
-    _assert_matches_reference(*_run_case(*case, seed=seed, stream_k=True, ctas_per_sm=1, prefetch_w2=True,
-                                         prefetch_bytes=prefetch_bytes))
 
 
 @pytest.mark.gpu

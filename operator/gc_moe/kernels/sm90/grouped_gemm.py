@@ -134,10 +134,6 @@ STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
 # are laid out for, and (W1) the permits one finished W1 unit publishes: W2's weight-row CTAs per token tile
 HANDOVER_PARAMS_W1 = (("ready", "u64"), ("ready_tiles", "s32"), ("ready_readers", "s32"))
 HANDOVER_PARAMS_W2 = (("ready", "u64"), ("ready_tiles", "s32"))
-# prefetch_w2 appends these: W2's weights (codes, scales), its K128 steps and 64-row tiles, and the bytes the W1
-# launch may prefetch of them into the L2 (0: none)
-PREFETCH_PARAMS_W1 = (("w2_codes", "u64"), ("w2_scales", "u64"), ("w2_k_blocks", "s32"), ("w2_m_tiles", "s32"),
-                      ("w2_prefetch_bytes", "s64"))
 # a handover W2 segment's producer polls one word per K128 step with one lane each
 HANDOVER_MAX_K_BLOCKS = 32
 # a stream_k CTA keeps each warp's scan of the experts' units in registers (two lanes' worth of experts per lane)
@@ -340,14 +336,6 @@ class GemmConfig:
     # row of the tile from shared memory before the first store, so no store's address waits for its own load (step
     # 54's profile: the epilogue's address IMADs stalled on the shared loads just before them; docs step 55)
     early_rows: bool = False
-    # the stand-alone stream-K W1 (not the pair kernel's half, not handover): its producer warp, after its last
-    # copies, prefetches W2's weight tiles into the L2 (`cp.async.bulk.prefetch.L2`, nothing comes back to the SM):
-    # every d-th K128 step of every weight-row tile of the experts with tokens, d the smallest that keeps the bytes
-    # within the launch's budget (`w2_prefetch_bytes`, 0: none). The W2 that follows then streams part of its
-    # weights from the L2 while the HBM kept streaming through W1's tail (its owners' combine, the CTAs' end spread),
-    # the kernel boundary and W2's first stages, the time over the floor at 1-4 tokens (docs step 60). Every d-th
-    # step: each W2 stream-K range gets the same share of hits (+-1 step), so W2's CTAs still end together
-    prefetch_w2: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -455,10 +443,6 @@ class GemmConfig:
                                     and not self.ring_consumer and not self.fused_role2 and not self.transposed_stores):
             raise ValueError("early_rows is a knob of the lean W2's value stores (role 'w2', lean_epilogue=True, not "
                              "stream-K, not the ring consumer, not transposed_stores)")
-        if self.prefetch_w2 and not (self.role == "w1" and self.stream_k and not self.stream_pair
-                                     and not self.handover):
-            raise ValueError("prefetch_w2 is a knob of the stand-alone stream-K W1 (role 'w1', stream_k=True, not "
-                             "the pair kernel's half, not handover)")
         if self.sm_weights and not (self.stream_pair and not self.trace):
             raise ValueError("sm_weights sizes the ranges of the stream-K pair kernel: pass stream_pair=True (not "
                              "traced: the trace reads the equal ranges)")
@@ -671,8 +655,6 @@ class GemmConfig:
             tail += HANDOVER_PARAMS_W1 if self.role == "w1" else HANDOVER_PARAMS_W2
         if self.persistent:
             tail += PERSIST_PARAMS
-        if self.prefetch_w2:
-            tail += PREFETCH_PARAMS_W1
         if self.role == "w1":
             return PARAMS_W1 + (RING_PARAMS_W1 if self.ring_consumer else ()) + tail
         return PARAMS_W2 + (RING_PARAMS_W2 if self.ring_consumer else ()) + tail
@@ -694,7 +676,6 @@ class GemmConfig:
             s += ("_skp" + ("t" if self.trace else "") + ("w" if self.sm_weights else "") if self.stream_pair
                   else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
             s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
-            s += "_pf" if self.prefetch_w2 else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -767,23 +748,6 @@ def decode_fp4x8_table(w, table_lo, table_hi, prmt, u32=int):
     lo = prmt(table_lo[0], table_lo[1], m) | (w & u32(0x80808080))
     hi = prmt(table_hi[0], table_hi[1], m >> 16) | ((w << 4) & u32(0x80808080))
     return lo, hi
-
-
-def prefetch_stride(active, m_tiles, k_blocks, budget, wide=int):
-    """prefetch_w2: every d-th K128 step of W2's tiles goes into the L2, d = the active experts' W2 bytes (codes and
-    scales of m_tiles x k_blocks tiles each) over the budget (> 0), rounded up; the picks then take at most the
-    budget plus one step per tile. wide: the 64-bit type of the product (Int64 in the kernel)."""
-    total = wide(active) * wide(m_tiles) * wide(k_blocks) * wide(TILE_BYTES + TILE_SCALE_BYTES)
-    return (total + budget - wide(1)) // budget
-
-
-def prefetch_pick(j, per_expert, per_tile, d, m_tiles, k_blocks, wide=int):
-    """prefetch_w2's pick j -> (expert, W2 tile index (expert x m_tiles + row tile) x k_blocks + step): per expert
-    per_expert = m_tiles x per_tile picks, per row tile its steps 0, d, 2d, ... (per_tile of them)."""
-    e = j // per_expert
-    rest = j - e * per_expert
-    mt = rest // per_tile
-    return e, (wide(e) * wide(m_tiles) + wide(mt)) * wide(k_blocks) + wide((rest - mt * per_tile) * d)
 
 
 def stream_ctas(ctas: int, work: int) -> int:
@@ -922,7 +886,6 @@ def _make_kernel(cfg: GemmConfig):
     HANDOVER = cfg.handover  # the stand-alone stream_k pair's hand-over words (W1 publishes, W2 takes permits)
     WORDS_FIRST = cfg.words_first  # a hand-over W2 segment's words before its weights where W1 set them already
     PUBLISHER = cfg.publisher_warp  # the pair's W1 words released by a warp of their own (`publish_walk`)
-    PREFETCH = cfg.prefetch_w2  # the stream-K W1's producer prefetches W2's weights into the L2 (`prefetch_w2_tiles`)
     WEIGHTED = cfg.sm_weights  # its ranges by per-SM weights (`load_sm_table`, `weighted_range`, `weighted_owner`)
     LEAN = cfg.lean_epilogue  # a = (w_codes, w_scales, act, act_scale, per-token words, w_factor)
     TRACE = cfg.trace
@@ -2354,16 +2317,14 @@ def _make_kernel(cfg: GemmConfig):
         return factor, words
 
     @cute.jit
-    def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args, handover=None,
-                    prefetch=None):
+    def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args, handover=None):
         """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
         warpgroups walk the same segments (unit, first step, steps), each side on its own (`stream_walk`).
         role_args: W1's (routing_weight, out, out_scale), W2's (dest_row, out). With trace, thread 0 and the
         producer's first thread stamp the phases (`TRACE_SLOTS`) at the head of the partials buffer. handover:
         W1's (ready words, token tiles per expert in them, permits per finished unit), W2's (ready words, token
-        tiles per expert) (`GemmConfig.handover`). prefetch: W1's (W2 codes, W2 scales, W2's K128 steps, its 64-row
-        tiles, the byte budget) (`GemmConfig.prefetch_w2`)."""
+        tiles per expert) (`GemmConfig.handover`)."""
         tid = cute.arch.thread_idx()[0]
         if cutlass.const_expr(W1):
             # a W2 launched programmatically after this grid may start its CTAs (and their weight stages) as SMs
@@ -2379,10 +2340,8 @@ def _make_kernel(cfg: GemmConfig):
         table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
         if cutlass.const_expr(TRACE):
             trace_scanned(trace, tid)
-        if cutlass.const_expr(PREFETCH):
-            prefetch = (*prefetch[:4], experts, prefetch[4])
         base, segment = stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords,
-                                    cta, smem, Int32(0), trace, pair=handover, prefetch=prefetch)
+                                    cta, smem, Int32(0), trace, pair=handover)
         if tid >= THREADS:
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
         if cutlass.const_expr(TRACE):
@@ -2608,45 +2567,14 @@ def _make_kernel(cfg: GemmConfig):
             s = s + k_end - k_first
 
     @cute.jit
-    def prefetch_w2_tiles(table, prefetch, cta, ctas, lane):
-        """prefetch_w2, the producer warp after its CTA's last copies: W2's weight tiles (codes and K32 scales) into
-        the L2. prefetch = (W2 codes, W2 scales, W2's K128 steps, its 64-row tiles, local experts, the byte budget).
-        The picks are every d-th step of every tile of every expert, d the smallest that keeps the active experts'
-        picks within the budget; pick j of them (experts without tokens skipped) goes to lane j mod 32 of CTA
-        (j div 32) mod ctas, so the working CTAs share them evenly. Warp-uniform loop: the experts' rows come from
-        the unit table's lanes by shuffle."""
-        codes, scales, kb2, mt2, experts, budget = prefetch
-        active = Int32(0)
-        for c in cutlass.range_constexpr(STREAM_MAX_EXPERTS // 32):
-            active = active + ptx.popc(ptx.ballot(table[c][3]))
-        if budget > Int64(0) and active > 0:
-            d = Int32(prefetch_stride(active, mt2, kb2, budget, wide=Int64))
-            per_tile = (kb2 + d - 1) // d  # the picked steps of one tile: 0, d, 2d, ...
-            per_expert = mt2 * per_tile
-            picks = experts * per_expert
-            stride = ctas * 32
-            for i in cutlass.range((picks + stride - 1) // stride):
-                j = (i * ctas + cta) * 32 + lane
-                e, tile = prefetch_pick(j, per_expert, per_tile, d, mt2, kb2, wide=Int64)
-                rows = Int32(0)
-                for c in cutlass.range_constexpr(STREAM_MAX_EXPERTS // 32):
-                    r = ptx.shfl_idx_s32(table[c][3], e % 32)
-                    if e // 32 == c:
-                        rows = r
-                if j < picks and rows > 0:
-                    ptx.prefetch_l2_bulk(codes + tile * TILE_BYTES, TILE_BYTES)
-                    ptx.prefetch_l2_bulk(scales + tile * TILE_SCALE_BYTES, TILE_SCALE_BYTES)
-
-    @cute.jit
     def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
-                    trace, pair=None, smid=None, prefetch=None):
+                    trace, pair=None, smid=None):
         """The segments of a stream_k CTA's range over this role's units (`unit_table`), its steps numbered from
         `base` on the CTA's stage ring; returns (base after them, segments walked). pair (a half of the stream-K
         pair kernel, `kernels.sm90.stream_pair`): W1's (ready words, token tiles per expert in them, W2's weight-row
         CTAs per token tile: the readers of each word), W2's (ready words, token tiles per expert). sm_weights: `cta`
         is the SM's rank (`sm_rank`), `smid` its SM: the range is its weighted share (`weighted_range`) wherever
-        every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank. prefetch (prefetch_w2): W2's
-        weights and the budget, prefetched into the L2 by the producer warp after its last segment's copies."""
+        every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
         wg, t, warp, g, q = coords
         s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
         segment = Int32(0)
@@ -2686,9 +2614,6 @@ def _make_kernel(cfg: GemmConfig):
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
                         trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready,
                         wait_stamp=wait_stamp)
-                if cutlass.const_expr(prefetch is not None):  # noqa: SIM102 (a trace-time branch around a device one)
-                    if s + steps == end:  # the CTA's last copies went out: W2's bytes follow them
-                        prefetch_w2_tiles(table, prefetch, cta, ctas, tid % 32)
                 if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
                     first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
                     if pieces - 1 <= STAGED_PIECES:
@@ -2954,16 +2879,6 @@ def _make_kernel(cfg: GemmConfig):
                        k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
                 persistent_body((w_codes, w_scales, act, act_scale, routing_weight, w_factor), w_factor, expert_offsets,
                                 k_blocks, m_tiles, experts, token_tiles, (routing_weight, out, out_scale))
-        elif cutlass.const_expr(STREAM and PREFETCH):
-            @cute.kernel
-            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
-                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
-                       k_blocks: Int32, m_tiles: Int32, split_partials: Int64, split_counts: Int64, experts: Int32,
-                       w2_codes: Int64, w2_scales: Int64, w2_k_blocks: Int32, w2_m_tiles: Int32,
-                       w2_prefetch_bytes: Int64):
-                stream_body((w_codes, w_scales, act, act_scale), w_factor, expert_offsets, k_blocks, m_tiles, experts,
-                            (split_partials, split_counts), (routing_weight, out, out_scale),
-                            prefetch=(w2_codes, w2_scales, w2_k_blocks, w2_m_tiles, w2_prefetch_bytes))
         elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
@@ -3123,13 +3038,6 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, experts, token_tiles).launch(**launch)
-    elif cfg.role == "w1" and cfg.stream_k and cfg.prefetch_w2:
-        @cute.jit
-        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
-                 a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32, w2_codes: Int64,
-                 w2_scales: Int64, w2_k_blocks: Int32, w2_m_tiles: Int32, w2_prefetch_bytes: Int64):
-            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1, experts, w2_codes, w2_scales,
-                   w2_k_blocks, w2_m_tiles, w2_prefetch_bytes).launch(**launch)
     elif cfg.role == "w1" and cfg.stream_k:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -3198,7 +3106,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
-               transposed_stores: bool = False, early_rows: bool = False, prefetch_w2: bool = False):
+               transposed_stores: bool = False, early_rows: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3212,8 +3120,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
-                     scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
-                     prefetch_w2=prefetch_w2)
+                     scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3228,8 +3135,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
-            scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
-            prefetch_w2: bool = False):
+            scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3251,7 +3157,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     trace = trace and stream_k
     handover = handover and stream_k  # a knob of the stream-K loops: sets may name it everywhere
     words_first = words_first and handover and role == "w2"  # a knob of the hand-over W2: likewise
-    prefetch_w2 = prefetch_w2 and stream_k and role == "w1" and not handover  # a knob of the stream-K W1: likewise
     if (trace or handover) and ctas_per_sm is None:
         ctas_per_sm = 1  # the only traced loop (GemmConfig.trace), the only handover one
     if (table_decode and block_n > WS_MAX_BLOCK_N and ws_default and consumer_registers is None
@@ -3270,8 +3175,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      ring_consumer=ring_consumer, warp_specialized=warp_specialized, ctas_per_sm=ctas_per_sm,
                      producer_warps=producer_warps, wait_suspend_ns=wait_suspend_ns, compact_grid=compact_grid,
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
-                     fit_n=fit_n, stream_k=stream_k, trace=trace, handover=handover, words_first=words_first,
-                     prefetch_w2=prefetch_w2)
+                     fit_n=fit_n, stream_k=stream_k, trace=trace, handover=handover, words_first=words_first)
     # a knob of the stand-alone kernels: sets may name it everywhere
     lean_epilogue = lean_epilogue and cfg.warp_specialized and not ring_consumer and cfg.k_splits == 1
     if lean_epilogue:
@@ -3345,8 +3249,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["transposed_stores"] = True
     if early_rows:
         params["early_rows"] = True
-    if prefetch_w2:
-        params["prefetch_w2"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3361,8 +3263,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
-    if prefetch_w2:  # W2's weights into the L2 after the producer's last copies
-        promises += ("cp.async.bulk.prefetch.L2.global",)
     if transposed_stores:  # W2's fragments transposed by stmatrix, W1's bytes stored one by one; 16-byte stores out
         promises += ("st.global.v4.b32", "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" if role == "w2"
                      else "st.shared.b8")
@@ -3431,8 +3331,6 @@ def all_variants():
     # its W2 taking a segment's words before the segment's weights where W1 set them already (step 45)
     stream_k += [variant("w2", 8, stream_k=True, ctas_per_sm=1, handover=True, trace=trace, words_first=True)
                  for trace in (False, True)]
-    # the stream-K W1 prefetching its W2's weights into the L2 after its last copies (step 60)
-    stream_k += [variant("w1", 8, stream_k=True, ctas_per_sm=1, prefetch_w2=True)]
     for v in (variant_set() + variant_set(fold_scales=True) + variant_set(ring_consumer=True)
               + variant_set(warp_specialized=False) + compact_ring + split_k + stream_k
               + variant_set(fold_scales=True, table_decode=True)
@@ -3697,35 +3595,11 @@ def _persist_args(cfg: GemmConfig, experts: int, capacity: int) -> list:
     return [i32(experts), i32(max(1, -(-capacity // cfg.block_n)))]
 
 
-def _prefetch_args(cfg: GemmConfig, kernel, w1_mat, prefetch) -> list:
-    """A prefetch_w2 variant's trailing arguments (PREFETCH_PARAMS_W1) from prefetch = (the W2 matrix of the same
-    experts, the bytes W1 may prefetch of it into the L2, 0 for none); None for every other variant."""
-    from gc_moe.runtime.launch import i32, i64, ptr
-
-    if not cfg.prefetch_w2:
-        if prefetch is not None:
-            raise ValueError(f"{kernel.name} does not prefetch W2's weights: pass prefetch=None (the knob is "
-                             f"prefetch_w2 of the stream-K W1)")
-        return []
-    if prefetch is None:
-        raise ValueError(f"{kernel.name} prefetches its W2's weights into the L2: pass prefetch=(W2 matrix, bytes), "
-                         f"bytes 0 for none")
-    w2, budget = prefetch
-    if w2.gate_up_interleaved or w2.num_experts != w1_mat.num_experts or w2.rows != w1_mat.cols \
-            or w2.cols != w1_mat.rows // 2:
-        raise ValueError(f"prefetch: the W2 matrix of the same experts ([{w1_mat.num_experts}, {w1_mat.cols}, "
-                         f"{w1_mat.rows // 2}], not gate/up interleaved), got [{w2.num_experts}, {w2.rows}, "
-                         f"{w2.cols}]{' interleaved' if w2.gate_up_interleaved else ''}")
-    if int(budget) != budget or budget < 0:
-        raise ValueError(f"prefetch: the byte budget must be an int >= 0 (0: none), got {budget!r}")
-    return [ptr(w2.codes), ptr(w2.scales), i32(w2.cols // 128), i32(w2.rows // 64), i64(budget)]
-
-
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-              ring_args=(), split=None, sms=None, ready=None, prefetch=None):
+              ring_args=(), split=None, sms=None, ready=None):
     """(grid, arguments) of one W1 launch or graph node; see `launch_w1`. split: `split_buffers(...)` for a
     kernel with k_splits > 1 or stream_k; sms: a stream_k grid's SMs (default: act's device's); ready: a
-    handover variant's `handover_words(...)`; prefetch: a prefetch_w2 variant's (W2 matrix, bytes)."""
+    handover variant's `handover_words(...)`."""
     import torch
 
     from gc_moe.runtime.launch import i32, ptr
@@ -3749,14 +3623,13 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, hidden, split)
     extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
     extra = extra + _persist_args(cfg, mat.num_experts, capacity)
-    extra = extra + _prefetch_args(cfg, kernel, mat, prefetch)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
 
 
 def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity, stream,
-              ring_args=(), split=None, sms=None, ready=None, prefetch=None):
+              ring_args=(), split=None, sms=None, ready=None):
     """W1 + SwiGLU + routing weight + FP8 requant over grouped rows. `kernel`: a loaded w1 variant.
 
     mat: weights.sm90.Sm90Matrix (gate/up interleaved); act fp8 [R, H]; act_scale f32 [R, H/128];
@@ -3764,13 +3637,12 @@ def launch_w1(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     out fp8 [R, I]; out_scale f32 [R, I/128]; capacity: the most rows one expert may hold;
     ring_args: `ring_args_w1(...)` for a ring-consumer variant, else empty; split: `split_buffers(...)` for a
     variant with k_splits > 1 or stream_k, else None; sms: a stream_k grid's SMs (default: the device's);
-    ready: a handover variant's `handover_words(...)`, the buffer its W2 launch gets too; prefetch: a
-    prefetch_w2 variant's (W2 matrix of the same experts, bytes it may prefetch into the L2; 0: none).
+    ready: a handover variant's `handover_words(...)`, the buffer its W2 launch gets too.
     """
     from gc_moe.runtime.launch import launch
 
     g, args = w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
-                        ring_args, split, sms, ready, prefetch)
+                        ring_args, split, sms, ready)
     return launch(kernel, g, args, stream)
 
 

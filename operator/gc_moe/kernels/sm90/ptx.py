@@ -417,12 +417,6 @@ def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
         [dst, src, mbar])
 
 
-def prefetch_l2_bulk(src: Int64, size: int) -> None:
-    """cp.async.bulk.prefetch.L2 of `size` bytes (multiple of 16, 16-byte aligned) from global memory into the L2:
-    nothing comes back to the SM and nothing waits for it (a hint: the bytes a later kernel reads)."""
-    asm(f"cp.async.bulk.prefetch.L2.global [$0], {size};", [], [src])
-
-
 def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24, suspend_ns: int = 0,
                   limit_ns: int = 10_000_000_000) -> None:
     """Wait until the phase of parity `parity` of the barrier completed; trap instead of hanging.
@@ -561,11 +555,6 @@ def zero_after(dep: Float32) -> Float32:
 def ballot(flag: Int32) -> Int32:
     """Bit i set where lane i's flag is non-zero (every lane of the warp takes part)."""
     return asm("{\n.reg .pred p;\nsetp.ne.s32 p, $1, 0;\nvote.sync.ballot.b32 $0, p, -1;\n}", [Int32], [flag])
-
-
-def popc(mask: Int32) -> Int32:
-    """The set bits of `mask`."""
-    return asm("popc.b32 $0, $1;", [Int32], [mask])
 
 
 def highest_bit(mask: Int32) -> Int32:
