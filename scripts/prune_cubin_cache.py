@@ -6,7 +6,8 @@ entries with their cubins alone (the runtime loads no PTX; the PTX is two thirds
     python scripts/prune_cubin_cache.py --runtime-copy .cubin-run    (then GC_MOE_CACHE_DIR=.cubin-run there)
 
 An entry is stale when its key is not the key this tree computes for its variant (`jit.lookup_key`: the sources,
-the DSL version, the compile options). No GPU and no DSL needed.
+the DSL version, the compile options), or when its cubin is missing (an interrupted build; the runtime skips such an
+entry and a build writes it again). No GPU and no DSL needed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def stale_entries(cache_dir: Path) -> tuple[list[Path], set[str]]:
     stale, keep = [], set()
     for path in sorted((cache_dir / "entries").rglob("*.json")):
         entry = jit.CacheEntry.from_json(json.loads(path.read_text()), cache_dir)
-        if path.stem == jit.lookup_key(entry.variant, entry.arch):
+        if path.stem == jit.lookup_key(entry.variant, entry.arch) and entry.cubin_path.is_file():
             keep |= {entry.cubin_path.name, entry.ptx_path.name}
         else:
             stale.append(path)
@@ -32,6 +33,7 @@ def stale_entries(cache_dir: Path) -> tuple[list[Path], set[str]]:
 
 
 def runtime_copy(cache_dir: Path, dest: Path, stale: set, keep: set) -> int:
+    """The current entries and their cubins (no PTX) into the new folder `dest`."""
     if dest.exists():
         raise SystemExit(f"{dest} exists: remove it first (a runtime copy is written whole, never merged)")
     entries = [p for p in sorted((cache_dir / "entries").rglob("*.json")) if p not in stale]

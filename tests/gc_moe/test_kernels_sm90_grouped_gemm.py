@@ -2078,9 +2078,7 @@ def test_transposed_stores_write_the_value_stores_bytes(hidden, inter, experts, 
     knobs = _tile_knobs_without(block_n, "transposed_stores")
     if knobs.get("persistent") != persistent and (persistent or block_n in (16, 24)):
         pytest.skip("tiles 16 / 24 run as a unit grid")
-    knobs["persistent"] = persistent
-    if not persistent:
-        knobs.pop("scale_ratios", None)  # a knob of the persistent grid
+    knobs["persistent"] = persistent  # (variant drops scale_ratios off the persistent grid)
     case = (hidden, inter, experts, topk, tokens, block_n)
     seed = tokens + 5 * block_n + hidden + persistent
     got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, transposed_stores=True, **knobs)
@@ -2236,6 +2234,47 @@ def test_ring_consumer_on_a_filled_ring_equals_the_default_kernels(block_n, comp
     assert torch.isfinite(out.float()).all()
     assert ws.l1_empty_count.tolist() == gg.expected_l1_empty_counts(
         offsets.tolist(), block_n, shape.block_m, shape.ring_blocks, w.l1.rows // gg.ROWS_PER_CTA)
+
+
+def test_prune_cubin_cache_keeps_this_trees_entries_and_copies_their_cubins(tmp_path, monkeypatch):
+    """scripts/prune_cubin_cache.py: an entry whose key is not this tree's, or whose cubin is missing, is stale; a
+    prune deletes those and the objects no current entry references; a runtime copy holds the current entries and
+    their cubins, no PTX."""
+    import json
+
+    from gc_moe.runtime import jit
+    from gc_moe.runtime.jit import CacheEntry, LaunchShape
+
+    prune = _load_script("prune_cubin_cache")
+    cache = tmp_path / "cache"
+    (cache / "objects").mkdir(parents=True)
+
+    def put(variant, key, sha, cubin=True):
+        entry = CacheEntry(variant, "sm_90a", key, "k", sha, sha, LaunchShape(block=(32, 1, 1)), [], {}, {}, cache)
+        path = cache / "entries" / "sm_90a" / variant.name / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(entry.to_json()))
+        (cache / "objects" / f"{sha}.ptx").write_text("ptx")
+        if cubin:
+            (cache / "objects" / f"{sha}.cubin").write_bytes(b"\0")
+        return path
+
+    current = gg.variant("w1", 8)
+    kept = put(current, jit.lookup_key(current, "sm_90a"), "aa")
+    old = put(current, "0" * 32, "bb")  # another tree's build of the same variant
+    other = gg.variant("w2", 8)
+    broken = put(other, jit.lookup_key(other, "sm_90a"), "cc", cubin=False)  # an interrupted build
+    stale, keep = prune.stale_entries(cache)
+    assert sorted(stale) == sorted([old, broken]) and keep == {"aa.cubin", "aa.ptx"}
+    assert prune.runtime_copy(cache, tmp_path / "run", set(stale), keep) == 0
+    assert sorted(p.relative_to(tmp_path / "run").as_posix() for p in (tmp_path / "run").rglob("*") if p.is_file()) \
+        == [kept.relative_to(cache).as_posix(), "objects/aa.cubin"]
+    with pytest.raises(SystemExit, match="exists: remove it first"):
+        prune.runtime_copy(cache, tmp_path / "run", set(stale), keep)
+    monkeypatch.setattr("sys.argv", ["prune_cubin_cache.py", "--cache-dir", str(cache)])
+    assert prune.main() == 0
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()) == [
+        kept.relative_to(cache).as_posix(), "objects/aa.cubin", "objects/aa.ptx"]
 
 
 def test_sass_diff_pairs_the_variants_two_caches_share(tmp_path):
