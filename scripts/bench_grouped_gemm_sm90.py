@@ -14,7 +14,10 @@ the flush-only graph's time, so every replay reads its weights from HBM. The flu
 default: a write flush (a 256 MB memset, the earlier method, `--flush write`; `both` times the two) leaves ~50 MB
 of dirty lines in the L2 whose write-back then competes with W1's reads, which inflated the cold times. The floor is the
 bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
-large `amax` measured in the same run.
+large `amax` measured in the same run. `--read-ref` also times, per point and under the same protocol (read flush,
+graph replay, the flush-only graph subtracted), one `amax` kernel over exactly the point's bytes (`read_ref_us`): what a
+single streaming launch of those bytes takes, so the time over the floor splits into what any one kernel pays
+(launch, ramp to full bandwidth, drain) and what the GEMM adds.
 
 `--fold-scales` runs the folded-scale variants (K32 scale in the decode, `GemmConfig.fold_scales`) beside the
 configured ones at every point, on the same inputs: each point gives one row per variant set (`tag`; the folded set's ends in `_fold`).
@@ -237,6 +240,21 @@ def measure_read_bandwidth(device) -> float:
     bw = buf.numel() * 4 * 10 / (s.elapsed_time(e) * 1e-3)
     del buf
     return bw
+
+
+def read_ref_us(nbytes: int, source: torch.Tensor, stream, flush, replays: int, windows: int) -> float:
+    """Cold time of one amax kernel over the first `nbytes` of `source` (FP32), after the read flush, the flush-only
+    graph subtracted as for the GEMM: a single streaming launch of the point's bytes."""
+    view = source[: max(1, nbytes // 4)]
+
+    def flush_only():
+        torch.amax(flush.view(torch.float16))
+
+    def flush_then_read():
+        flush_only()
+        torch.amax(view)
+
+    return time_graph(flush_then_read, stream, replays, windows) - time_graph(flush_only, stream, replays, windows)
 
 
 def time_graph(fn, stream, replays: int, windows: int) -> float:
@@ -775,6 +793,8 @@ def main() -> int:
                          "both (cold_us from the read flush, cold_write_flush_us beside it)")
     ap.add_argument("--per-role", action="store_true",
                     help="also time W1 alone and W2 alone (cold, same flush): columns w1 / w2")
+    ap.add_argument("--read-ref", action="store_true",
+                    help="also time one amax kernel over each point's bytes after the same flush (read_ref_us)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -918,6 +938,9 @@ def main() -> int:
     stream = torch.cuda.Stream()
     bw = measure_read_bandwidth(device) if args.time else float("nan")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    # --read-ref: the source of the same-bytes read, as large as the largest point's weights (~1 GB at most)
+    read_source = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_() \
+        if args.read_ref and args.time else None
     rows_out, all_ok = [], True
     for name in args.models.split(","):
         model = MODELS[name]
@@ -935,6 +958,13 @@ def main() -> int:
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:
             pt = Point(name, model, tokens, weights, canon, kernels, gen, device, args.max_block_n)
+            read_ref = {}
+            if read_source is not None and pt.rows:
+                if pt.weight_bytes() > read_source.numel() * 4:
+                    raise SystemExit(f"--read-ref: {name} T={tokens} reads {pt.weight_bytes()} bytes, more than the "
+                                     f"{read_source.numel() * 4}-byte source")
+                read_ref = {"read_ref_us": read_ref_us(pt.weight_bytes(), read_source, stream, flush, args.replays,
+                                                       args.windows)}
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)
@@ -968,7 +998,7 @@ def main() -> int:
                        "inter": model["inter"],
                        "tokens": tokens, "rows": pt.rows,
                        "active": pt.active, "capacity": pt.capacity, "block_n": pt.block_n, "bytes": pt.weight_bytes(),
-                       "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **row_note}
+                       "tiles": pt.token_tiles(), "pdl": pt.programmatic_w2(), **read_ref, **row_note}
                 all_ok &= run_point(pt, row, args, stream, flush, bw)
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)

@@ -34,7 +34,7 @@
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp, `snake`, `ratio`), and `unit`
 #           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
-#           issue's table per model from one run
+#           issue's table per model from one run, with one amax launch over each point's bytes (--read-ref)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -99,7 +99,7 @@ for s in $steps; do
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
-             --tokens 1,2,4,8,16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/table.json" ;;
+             --tokens 1,2,4,8,16,32,64,128,256 --windows 5 --replays 10 --read-ref --json "$OUT/table.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
            -f -o "$OUT/glm128" python $BENCH --profile --auto-ctas --models glm-5.2 --tokens 128
          # one summary file (what comes back from a GPU run is limited in file count): kernels, then each one's lines
