@@ -15,9 +15,11 @@ default: a write flush (a 256 MB memset, the earlier method, `--flush write`; `b
 of dirty lines in the L2 whose write-back then competes with W1's reads, which inflated the cold times. The floor is the
 bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
 large `amax` measured in the same run. `--read-ref` also times, per point and under the same protocol (read flush,
-graph replay, the flush-only graph subtracted), one `amax` kernel over exactly the point's bytes (`read_ref_us`): what a
-single streaming launch of those bytes takes, so the time over the floor splits into what any one kernel pays
-(launch, ramp to full bandwidth, drain) and what the GEMM adds.
+graph replay, the flush-only graph subtracted), single reads of exactly the point's bytes: one `amax` kernel
+(`read_ref_us`) and the stream-read kernel (kernels/sm90/stream_read.py, one CTA per SM keeping 128 KB of bulk copies
+in flight: `stream_read_us` with static ranges, `stream_read_dyn_us` with chunks claimed by ticket, each with its
+CTAs' end spread), so the time over the floor splits into what any one streaming launch pays (launch, ramp to full
+bandwidth, drain) and what the GEMM adds.
 
 `--fold-scales` runs the folded-scale variants (K32 scale in the decode, `GemmConfig.fold_scales`) beside the
 configured ones at every point, on the same inputs: each point gives one row per variant set (`tag`; the folded set's ends in `_fold`).
@@ -244,7 +246,7 @@ def measure_read_bandwidth(device) -> float:
 
 def read_ref_us(nbytes: int, source: torch.Tensor, stream, flush, replays: int, windows: int) -> float:
     """Cold time of one amax kernel over the first `nbytes` of `source` (FP32), after the read flush, the flush-only
-    graph subtracted as for the GEMM: a single streaming launch of the point's bytes."""
+    graph subtracted as for the GEMM: a single generic reduction over the point's bytes."""
     view = source[: max(1, nbytes // 4)]
 
     def flush_only():
@@ -255,6 +257,52 @@ def read_ref_us(nbytes: int, source: torch.Tensor, stream, flush, replays: int, 
         torch.amax(view)
 
     return time_graph(flush_then_read, stream, replays, windows) - time_graph(flush_only, stream, replays, windows)
+
+
+def stream_read_refs(nbytes: int, source: torch.Tensor, stream, flush, replays: int, windows: int,
+                     kernels: dict) -> dict:
+    """The stream-read kernels (kernels/sm90/stream_read.py: `stream_read` static ranges, `stream_read_dyn` chunks
+    claimed by ticket) over the point's bytes, one CTA per SM: cold time as the GEMM's, then one launch after the
+    flush checked (every chunk summed exactly once) and its CTAs' end spread (us)."""
+    from gc_moe.kernels.sm90 import stream_read as sr
+    from gc_moe.runtime.launch import i32, launch, ptr
+
+    sms = torch.cuda.get_device_properties(source.device).multi_processor_count
+    chunks = sr.chunks_for(nbytes)
+    if chunks * sr.CHUNK_BYTES > source.numel() * 4:
+        raise SystemExit(f"stream read: {chunks * sr.CHUNK_BYTES} bytes, more than the {source.numel() * 4}-byte source")
+    words = source.view(torch.int32)[: chunks * sr.CHUNK_BYTES // 4]
+    expected = int(words.to(torch.int64).sum().item()) & 0xFFFFFFFF
+    out = torch.empty(sms * sr.LANES, dtype=torch.int32, device=source.device)
+    times = torch.empty(sms * 2, dtype=torch.int64, device=source.device)
+    ticket = torch.zeros(sr.TICKET_WORDS, dtype=torch.int32, device=source.device)
+    res = {"stream_read_bytes": chunks * sr.CHUNK_BYTES}
+
+    def flush_only():
+        torch.amax(flush.view(torch.float16))
+
+    for tag, kernel in kernels.items():
+        def read(kernel=kernel):
+            launch(kernel, (sms, 1, 1), [ptr(source), i32(chunks), ptr(ticket), ptr(out), ptr(times)], stream)
+
+        def flush_then_read(read=read):
+            flush_only()
+            read()
+
+        res[f"{tag}_us"] = (time_graph(flush_then_read, stream, replays, windows)
+                            - time_graph(flush_only, stream, replays, windows))
+        out.fill_(-1)
+        with torch.cuda.stream(stream):
+            flush_then_read()
+        stream.synchronize()
+        got = int(out.to(torch.int64).sum().item()) & 0xFFFFFFFF
+        if got != expected or int(ticket.abs().sum().item()) != 0:
+            raise SystemExit(f"{tag}: checksum {got:#x} against {expected:#x} over {chunks} chunks, ticket "
+                             f"{ticket.tolist()} (must be back at 0): a chunk was missed or read twice")
+        t = times.view(sms, 2).cpu()
+        res[f"{tag}_end_spread_us"] = round(float(t[:, 1].max() - t[:, 1].min()) / 1e3, 2)
+        res[f"{tag}_span_us"] = round(float(t[:, 1].max() - t[:, 0].min()) / 1e3, 2)
+    return res
 
 
 def time_graph(fn, stream, replays: int, windows: int) -> float:
@@ -835,11 +883,11 @@ def main() -> int:
         auto_variants = [v for spec in args.auto_set  # (the pair kernels are built below in any case)
                          for pair in auto_set_variants(gg, {k: x for k, x in parse_auto_set(spec)[1].items()
                                                             if k not in PAIR_ONLY_KNOBS}).values() for v in pair]
-        from gc_moe.kernels.sm90 import stream_pair
+        from gc_moe.kernels.sm90 import stream_pair, stream_read
 
         seen = set()
         for v in ([v for knobs in sets for v in gg.variant_set(**knobs)] + auto_variants + gg.all_variants()
-                  + stream_pair.all_variants()):
+                  + stream_pair.all_variants() + stream_read.read_variants()):
             if v.describe() in seen:
                 continue
             seen.add(v.describe())
@@ -941,6 +989,12 @@ def main() -> int:
     # --read-ref: the source of the same-bytes read, as large as the largest point's weights (~1 GB at most)
     read_source = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_() \
         if args.read_ref and args.time else None
+    stream_reads = {}
+    if read_source is not None:
+        from gc_moe.kernels.sm90 import stream_read as sr
+
+        stream_reads = {"stream_read": jit.load_kernel(sr.variant(False), "sm_90a"),
+                        "stream_read_dyn": jit.load_kernel(sr.variant(True), "sm_90a")}
     rows_out, all_ok = [], True
     for name in args.models.split(","):
         model = MODELS[name]
@@ -964,7 +1018,9 @@ def main() -> int:
                     raise SystemExit(f"--read-ref: {name} T={tokens} reads {pt.weight_bytes()} bytes, more than the "
                                      f"{read_source.numel() * 4}-byte source")
                 read_ref = {"read_ref_us": read_ref_us(pt.weight_bytes(), read_source, stream, flush, args.replays,
-                                                       args.windows)}
+                                                       args.windows),
+                            **stream_read_refs(pt.weight_bytes(), read_source, stream, flush, args.replays,
+                                               args.windows, stream_reads)}
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)

@@ -60,10 +60,12 @@ def tables(data: dict, sets: list[str], report=resources) -> str:
         key = (r["model"], r["tokens"])
         if key not in best or r["cold_us"] < best[key]["cold_us"]:
             best[key] = r
-    # the run's same-bytes read (bench --read-ref): one amax launch over each point's bytes under the same protocol
-    read_ref = any("read_ref_us" in r for r in best.values())
+    # the run's same-bytes reads (bench --read-ref): the stream-read kernel over each point's bytes under the same
+    # protocol, static ranges / chunks claimed by ticket
+    read_ref = any("stream_read_us" in r for r in best.values())
     out = [f"Read bandwidth measured in the same run: {data['read_bw_bytes_per_s'] / 1e12:.2f} TB/s; cold times "
-           "(after a read flush of the L2)." + (" `read us`: one amax kernel over the same bytes, same protocol."
+           "(after a read flush of the L2)." + (" `read us`: one stream-read launch over the same bytes, same "
+                                                  "protocol (static ranges / chunks claimed by ticket)."
                                                   if read_ref else "") + "\n"]
     for model in sorted({m for m, _ in best}):
         out += [f"{model}:\n",
@@ -72,7 +74,10 @@ def tables(data: dict, sets: list[str], report=resources) -> str:
                 "| ---: | ---: | ---: | ---: | " + ("---: | " if read_ref else "") + "---: | ---: | ---: | --- | ---: | --- |"]
         for tokens in sorted(t for m, t in best if m == model):
             r = best[(model, tokens)]
-            read = f"{r['read_ref_us']:.1f} | " if "read_ref_us" in r else ("- | " if read_ref else "")
+            read = ""
+            if read_ref:
+                read = (f"{r['stream_read_us']:.1f} / {r['stream_read_dyn_us']:.1f} | " if "stream_read_us" in r
+                        else "- | ")
             out.append(f"| {tokens} | {r['active']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {read}"
                        f"{r['cold_us']:.1f} | {r['bw_pct']:.1f} | {r['tflops']:.1f} | `{r['tag']}` | {r['block_n']} "
                        f"| {report(row_variants(r))} |")

@@ -60,13 +60,13 @@ def test_wrong_input_says_what_is_wrong(tmp_path):
 def test_same_bytes_read_column_only_when_the_run_timed_it(table_script):
     plain = {"read_bw_bytes_per_s": 3.2e12, "rows": [_row("ws_auto", "m", 1, 9.0)]}
     assert "read us" not in table_script.tables(plain, ["ws_auto"], report=lambda vs: "R")
-    timed = {"read_bw_bytes_per_s": 3.2e12, "rows": [{**_row("ws_auto", "m", 1, 9.0), "read_ref_us": 4.25},
+    timed = {"read_bw_bytes_per_s": 3.2e12, "rows": [{**_row("ws_auto", "m", 1, 9.0), "stream_read_us": 4.25, "stream_read_dyn_us": 3.5},
                                                      _row("ws_auto", "m", 2, 11.0)]}
     text = table_script.tables(timed, ["ws_auto"], report=lambda vs: "R")
     header = next(ln for ln in text.splitlines() if ln.startswith("| tokens/rank"))
     one = next(ln for ln in text.splitlines() if ln.startswith("| 1 "))
     two = next(ln for ln in text.splitlines() if ln.startswith("| 2 "))
     # the read sits between the floor and the measured time; a point without one says so
-    assert header.split(" | ")[4] == "read us" and "| 1.0 | 4.2 | 9.0 |" in one and "| 1.0 | - | 11.0 |" in two
+    assert header.split(" | ")[4] == "read us" and "| 1.0 | 4.2 / 3.5 | 9.0 |" in one and "| 1.0 | - | 11.0 |" in two
     cells = [len(ln.split("|")) for ln in text.splitlines() if ln.startswith("|")]
     assert len(set(cells)) == 1  # every row has the header's columns
