@@ -194,8 +194,12 @@ class Point:
 
     def weight_bytes(self) -> int:
         """Active experts' repacked W1 + W2 codes and scale bytes, each read once."""
-        per = sum(m.codes[0].numel() + m.scales[0].numel() for m in (self.weights.l1, self.weights.l2))
-        return self.active * per + 2 * self.active * 4
+        return self.role_bytes("w1") + self.role_bytes("w2")
+
+    def role_bytes(self, role: str) -> int:
+        """One role's share of weight_bytes (its codes, scale bytes and one scale word per active expert)."""
+        m = self.weights.l1 if role == "w1" else self.weights.l2
+        return self.active * (m.codes[0].numel() + m.scales[0].numel() + 4)
 
     def flops(self) -> float:
         h, inter = self.model["hidden"], self.model["inter"]
@@ -1021,6 +1025,11 @@ def main() -> int:
                                                        args.windows),
                             **stream_read_refs(pt.weight_bytes(), read_source, stream, flush, args.replays,
                                                args.windows, stream_reads)}
+                if args.per_role:  # each role's bytes alone, beside w1_cold_us / w2_cold_us
+                    for role in ("w1", "w2"):
+                        one = stream_read_refs(pt.role_bytes(role), read_source, stream, flush, args.replays,
+                                               args.windows, {"stream_read": stream_reads["stream_read"]})
+                        read_ref.update({f"{role}_{k}": v for k, v in one.items()})
             for tag, set_kernels in kernel_sets.items():
                 row_note = {}
                 max_bn = set_max_block_n.get(tag)

@@ -35,6 +35,9 @@
 #           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp, `snake`, `ratio`), and `unit`
 #           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
 #           issue's table per model from one run, with one amax launch over each point's bytes (--read-ref)
+#   reads   1-8, 64 and 256 tokens: each kernel alone (--per-role) beside one stream-read launch of its own bytes
+#           and of the pair's (--read-ref: kernels/sm90/stream_read.py, static ranges and chunks claimed by ticket):
+#           what each GEMM kernel adds over a plain streaming read of what it reads (docs step 62)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -96,6 +99,8 @@ for s in $steps; do
                 --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set snake:snake_walk=True \
                 --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/combos$r.json"
             done ;;
+    reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
+             --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
              --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
