@@ -14,7 +14,10 @@ def test_configuration_and_errors():
     with pytest.raises(ValueError, match="bytes, allowed >= 0"):
         sr.chunks_for(-1)
     assert sr.chunks_for(0) == 1 and sr.chunks_for(sr.CHUNK_BYTES) == 1 and sr.chunks_for(sr.CHUNK_BYTES + 1) == 2
-    assert [dict(v.params)["dynamic"] for v in sr.read_variants()] == [False, True]
+    with pytest.raises(ValueError, match="work_cycles=7"):
+        sr.variant(False, 7)
+    forms = [(dict(v.params)["dynamic"], dict(v.params).get("work_cycles", 0)) for v in sr.read_variants()]
+    assert forms == [(d, w) for w in sr.WORK_CHOICES for d in (False, True)]
     assert sr.CHUNK_BYTES % 16 == 0 and sr.STAGES * sr.CHUNK_BYTES <= 227 * 1024
 
 
@@ -29,6 +32,7 @@ def test_binaries_hold_what_they_time(tmp_path):
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
         atomics = len(re.findall(r"\batom\.", ptx))
         assert atomics == (2 if dict(v.params)["dynamic"] else 0), (v.describe(), atomics)
+        assert ("%clock64" in ptx) == bool(dict(v.params).get("work_cycles")), v.describe()
         assert entry.resources["frame_bytes"] == 0
         assert entry.launch.block == (sr.LANES, 1, 1)
         assert entry.launch.dynamic_smem_bytes >= sr.STAGES * (sr.CHUNK_BYTES + 12)
@@ -36,15 +40,16 @@ def test_binaries_hold_what_they_time(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("nbytes", [1, 5 * sr.CHUNK_BYTES + 7, 37 << 20])
-def test_every_chunk_read_once(dynamic, nbytes):
+@pytest.mark.parametrize("nbytes,work", [(1, 0), (5 * sr.CHUNK_BYTES + 7, 0), (37 << 20, 0),
+                                         (37 << 20, max(sr.WORK_CHOICES))])
+def test_every_chunk_read_once(dynamic, nbytes, work):
     import torch
     from gc_moe.runtime import jit
     from gc_moe.runtime.launch import i32, launch, ptr
 
     device = torch.device("cuda")
     torch.zeros(1, device=device)
-    kernel = jit.load_kernel(sr.variant(dynamic), "sm_90a")
+    kernel = jit.load_kernel(sr.variant(dynamic, work), "sm_90a")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     chunks = sr.chunks_for(nbytes)
     gen = torch.Generator(device=device).manual_seed(nbytes)

@@ -12,21 +12,28 @@ landed chunk (so every byte is used) before lane 0 refills its stage. Two ways t
            tail the stream-K GEMMs do not have); the last CTA to finish resets the ticket for the next launch
 Each CTA stores its lanes' 32-bit sums (`out[c * 32 + lane]`, the test's check that every chunk was read exactly
 once) and its first and last %globaltimer (`times[2c]`, `times[2c + 1]`, ns): the spread of the CTAs' ends
-(docs/sm90-grouped-gemm.md, step 62). It measures; it is not an operator.
+(docs/sm90-grouped-gemm.md, step 62). `work_cycles` adds a spin per chunk (a consumer with compute of its own). It
+measures; it is not an operator.
 """
 
 CHUNK_BYTES = 16384  # one bulk copy: about a stream-K step of the GEMMs (a K128 step of 256 rows is 17 KB)
 STAGES = 8  # 128 KB in flight per SM: several times the ~24 KB a microsecond of DRAM latency needs at full rate
 LANES = 32
 TICKET_WORDS = 2  # dynamic: the chunk ticket and the count of CTAs done (int32 each, zero before the first launch)
+# work_cycles: the warp spins this long per chunk before freeing its stage, a consumer with compute of its own (a
+# chunk's share of the bandwidth is ~1360 cycles on an H100 at 1.98 GHz): can an SM whose bytes came late still catch
+# up once the others are done, with static ranges and with the ticket?
+WORK_CHOICES = (0, 600, 1000)
 
 
-def check_config(dynamic: bool) -> None:
+def check_config(dynamic: bool, work_cycles: int = 0) -> None:
     if not isinstance(dynamic, bool):
         raise TypeError(f"stream read: dynamic={dynamic!r}, allowed True or False")
+    if work_cycles not in WORK_CHOICES:
+        raise ValueError(f"stream read: work_cycles={work_cycles}, allowed {WORK_CHOICES}")
 
 
-def build_stream_read(arch: str = "sm_90a", dynamic: bool = False):
+def build_stream_read(arch: str = "sm_90a", dynamic: bool = False, work_cycles: int = 0):
     """The runtime's builder: a CompileRequest for the static or the dynamic read (no GPU needed)."""
     import cutlass
     from cutlass import Int32, Int64, Uint32, cute
@@ -36,7 +43,7 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False):
 
     if arch != "sm_90a":
         raise ValueError(f"the stream read is built for sm_90a only, not {arch!r}")
-    check_config(dynamic)
+    check_config(dynamic, work_cycles)
     barriers = STAGES * CHUNK_BYTES  # STAGES mbarriers, then STAGES chunk numbers (int32) after the chunks
     slots = barriers + STAGES * 8
     smem_bytes = slots + STAGES * 4
@@ -100,6 +107,8 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False):
             for i in cutlass.range_constexpr(CHUNK_BYTES // (LANES * 16)):
                 words = ptx.lds128(base + i * LANES * 16)
                 total = total + words[0] + words[1] + words[2] + words[3]
+            if cutlass.const_expr(work_cycles > 0):
+                ptx.spin_cycles(work_cycles)
             ptx.warp_sync()  # every lane's loads of the stage before lane 0 refills it
             if lane == 0:
                 got = claim(ticket, next_static, last_static, chunks, ctas)
@@ -133,18 +142,20 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False):
                           LaunchShape(block=(LANES, 1, 1), dynamic_smem_bytes=smem_bytes))
 
 
-def variant(dynamic: bool = False):
-    """The runtime KernelVariant of the static or the dynamic read."""
+def variant(dynamic: bool = False, work_cycles: int = 0):
+    """The runtime KernelVariant of the static or the dynamic read (with `work_cycles` of work per chunk)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    check_config(dynamic)
-    return KernelVariant.make("sm90.stream_read", __name__, "build_stream_read", {"dynamic": dynamic},
+    check_config(dynamic, work_cycles)
+    params = {"dynamic": dynamic, **({"work_cycles": work_cycles} if work_cycles else {})}
+    return KernelVariant.make("sm90.stream_read", __name__, "build_stream_read", params,
                               promises=("cp.async.bulk.shared", "mbarrier.try_wait"),
                               extra_sources=("gc_moe.kernels.sm90.ptx",))
 
 
 def read_variants() -> list:
-    return [variant(False), variant(True)]
+    """Every built form: static and dynamic, at each work_cycles."""
+    return [variant(dynamic, work) for work in WORK_CHOICES for dynamic in (False, True)]
 
 
 def chunks_for(nbytes: int) -> int:
