@@ -8,8 +8,9 @@ keeping STAGES bulk copies (cp.async.bulk, completing on an mbarrier per stage) 
 landed chunk (so every byte is used) before lane 0 refills its stage. Two ways to hand out the chunks:
   static   CTA c reads the chunks [c x chunks / ctas, (c + 1) x chunks / ctas), as the stream-K GEMMs split steps
   dynamic  CTA c first reads chunks c x STAGES.. (no claim on the ramp), then claims each next chunk with an
-           atomic ticket when a stage frees, so a CTA that gets its bytes faster reads more of them (the dynamic
-           tail the stream-K GEMMs do not have); the last CTA to finish resets the ticket for the next launch
+           atomic ticket, asked one refill ahead (its round trip under a chunk's wait, not in the refill's path), so
+           a CTA that gets its bytes faster reads more of them (the dynamic tail the stream-K GEMMs do not have); the
+           last CTA to finish resets the ticket for the next launch
 Each CTA stores its lanes' 32-bit sums (`out[c * 32 + lane]`, the test's check that every chunk was read exactly
 once) and its first and last %globaltimer (`times[2c]`, `times[2c + 1]`, ns): the spread of the CTAs' ends
 (docs/sm90-grouped-gemm.md, step 62). `work_cycles` adds a spin per chunk (a consumer with compute of its own). It
@@ -49,12 +50,12 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False, work_cycles: 
     smem_bytes = slots + STAGES * 4
 
     @cute.jit
-    def claim(ticket, next_static, last_static, chunks, ctas):
-        """Lane 0's next chunk after its first STAGES: the ticket's (dynamic: past every CTA's first STAGES) or the
-        CTA's range's (static); -1 once none is left."""
+    def claim(ahead, next_static, last_static, chunks, ctas):
+        """Lane 0's next chunk after its first STAGES, -1 once none is left: the CTA's range's next (static) or the
+        ticket's answer `ahead` (dynamic: asked one refill earlier, so its round trip ran under a chunk's wait)."""
         got = Int32(-1)
         if cutlass.const_expr(dynamic):
-            got = ctas * STAGES + ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
+            got = ctas * STAGES + ahead
             if got >= chunks:
                 got = Int32(-1)
         else:
@@ -80,6 +81,7 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False, work_cycles: 
         started = ptx.asm("mov.u64 $0, %globaltimer;", [Int64], [])
         next_static = Int32(cta * chunks // ctas)
         last_static = Int32((cta + 1) * chunks // ctas)
+        ahead = Int32(0)  # dynamic: the ticket's answer for lane 0's next refill
         if lane == 0:
             for s in cutlass.range_constexpr(STAGES):
                 ptx.mbarrier_init(smem + barriers + s * 8, 1)
@@ -92,10 +94,13 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False, work_cycles: 
                     if cta * STAGES + s < chunks:
                         got = cta * STAGES + s
                 else:
-                    got = claim(ticket, next_static, last_static, chunks, ctas)
+                    got = claim(ahead, next_static, last_static, chunks, ctas)
                     if got >= 0:
                         next_static = next_static + 1
                 refill(smem, src, Int32(s), got)
+            if cutlass.const_expr(dynamic):
+                if cta * STAGES < chunks:  # a CTA with chunks of its own asks for its first claimed one
+                    ahead = ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
         ptx.warp_sync()
         total = Uint32(0)
         stage = Int32(0)
@@ -111,9 +116,13 @@ def build_stream_read(arch: str = "sm_90a", dynamic: bool = False, work_cycles: 
                 ptx.spin_cycles(work_cycles)
             ptx.warp_sync()  # every lane's loads of the stage before lane 0 refills it
             if lane == 0:
-                got = claim(ticket, next_static, last_static, chunks, ctas)
+                got = claim(ahead, next_static, last_static, chunks, ctas)
                 if got >= 0:
                     next_static = next_static + 1
+                    if cutlass.const_expr(dynamic):  # the next refill's chunk, asked now
+                        ahead = ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
+                elif cutlass.const_expr(dynamic):
+                    ahead = chunks  # exhausted: every later refill of this CTA gets none
                 refill(smem, src, stage, got)
             ptx.warp_sync()
             stage = stage + 1
