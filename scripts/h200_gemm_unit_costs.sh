@@ -38,6 +38,9 @@
 #   reads   1-8, 64 and 256 tokens: each kernel alone (--per-role) beside one stream-read launch of its own bytes
 #           and of the pair's (--read-ref: kernels/sm90/stream_read.py, static ranges and chunks claimed by ticket):
 #           what each GEMM kernel adds over a plain streaming read of what it reads (docs step 62)
+#   group   1-8 tokens: ws_auto and ws_auto_pdl against `sg` / `sg_pdl`, the stream-K loops with a K128 step's four
+#           WGMMAs as one group (GemmConfig.step_group: one wait per step), each kernel alone beside a stream read of
+#           its bytes (docs step 63)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -78,7 +81,7 @@ for s in $steps; do
              --auto-set unit:persistent=False --auto-set ws_auto_pair:pair=True \
              --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --auto-set tr:transposed_stores=True,scale_ratios=True \
-             --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True \
+             --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set sg:step_group=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
@@ -99,6 +102,9 @@ for s in $steps; do
                 --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set snake:snake_walk=True \
                 --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/combos$r.json"
             done ;;
+    group) run group 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
+             --auto-set sg:step_group=True --auto-set sg_pdl:step_group=True,pdl=True \
+             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/group.json" ;;
     reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \

@@ -879,9 +879,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
     # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96,
     # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's
-    # early combine rows at the same tiles
+    # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain and lean)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5)
+                          + 6 + 6 + 9 + 6 + 5 + 4)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -896,11 +896,12 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
-        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), the
+        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), with
+        # step_group four times (an even count's first step, the first step, two per trip of its loop), the
         # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
         # N = 64 chain once per loop that has it
         def steps_at(n, cfg=cfg):
-            return 2 if cfg.pipelined else 3 if cfg.table_pipelined else 1
+            return (4 if cfg.step_group else 2) if cfg.pipelined else 3 if cfg.table_pipelined else 1
 
         steps = steps_at(top)
         main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
@@ -931,7 +932,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
         loops = bn // 8 if cfg.fit_n else 1  # fit_n: the consumer once per N
-        if cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
+        if cfg.step_group:  # an even count's first step drained at once; then each step waits for the one before it
+            assert waits == ["1", "0", "1", "1", "1", "0"], variant.describe()
+        elif cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
             groups = 4 // cfg.wgmmas_per_group
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
@@ -999,8 +1002,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
     # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
     # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
-    # 32 / 64 / 96), W2's early combine rows
-    assert len(ws) == 6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
+    # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain and lean)
+    assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
+                       + 4)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1956,6 +1960,44 @@ def test_lean_stream_k_writes_the_same_bytes(hidden, inter, experts, topk, token
     knobs = {"stream_k": True, "ctas_per_sm": 1, "return_raw": True, "relaunches": 4}
     lean = _run_case(*case, seed=tokens + 23, lean_epilogue=True, trace=trace, **knobs)
     _assert_same_bytes(lean, _run_case(*case, seed=tokens + 23, **knobs))
+
+
+def test_step_group_knob_where_it_applies():
+    """step_group: the untraced stream-K loop at one CTA per SM; sets may name it everywhere, the variant drops it
+    where it does not apply; its consumers issue a step as one group of four K32 WGMMAs."""
+    cfg = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, step_group=True)
+    assert cfg.wgmmas_per_group == 4 and cfg.pipelined
+    assert gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1).wgmmas_per_group == 2
+    for bad in ({"ctas_per_sm": 2}, {"ctas_per_sm": 1, "trace": True}):
+        with pytest.raises(ValueError, match="step_group is a knob of the untraced stream_k loop"):
+            gg.GemmConfig("w1", 8, stream_k=True, step_group=True, **bad)
+    with pytest.raises(ValueError, match="step_group"):
+        gg.GemmConfig("w2", 8, step_group=True)
+    assert dict(gg.variant("w2", 8, stream_k=True, ctas_per_sm=1, step_group=True).params)["step_group"] is True
+    for bn, knobs in ((8, {"stream_k": True, "ctas_per_sm": 2}), (8, {"stream_k": True, "ctas_per_sm": 1, "trace": True}),
+                      (8, {}), (16, {"stream_k": True}), (64, {"fold_scales": True, "table_decode": True})):
+        assert "step_group" not in dict(gg.variant("w1", bn, step_group=True, **knobs).params), (bn, knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
+                                                              (256, 256, 5, 2, 2)])
+def test_step_group_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms, lean):
+    """The stream-K loops with a K128 step's WGMMAs as one group (`step_group`) do the same FP32 work in the same
+    order as the two-group loops (per step the four K32 products scaled in K order, then the activation scale), so
+    they write the same bytes, relaunched on the same buffers: segments of one step and of odd and even counts
+    (every SM: short ranges; 3 SMs: long ones, W1's K of 2 steps at hidden 256), owners, pieces and whole units. And
+    the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {"stream_k": True, "ctas_per_sm": 1, "return_raw": True, "relaunches": 3, "sms": sms,
+             "lean_epilogue": lean}
+    grouped = _run_case(*case, seed=tokens + hidden, step_group=True, **knobs)
+    _assert_same_bytes(grouped, _run_case(*case, seed=tokens + hidden, **knobs))
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=tokens + hidden + 1, stream_k=True, ctas_per_sm=1, sms=sms,
+                                           step_group=True, lean_epilogue=lean)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

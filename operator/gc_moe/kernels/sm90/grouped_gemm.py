@@ -336,6 +336,12 @@ class GemmConfig:
     # row of the tile from shared memory before the first store, so no store's address waits for its own load (step
     # 54's profile: the epilogue's address IMADs stalled on the shared loads just before them; docs step 55)
     early_rows: bool = False
+    # the stream-K tile-8 loop issues a K128 step's four K32 WGMMAs as one group (the fragment decoded whole, one
+    # wait per step) and keeps that group in flight while it scales the step before: the two-group loop waits twice
+    # per step, each time for the group issued half a step earlier. Its consumers spend ~0.53-0.57 us per step
+    # outside their waits (step 45-46's traces), at or over the step's share of the bandwidth on the H200 (docs
+    # step 63). The two accumulator buffers alternate by step (the loop runs two steps per trip)
+    step_group: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -406,6 +412,9 @@ class GemmConfig:
                              f"{self.block_n}")
         if self.trace and not self.stream_k:
             raise ValueError("trace stamps the phases of a stream_k loop: pass stream_k=True")
+        if self.step_group and not (self.stream_k and self.ctas_per_sm == 1 and not self.trace):
+            raise ValueError("step_group is a knob of the untraced stream_k loop at one CTA per SM: pass stream_k=True, "
+                             "ctas_per_sm=1, trace=False")
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
@@ -645,7 +654,10 @@ class GemmConfig:
 
     @property
     def wgmmas_per_group(self) -> int:
-        """pipelined: K32 WGMMAs per group, so that a group's fresh partials take 32 registers at every bn."""
+        """pipelined: K32 WGMMAs per group, so that a group's fresh partials take 32 registers at every bn (step_group:
+        the whole K128 step, 16 at bn 8)."""
+        if self.step_group:
+            return 4
         return 2 if self.block_n <= 16 else 1
 
     @property
@@ -1409,11 +1421,17 @@ def _make_kernel(cfg: GemmConfig):
     PER = PNP * (BN // 2)
 
     @cute.jit
-    def issue_group(wa, desc_lo, grp, buf):
+    def issue_group(wa, desc_lo, grp, buf, pending=1):
         """wa: the thread's A fragment in the stage; desc_lo: the low word of the descriptor of the stage's token
-        tile (ptx.smem_desc_kmajor_lo), advanced by 16 per K32 block (256 bytes)."""
+        tile (ptx.smem_desc_kmajor_lo), advanced by 16 per K32 block (256 bytes). Returns once at most `pending`
+        groups are in flight."""
         # the group's own 8 x PNP bytes of the thread's A fragment (fewer live registers than the whole step)
-        words = ptx.lds128(wa + 16 * grp) if PNP == 2 else ptx.lds64(wa + 8 * grp)
+        if cutlass.const_expr(PNP == 4):
+            words = ptx.lds128(wa) + ptx.lds128(wa + 16)
+        elif cutlass.const_expr(PNP == 2):
+            words = ptx.lds128(wa + 16 * grp)
+        else:
+            words = ptx.lds64(wa + 8 * grp)
         a_regs = []
         descs = []
         for jj in cutlass.range_constexpr(PNP):
@@ -1425,7 +1443,7 @@ def _make_kernel(cfg: GemmConfig):
             ]
             descs.append(ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024))
         ptx.wgmma_fence()
-        out = ptx.wgmma_rs_e4m3_issue(BN, a_regs, descs, [buf[r] for r in range(PER)], 1)
+        out = ptx.wgmma_rs_e4m3_issue(BN, a_regs, descs, [buf[r] for r in range(PER)], pending)
         for r in cutlass.range_constexpr(PER):
             buf[r] = out[r]
 
@@ -1521,6 +1539,9 @@ def _make_kernel(cfg: GemmConfig):
         # base (the fused halves: from shared memory, the unit slot) is marked warp-uniform: without it 8 R2UR and ~6
         # more instructions per K128 step, on a loop that is issue-bound at bn 8 / 16
         stage, phase = ring_position(base)
+        if cutlass.const_expr(GROUPS == 1):  # step_group: the step's chain is the group, buffers alternate by step
+            consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, t, bufs, tsum, acc, base)
+            return
         waited = Int32(0)
         if cutlass.const_expr(trace_seg is not None):
             waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
@@ -1567,6 +1588,65 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if wg == 0 and t == 0:
                 ptx.stg_s64(trace_seg + Int64(64), Int64(waited))
+        if cutlass.const_expr(base is not None):
+            # the unit's last stage goes back too (the next unit's steps reuse it; a one-unit kernel never does)
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
+
+    @cute.jit
+    def step_group_step(smem, stage, phase, cur, prev, a_off, s_off, x_off, desc0, t, tsum, acc):
+        """step_group: wait for the next stage, issue its step's chain into `cur` (returning once the chain before it,
+        in `prev`, has completed), scale `prev` into acc and release its stage. Returns the (stage, phase) just
+        issued."""
+        bar0 = smem + cfg.barrier_offset
+        prev_stage = stage
+        stage, phase = next_stage(stage, phase)
+        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        issue_group(smem + stage * cfg.stage_bytes + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, cur)
+        pbase = smem + prev_stage * cfg.stage_bytes
+        finish_group(pbase + s_off, 0, prev, tsum)
+        finish_step(pbase + x_off, tsum, acc)
+        ptx.warp_sync()
+        if t % 32 == 0:
+            ptx.mbarrier_arrive(bar0 + (STAGES + prev_stage) * 8)
+        return stage, phase
+
+    @cute.jit
+    def consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, t, bufs, tsum, acc, base):
+        """consume_pipelined with step_group: step kb's four WGMMAs go into one buffer of two and stay in flight
+        while the step before is scaled, two steps per trip; an even count's first step runs alone first."""
+        bar0 = smem + cfg.barrier_offset
+        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+        ptx.fence_proxy_async_shared()
+        if k_blocks % 2 == 0:  # the first step alone (issued and waited here), then an odd count as below
+            sbase = smem + stage * cfg.stage_bytes
+            issue_group(sbase + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, bufs[1])
+            first = ptx.wgmma_wait_tied([bufs[1][r] for r in range(PER)], 0)
+            for r in cutlass.range_constexpr(PER):
+                bufs[1][r] = first[r]
+            finish_group(sbase + s_off, 0, bufs[1], tsum)
+            finish_step(sbase + x_off, tsum, acc)
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
+            stage, phase = next_stage(stage, phase)
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+            ptx.fence_proxy_async_shared()
+        issue_group(smem + stage * cfg.stage_bytes + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, bufs[0])
+        for _trip in cutlass.range((k_blocks - 1) // 2):
+            stage, phase = step_group_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0, t,
+                                           tsum, acc)
+            stage, phase = step_group_step(smem, stage, phase, bufs[0], bufs[1], a_off, s_off, x_off, desc0, t,
+                                           tsum, acc)
+        # the last step (buffer 0) completes, then its scaling
+        done = ptx.wgmma_wait_tied([bufs[0][r] for r in range(PER)], 0)
+        for r in cutlass.range_constexpr(PER):
+            bufs[0][r] = done[r]
+        sbase = smem + stage * cfg.stage_bytes
+        finish_group(sbase + s_off, 0, bufs[0], tsum)
+        finish_step(sbase + x_off, tsum, acc)
         if cutlass.const_expr(base is not None):
             # the unit's last stage goes back too (the next unit's steps reuse it; a one-unit kernel never does)
             ptx.warp_sync()
@@ -3106,7 +3186,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
-               transposed_stores: bool = False, early_rows: bool = False):
+               transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3120,7 +3200,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      consumer_registers=consumer_registers, k_splits=k_splits, table_decode=table_decode,
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
-                     scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows)
+                     scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
+                     step_group=step_group)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3135,7 +3216,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             table_decode: bool = False, fit_n: bool = False, stream_k: bool = False, trace: bool = False,
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
-            scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False):
+            scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
+            step_group: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3201,6 +3283,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         cfg = replace(cfg, consumer_registers=consumer_registers)
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
         cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
+    # a knob of the untraced stream-K loop at one CTA per SM: sets may name it everywhere
+    step_group = step_group and stream_k and cfg.ctas_per_sm == 1 and not trace
+    if step_group:
+        cfg = replace(cfg, step_group=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -3249,6 +3335,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["transposed_stores"] = True
     if early_rows:
         params["early_rows"] = True
+    if step_group:
+        params["step_group"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3375,7 +3463,10 @@ def all_variants():
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
               # the lean W2's value stores with every combine row loaded first
               + [variant("w2", bn, **{k: x for k, x in tile_knobs(bn)[1].items() if k != "transposed_stores"},
-                         early_rows=True) for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]):
+                         early_rows=True) for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]
+              # the stream-K loops with a K128 step's WGMMAs as one group (one wait per step), plain and lean
+              + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, lean_epilogue=lean)
+                 for role in ("w1", "w2") for lean in (False, True)]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
