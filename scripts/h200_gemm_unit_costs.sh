@@ -41,6 +41,8 @@
 #   group   1-8 tokens: ws_auto and ws_auto_pdl against `sg` / `sg_pdl`, the stream-K loops with a K128 step's four
 #           WGMMAs as one group (GemmConfig.step_group: one wait per step), each kernel alone beside a stream read of
 #           its bytes (docs step 63)
+#   gtrace  1 and 8 tokens: the traced stream-K loops with and without step_group (their consumers' time per K128
+#           step outside the waits, the quantity that decides the H200's 1-8 token points; docs step 63)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -105,6 +107,10 @@ for s in $steps; do
     group) run group 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set sg:step_group=True --auto-set sg_pdl:step_group=True,pdl=True \
              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/group.json" ;;
+    gtrace) run gtrace 200 python $BENCH --check --time --per-role --trace \
+              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
+              --extra-set skt1g:stream_k=True,ctas_per_sm=1,trace=True,step_group=True \
+              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/gtrace.json" ;;
     reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
@@ -136,7 +142,8 @@ for s in $steps; do
            # each SM's rate for the pair step's pair_w (run `trace pair` in one call)
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
-    *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu)"; exit 2 ;;
+    *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
+            "reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

@@ -879,9 +879,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
     # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96,
     # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's
-    # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain and lean)
+    # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 4)
+                          + 6 + 6 + 9 + 6 + 5 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1002,9 +1002,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # the stream-K loops at one CTA per SM; the wide tile 96; the stream-K loops with the hand-over words (and W2
     # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
     # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
-    # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain and lean)
+    # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain, lean and
+    # traced)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 4)
+                       + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1963,28 +1964,29 @@ def test_lean_stream_k_writes_the_same_bytes(hidden, inter, experts, topk, token
 
 
 def test_step_group_knob_where_it_applies():
-    """step_group: the untraced stream-K loop at one CTA per SM; sets may name it everywhere, the variant drops it
+    """step_group: the stream-K loop at one CTA per SM (traced too); sets may name it everywhere, the variant drops it
     where it does not apply; its consumers issue a step as one group of four K32 WGMMAs."""
     cfg = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, step_group=True)
     assert cfg.wgmmas_per_group == 4 and cfg.pipelined
     assert gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1).wgmmas_per_group == 2
-    for bad in ({"ctas_per_sm": 2}, {"ctas_per_sm": 1, "trace": True}):
-        with pytest.raises(ValueError, match="step_group is a knob of the untraced stream_k loop"):
-            gg.GemmConfig("w1", 8, stream_k=True, step_group=True, **bad)
+    with pytest.raises(ValueError, match="step_group is a knob of the stream_k loop at one CTA per SM"):
+        gg.GemmConfig("w1", 8, stream_k=True, step_group=True, ctas_per_sm=2)
+    traced = dict(gg.variant("w1", 8, stream_k=True, ctas_per_sm=1, trace=True, step_group=True).params)
+    assert traced["step_group"] is True and traced["trace"] is True
     with pytest.raises(ValueError, match="step_group"):
         gg.GemmConfig("w2", 8, step_group=True)
     assert dict(gg.variant("w2", 8, stream_k=True, ctas_per_sm=1, step_group=True).params)["step_group"] is True
-    for bn, knobs in ((8, {"stream_k": True, "ctas_per_sm": 2}), (8, {"stream_k": True, "ctas_per_sm": 1, "trace": True}),
-                      (8, {}), (16, {"stream_k": True}), (64, {"fold_scales": True, "table_decode": True})):
+    for bn, knobs in ((8, {"stream_k": True, "ctas_per_sm": 2}), (8, {}), (16, {"stream_k": True}),
+                      (64, {"fold_scales": True, "table_decode": True})):
         assert "step_group" not in dict(gg.variant("w1", bn, step_group=True, **knobs).params), (bn, knobs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+@pytest.mark.parametrize("lean,trace", [(False, False), (True, False), (False, True)], ids=["plain", "lean", "traced"])
 @pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
 @pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
                                                               (256, 256, 5, 2, 2)])
-def test_step_group_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms, lean):
+def test_step_group_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms, lean, trace):
     """The stream-K loops with a K128 step's WGMMAs as one group (`step_group`) do the same FP32 work in the same
     order as the two-group loops (per step the four K32 products scaled in K order, then the activation scale), so
     they write the same bytes, relaunched on the same buffers: segments of one step and of odd and even counts
@@ -1993,7 +1995,7 @@ def test_step_group_writes_the_stream_k_bytes(hidden, inter, experts, topk, toke
     case = (hidden, inter, experts, topk, tokens, 8)
     knobs = {"stream_k": True, "ctas_per_sm": 1, "return_raw": True, "relaunches": 3, "sms": sms,
              "lean_epilogue": lean}
-    grouped = _run_case(*case, seed=tokens + hidden, step_group=True, **knobs)
+    grouped = _run_case(*case, seed=tokens + hidden, step_group=True, trace=trace, **knobs)
     _assert_same_bytes(grouped, _run_case(*case, seed=tokens + hidden, **knobs))
     got_mid, ref_mid, got, ref = _run_case(*case, seed=tokens + hidden + 1, stream_k=True, ctas_per_sm=1, sms=sms,
                                            step_group=True, lean_epilogue=lean)

@@ -412,9 +412,9 @@ class GemmConfig:
                              f"{self.block_n}")
         if self.trace and not self.stream_k:
             raise ValueError("trace stamps the phases of a stream_k loop: pass stream_k=True")
-        if self.step_group and not (self.stream_k and self.ctas_per_sm == 1 and not self.trace):
-            raise ValueError("step_group is a knob of the untraced stream_k loop at one CTA per SM: pass stream_k=True, "
-                             "ctas_per_sm=1, trace=False")
+        if self.step_group and not (self.stream_k and self.ctas_per_sm == 1):
+            raise ValueError("step_group is a knob of the stream_k loop at one CTA per SM: pass stream_k=True, "
+                             "ctas_per_sm=1")
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
@@ -1540,7 +1540,8 @@ def _make_kernel(cfg: GemmConfig):
         # more instructions per K128 step, on a loop that is issue-bound at bn 8 / 16
         stage, phase = ring_position(base)
         if cutlass.const_expr(GROUPS == 1):  # step_group: the step's chain is the group, buffers alternate by step
-            consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, t, bufs, tsum, acc, base)
+            consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, wg, t, bufs, tsum, acc, base,
+                                trace_seg)
             return
         waited = Int32(0)
         if cutlass.const_expr(trace_seg is not None):
@@ -1595,14 +1596,14 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
 
     @cute.jit
-    def step_group_step(smem, stage, phase, cur, prev, a_off, s_off, x_off, desc0, t, tsum, acc):
+    def step_group_step(smem, stage, phase, cur, prev, a_off, s_off, x_off, desc0, t, tsum, acc, waited):
         """step_group: wait for the next stage, issue its step's chain into `cur` (returning once the chain before it,
         in `prev`, has completed), scale `prev` into acc and release its stage. Returns the (stage, phase) just
-        issued."""
+        issued and `waited` plus the cycles this wait took (traced loops; else unchanged)."""
         bar0 = smem + cfg.barrier_offset
         prev_stage = stage
         stage, phase = next_stage(stage, phase)
-        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+        waited = stage_wait(bar0 + stage * 8, phase, waited)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         issue_group(smem + stage * cfg.stage_bytes + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, cur)
         pbase = smem + prev_stage * cfg.stage_bytes
@@ -1611,15 +1612,28 @@ def _make_kernel(cfg: GemmConfig):
         ptx.warp_sync()
         if t % 32 == 0:
             ptx.mbarrier_arrive(bar0 + (STAGES + prev_stage) * 8)
-        return stage, phase
+        return stage, phase, waited
 
     @cute.jit
-    def consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, t, bufs, tsum, acc, base):
+    def stage_wait(full, phase, waited):
+        """Wait for a full stage; a traced loop (TRACE) adds the cycles it took to `waited`."""
+        if cutlass.const_expr(TRACE):
+            waited = waited + ptx.mbarrier_wait_cycles(full, phase)
+        else:
+            ptx.mbarrier_wait(full, phase, suspend_ns=SUSPEND)
+        return waited
+
+    @cute.jit
+    def consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, wg, t, bufs, tsum, acc, base,
+                            trace_seg):
         """consume_pipelined with step_group: step kb's four WGMMAs go into one buffer of two and stay in flight
         while the step before is scaled, two steps per trip; an even count's first step runs alone first."""
         bar0 = smem + cfg.barrier_offset
-        ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+        waited = stage_wait(bar0 + stage * 8, phase, Int32(0))
         ptx.fence_proxy_async_shared()
+        if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+            if wg == 0 and t == 0:
+                ptx.stamp_times(trace_seg + Int64(16))
         if k_blocks % 2 == 0:  # the first step alone (issued and waited here), then an odd count as below
             sbase = smem + stage * cfg.stage_bytes
             issue_group(sbase + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, bufs[1])
@@ -1632,14 +1646,14 @@ def _make_kernel(cfg: GemmConfig):
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
-            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+            waited = stage_wait(bar0 + stage * 8, phase, waited)
             ptx.fence_proxy_async_shared()
         issue_group(smem + stage * cfg.stage_bytes + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, bufs[0])
         for _trip in cutlass.range((k_blocks - 1) // 2):
-            stage, phase = step_group_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0, t,
-                                           tsum, acc)
-            stage, phase = step_group_step(smem, stage, phase, bufs[0], bufs[1], a_off, s_off, x_off, desc0, t,
-                                           tsum, acc)
+            stage, phase, waited = step_group_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0,
+                                                   t, tsum, acc, waited)
+            stage, phase, waited = step_group_step(smem, stage, phase, bufs[0], bufs[1], a_off, s_off, x_off, desc0,
+                                                   t, tsum, acc, waited)
         # the last step (buffer 0) completes, then its scaling
         done = ptx.wgmma_wait_tied([bufs[0][r] for r in range(PER)], 0)
         for r in cutlass.range_constexpr(PER):
@@ -1647,6 +1661,9 @@ def _make_kernel(cfg: GemmConfig):
         sbase = smem + stage * cfg.stage_bytes
         finish_group(sbase + s_off, 0, bufs[0], tsum)
         finish_step(sbase + x_off, tsum, acc)
+        if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+            if wg == 0 and t == 0:
+                ptx.stg_s64(trace_seg + Int64(64), Int64(waited))
         if cutlass.const_expr(base is not None):
             # the unit's last stage goes back too (the next unit's steps reuse it; a one-unit kernel never does)
             ptx.warp_sync()
@@ -3283,8 +3300,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         cfg = replace(cfg, consumer_registers=consumer_registers)
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
         cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
-    # a knob of the untraced stream-K loop at one CTA per SM: sets may name it everywhere
-    step_group = step_group and stream_k and cfg.ctas_per_sm == 1 and not trace
+    # a knob of the stream-K loop at one CTA per SM: sets may name it everywhere
+    step_group = step_group and stream_k and cfg.ctas_per_sm == 1
     if step_group:
         cfg = replace(cfg, step_group=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
@@ -3466,7 +3483,8 @@ def all_variants():
                          early_rows=True) for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N]
               # the stream-K loops with a K128 step's WGMMAs as one group (one wait per step), plain and lean
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, lean_epilogue=lean)
-                 for role in ("w1", "w2") for lean in (False, True)]):
+                 for role in ("w1", "w2") for lean in (False, True)]
+              + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, trace=True) for role in ("w1", "w2")]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
