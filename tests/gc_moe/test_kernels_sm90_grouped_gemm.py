@@ -123,7 +123,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("ctas_per_sm", 0),
                     dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False),
                     dict(v.params).get("handover", False), dict(v.params).get("words_first", False))
-                   for v in gg.all_variants() if dict(v.params).get("stream_k"))  # 0: the tile's default
+                   for v in gg.all_variants()
+                   if dict(v.params).get("stream_k") and not dict(v.params).get("step_group"))  # 0: the tile's default
     assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
                            + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
                            + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
@@ -131,6 +132,11 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                            + [(role, 8, 1, trace, False, True, False) for role in ("w1", "w2")
                               for trace in (False, True)]
                            + [("w2", 8, 1, trace, False, True, True) for trace in (False, True)])
+    # and with a step's WGMMAs as one group: plain, lean, traced
+    grouped = sorted((dict(v.params)["role"], dict(v.params).get("lean_epilogue", False), dict(v.params).get("trace", False))
+                     for v in gg.all_variants() if dict(v.params).get("step_group"))
+    assert grouped == sorted((role, lean, trace) for role in ("w1", "w2")
+                             for lean, trace in ((False, False), (True, False), (False, True)))
     # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
     # phases ahead of the partials
     with pytest.raises(ValueError, match="trace stamps the phases of a stream_k loop"):
