@@ -33,8 +33,10 @@
 #           ws_auto (the candidates step's winners on an H100, docs step 61)
 #   table   every token count 1-256 at both models: the default (`ws_auto`, `ws_auto_pdl`) beside the candidates for
 #           it (the pair kernel `ws_auto_pair` and `ws_auto_pairx` with words_first and publisher_warp, `snake`, `ratio`), and `unit`
-#           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default), the
-#           issue's table per model from one run, with one amax launch over each point's bytes (--read-ref)
+#           (tile_knobs without its persistent grid at tiles 32 / 64 / 96: the same-run baseline of that default),
+#           `t32` (9-32 rows at the persistent tile 32 instead of tiles 16 / 24 at two CTAs per SM: the H200's 64-128
+#           token points at tile 24 sit at 78%), the issue's table per model from one run, with a stream read of each
+#           point's bytes (--read-ref)
 #   reads   1-8, 64 and 256 tokens: each kernel alone (--per-role) beside one stream-read launch of its own bytes
 #           and of the pair's (--read-ref: kernels/sm90/stream_read.py, static ranges and chunks claimed by ticket):
 #           what each GEMM kernel adds over a plain streaming read of what it reads (docs step 62)
@@ -84,6 +86,7 @@ for s in $steps; do
              --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --auto-set tr:transposed_stores=True,scale_ratios=True \
              --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set sg:step_group=True \
+             --auto-set t32:two_cta=False \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
@@ -114,7 +117,7 @@ for s in $steps; do
     reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
-             --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True \
+             --auto-set snake:snake_walk=True --auto-set ratio:scale_ratios=True --auto-set t32:two_cta=False \
              --auto-set ws_auto_pair:pair=True --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --tokens 1,2,4,8,16,32,64,128,256 --windows 5 --replays 10 --read-ref --json "$OUT/table.json" ;;
     ncu) run ncu 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
