@@ -15,10 +15,10 @@ default: a write flush (a 256 MB memset, the earlier method, `--flush write`; `b
 of dirty lines in the L2 whose write-back then competes with W1's reads, which inflated the cold times. The floor is the
 bytes of the active experts (FP4 W1 + W2 + repacked scales, read once) over the read bandwidth of a
 large `amax` measured in the same run. `--read-ref` also times, per point and under the same protocol (read flush,
-graph replay, the flush-only graph subtracted), single reads of exactly the point's bytes: one `amax` kernel
-(`read_ref_us`) and the stream-read kernel (kernels/sm90/stream_read.py, one CTA per SM keeping 128 KB of bulk copies
-in flight: `stream_read_us` with static ranges, `stream_read_dyn_us` with chunks claimed by ticket, each with its
-CTAs' end spread), so the time over the floor splits into what any one streaming launch pays (launch, ramp to full
+graph replay, the flush-only graph subtracted), single reads of exactly the point's bytes with the stream-read kernel
+(kernels/sm90/stream_read.py, one CTA per SM keeping 128 KB of bulk copies in flight: `stream_read_us` with static
+ranges, `stream_read_dyn_us` with chunks claimed by ticket, each with its CTAs' end spread; a torch `amax` over the
+same bytes was 7-26 us over the floor and not monotonic in the size, docs step 62), so the time over the floor splits into what any one streaming launch pays (launch, ramp to full
 bandwidth, drain) and what the GEMM adds.
 
 `--fold-scales` runs the folded-scale variants (K32 scale in the decode, `GemmConfig.fold_scales`) beside the
@@ -248,19 +248,9 @@ def measure_read_bandwidth(device) -> float:
     return bw
 
 
-def read_ref_us(nbytes: int, source: torch.Tensor, stream, flush, replays: int, windows: int) -> float:
-    """Cold time of one amax kernel over the first `nbytes` of `source` (FP32), after the read flush, the flush-only
-    graph subtracted as for the GEMM: a single generic reduction over the point's bytes."""
-    view = source[: max(1, nbytes // 4)]
-
-    def flush_only():
-        torch.amax(flush.view(torch.float16))
-
-    def flush_then_read():
-        flush_only()
-        torch.amax(view)
-
-    return time_graph(flush_then_read, stream, replays, windows) - time_graph(flush_only, stream, replays, windows)
+def read_flush(flush: torch.Tensor) -> None:
+    """The cold timings' L2 flush: a read of the 256 MB flush buffer."""
+    torch.amax(flush.view(torch.float16))
 
 
 def stream_read_refs(nbytes: int, source: torch.Tensor, stream, flush, replays: int, windows: int,
@@ -283,7 +273,7 @@ def stream_read_refs(nbytes: int, source: torch.Tensor, stream, flush, replays: 
     res = {"stream_read_bytes": chunks * sr.CHUNK_BYTES}
 
     def flush_only():
-        torch.amax(flush.view(torch.float16))
+        read_flush(flush)
 
     for tag, kernel in kernels.items():
         def read(kernel=kernel):
@@ -461,7 +451,7 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
         def gemm(pt=pt):
             pt.launch(stream)
 
-        flushes = {"read": lambda: torch.amax(flush.view(torch.float16)), "write": flush.zero_}
+        flushes = {"read": lambda: read_flush(flush), "write": flush.zero_}
 
         def cold_us(method, pt=pt, roles=("w1", "w2")):
             def flush_then_gemm():
@@ -572,7 +562,7 @@ def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2"), replay: b
             pt.launch(stream, roles=roles)
     for run in range(runs):
         with torch.cuda.stream(stream):
-            torch.amax(flush.view(torch.float16))
+            read_flush(flush)
             if graph is None:
                 pt.launch(stream, roles=roles)
             else:
@@ -846,7 +836,8 @@ def main() -> int:
     ap.add_argument("--per-role", action="store_true",
                     help="also time W1 alone and W2 alone (cold, same flush): columns w1 / w2")
     ap.add_argument("--read-ref", action="store_true",
-                    help="also time one amax kernel over each point's bytes after the same flush (read_ref_us)")
+                    help="also time one stream-read launch over each point's bytes after the same flush "
+                         "(stream_read_us, stream_read_dyn_us)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--windows", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
@@ -1021,10 +1012,8 @@ def main() -> int:
                 if pt.weight_bytes() > read_source.numel() * 4:
                     raise SystemExit(f"--read-ref: {name} T={tokens} reads {pt.weight_bytes()} bytes, more than the "
                                      f"{read_source.numel() * 4}-byte source")
-                read_ref = {"read_ref_us": read_ref_us(pt.weight_bytes(), read_source, stream, flush, args.replays,
-                                                       args.windows),
-                            **stream_read_refs(pt.weight_bytes(), read_source, stream, flush, args.replays,
-                                               args.windows, stream_reads)}
+                read_ref = stream_read_refs(pt.weight_bytes(), read_source, stream, flush, args.replays, args.windows,
+                                            stream_reads)
                 if args.per_role:  # each role's bytes alone, beside w1_cold_us / w2_cold_us
                     for role in ("w1", "w2"):
                         one = stream_read_refs(pt.role_bytes(role), read_source, stream, flush, args.replays,
