@@ -45,6 +45,11 @@
 #           its bytes (docs step 63)
 #   gtrace  1 and 8 tokens: the traced stream-K loops with and without step_group (their consumers' time per K128
 #           step outside the waits, the quantity that decides the H200's 1-8 token points; docs step 63)
+#   tagged  1-8 tokens: ws_auto / ws_auto_pdl against `tg` / `tg_pdl`, the stream-K pieces published without a fence
+#           (GemmConfig.tagged_pieces), and `sgtg_pdl` (with step_group) beside `sg_pdl`, each kernel alone beside a
+#           stream read of its bytes (docs step 64)
+#   ttrace  1 and 8 tokens: the traced stream-K loops with and without tagged_pieces (the pieces' epilogue, the
+#           owners' and the CTAs' end spread; docs step 64)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -86,14 +91,16 @@ for s in $steps; do
              --auto-set ws_auto_pairx:pair=True,words_first=True,publisher_warp=True \
              --auto-set tr:transposed_stores=True,scale_ratios=True \
              --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set sg:step_group=True \
-             --auto-set t32:two_cta=False \
+             --auto-set t32:two_cta=False --auto-set tg:tagged_pieces=True \
+             --auto-set sgtg:step_group=True,tagged_pieces=True \
+             --extra-set skt1t:stream_k=True,ctas_per_sm=1,trace=True,tagged_pieces=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio \
-                 or transposed or early_rows" ;;
+                 or transposed or early_rows or step_group or tagged" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -114,6 +121,14 @@ for s in $steps; do
               --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
               --extra-set skt1g:stream_k=True,ctas_per_sm=1,trace=True,step_group=True \
               --tokens 1,8 --windows 3 --replays 10 --json "$OUT/gtrace.json" ;;
+    tagged) run tagged 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
+              --auto-set tg:tagged_pieces=True --auto-set tg_pdl:tagged_pieces=True,pdl=True \
+              --auto-set sg_pdl:step_group=True,pdl=True --auto-set sgtg_pdl:step_group=True,tagged_pieces=True,pdl=True \
+              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/tagged.json" ;;
+    ttrace) run ttrace 200 python $BENCH --check --time --per-role --trace \
+              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
+              --extra-set skt1t:stream_k=True,ctas_per_sm=1,trace=True,tagged_pieces=True \
+              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/ttrace.json" ;;
     reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
@@ -146,7 +161,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "reads)"; exit 2 ;;
+            "tagged, ttrace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

@@ -124,7 +124,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     dict(v.params).get("trace", False), dict(v.params).get("lean_epilogue", False),
                     dict(v.params).get("handover", False), dict(v.params).get("words_first", False))
                    for v in gg.all_variants()
-                   if dict(v.params).get("stream_k") and not dict(v.params).get("step_group"))  # 0: the tile's default
+                   if dict(v.params).get("stream_k") and not dict(v.params).get("step_group")
+                   and not dict(v.params).get("tagged_pieces"))  # 0: the tile's default
     assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
                            + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
                            + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
@@ -134,7 +135,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                            + [("w2", 8, 1, trace, False, True, True) for trace in (False, True)])
     # and with a step's WGMMAs as one group: plain, lean, traced
     grouped = sorted((dict(v.params)["role"], dict(v.params).get("lean_epilogue", False), dict(v.params).get("trace", False))
-                     for v in gg.all_variants() if dict(v.params).get("step_group"))
+                     for v in gg.all_variants() if dict(v.params).get("step_group")
+                     and not dict(v.params).get("tagged_pieces"))
     assert grouped == sorted((role, lean, trace) for role in ("w1", "w2")
                              for lean, trace in ((False, False), (True, False), (False, True)))
     # the traced loop: a stream_k knob at one CTA per SM only (the variant's default there), its own name, the
@@ -1217,7 +1219,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
     stream = torch.cuda.current_stream()
     cap = int(counts.max())
     split = gg.split_buffers(k1, w.l1, cap, dev, sms)  # k_splits > 1: partials and arrival counts, else None
-    _poison_partials(split)
+    head1, head2 = _tagged_head(k1, w.l1, cap, sms), _tagged_head(k2, w.l2, cap, sms)
+    _poison_partials(split, head1)
     gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
     if split is not None:
         # a second launch on the same buffers writes the same bytes (the last split sums in split order, whichever
@@ -1226,25 +1229,29 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         for launch in range(relaunches):
             mid.view(torch.uint8).fill_(0x7F)
             mid_sf.fill_(float("nan"))
-            _poison_partials(split)
+            _poison_partials(split, head1)
             gg.launch_w1(k1, w.l1, act, act_sf, offsets, rw, mid, mid_sf, cap, stream, split=split, sms=sms)
             torch.cuda.synchronize()
             assert torch.equal(mid.view(torch.uint8), first.view(torch.uint8)) and torch.equal(mid_sf, first_sf), \
                 f"{k1.name} relaunch {launch + 1} of {relaunches}: " + _byte_mismatch(mid, first, mid_sf, first_sf)
             assert int(split[1].abs().sum()) == 0, "a split unit's arrival count was not set back to zero"
+    if head1 is not None:
+        _poison_partials(split, head1)  # the last launch's slots are empty again too
     split2 = gg.split_buffers(k2, w.l2, cap, dev, sms)
-    _poison_partials(split2)
+    _poison_partials(split2, head2)
     gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
     if split2 is not None:  # as W1's above
         first = out.clone()
         for launch in range(relaunches):
             out.fill_(float("nan"))
-            _poison_partials(split2)
+            _poison_partials(split2, head2)
             gg.launch_w2(k2, w.l2, mid, mid_sf, offsets, dest, out, cap, stream, split=split2, sms=sms)
             torch.cuda.synchronize()
             assert torch.equal(out.view(torch.int16), first.view(torch.int16)), \
                 f"W2 relaunch {launch + 1} of {relaunches}: " + _w2_mismatch(out, first)
             assert int(split2[1].abs().sum()) == 0, "a split W2 unit's arrival count was not set back to zero"
+        if head2 is not None:
+            _poison_partials(split2, head2)  # the last launch's slots are empty again too
     torch.cuda.synchronize()
     if programmatic_pairs:
         want_mid, want_sf, want_out = mid.clone(), mid_sf.clone(), out.clone()
@@ -1387,11 +1394,29 @@ def _check_pair_trace(buffers, w, offsets):
             assert w1[tail + 1][1] <= w2[0][1] and w1[tail][1] <= w2[tail + 3][1], (cta, w1[tail], w2[tail + 3])
 
 
-def _poison_partials(split):
+def _poison_partials(split, tagged_head=None):
     """NaN over a split launch's FP32 partials (the counts stay zero): a partial read before its piece wrote it
-    shows as a non-finite output instead of a stale or zero value."""
-    if split is not None:
+    shows as a non-finite output instead of a stale or zero value. tagged_head (`_tagged_head`, for tagged_pieces):
+    the slots must stay empty instead (a NaN there would read as a published partial), so check that every word
+    past the traced phases' head is ptx.PIECE_EMPTY: what the previous launch left."""
+    if split is None:
+        return
+    if tagged_head is None:
         split[0].fill_(float("nan"))
+        return
+    words = split[0].view(torch.int32)[tagged_head:]
+    left = int((words != gg.PIECE_EMPTY_BITS).sum())
+    assert left == 0, f"{left} words of tagged piece slots were not empty before the launch"
+
+
+def _tagged_head(kernel, mat, capacity, sms):
+    """None for a kernel without tagged_pieces, else the FP32 words ahead of its piece slots (the traced phases)."""
+    cfg = gg.GemmConfig(**dict(kernel.entry.variant.params))
+    if not cfg.tagged_pieces:
+        return None
+    if not cfg.trace:
+        return 0
+    return gg.grid(cfg, mat.rows, mat.num_experts, capacity, sms or gg.device_sms("cuda"))[0] * gg.TRACE_SLOTS * 4
 
 
 def _cos_diff(y, r):
@@ -1985,6 +2010,62 @@ def test_step_group_knob_where_it_applies():
     for bn, knobs in ((8, {"stream_k": True, "ctas_per_sm": 2}), (8, {}), (16, {"stream_k": True}),
                       (64, {"fold_scales": True, "table_decode": True})):
         assert "step_group" not in dict(gg.variant("w1", bn, step_group=True, **knobs).params), (bn, knobs)
+
+
+def test_tagged_pieces_knob_where_it_applies():
+    """tagged_pieces: the stand-alone stream-K loops only (not the hand-over ones); sets may name it everywhere, the
+    variant drops it where it does not apply; its own kernel name (the bench keys split buffers by name); its split
+    buffers start with every piece slot empty; built plain, lean, traced and with step_group."""
+    cfg = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, tagged_pieces=True)
+    assert "_tag" in cfg.name and "_tag" not in gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1).name
+    for bad in ({}, {"stream_k": True, "ctas_per_sm": 1, "handover": True}):
+        with pytest.raises(ValueError, match="tagged_pieces is a knob of the stand-alone stream_k W1 / W2"):
+            gg.GemmConfig("w2", 8, tagged_pieces=True, **bad)
+    assert dict(gg.variant("w2", 8, stream_k=True, tagged_pieces=True).params)["tagged_pieces"] is True
+    for bn, knobs in ((8, {}), (16, {"stream_k": True}), (8, {"stream_k": True, "ctas_per_sm": 1, "handover": True}),
+                      (64, {"fold_scales": True, "table_decode": True})):
+        assert "tagged_pieces" not in dict(gg.variant("w1", bn, tagged_pieces=True, **knobs).params), (bn, knobs)
+    built = sorted((dict(v.params)["role"], dict(v.params).get("lean_epilogue", False),
+                    dict(v.params).get("trace", False), dict(v.params).get("step_group", False))
+                   for v in gg.all_variants() if dict(v.params).get("tagged_pieces"))
+    assert built == sorted((role, *knobs) for role in ("w1", "w2")
+                           for knobs in ((False, False, False), (True, False, False), (False, True, False),
+                                         (False, False, True)))
+
+    class Fake:  # split_buffers reads only the loaded kernel's variant parameters
+        def __init__(self, variant):
+            self.entry = type("E", (), {"variant": variant})()
+
+    from types import SimpleNamespace
+
+    mat = SimpleNamespace(rows=4096, num_experts=32)
+    partials, counts = gg.split_buffers(Fake(gg.variant("w1", 8, stream_k=True, tagged_pieces=True)), mat, 5, "cpu",
+                                        sms=132)
+    plain, _ = gg.split_buffers(Fake(gg.variant("w1", 8, stream_k=True)), mat, 5, "cpu", sms=132)
+    assert partials.dtype == torch.float32 and partials.shape == plain.shape
+    assert bool((partials.view(torch.int32) == gg.PIECE_EMPTY_BITS).all()) and int(counts.abs().sum()) == 0
+    assert gg.PIECE_EMPTY_BITS & 0xFFFFFFFF == 0xFFFFFFFF  # ptx.PIECE_EMPTY (the kernel's constant) as int32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{}, {"lean_epilogue": True}, {"trace": True}, {"step_group": True}],
+                         ids=["plain", "lean", "traced", "step_group"])
+@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
+                                                              (5120, 512, 5, 2, 1)])
+def test_tagged_pieces_write_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms, knobs):
+    """The stream-K loops with the pieces published without a fence (`tagged_pieces`) add the same partials in the
+    same order as the fenced ones, so they write the same bytes, relaunched on the same buffers, each launch leaving
+    every piece slot empty again (`_run_case` checks it before each launch): units of 1-2 pieces (3 SMs), of up to
+    ~5 (every SM, K of 8 steps) and of ~30 at 1 token (W1's 40 steps over ~4 units: the pieces past the owner's
+    early loads polled after its K loop). And the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    common = {"stream_k": True, "ctas_per_sm": 1, "sms": sms, **knobs}
+    tagged = _run_case(*case, seed=tokens + hidden + 5, tagged_pieces=True, return_raw=True, relaunches=3, **common)
+    _assert_same_bytes(tagged, _run_case(*case, seed=tokens + hidden + 5, return_raw=True, **common))
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=tokens + hidden + 6, tagged_pieces=True,
+                                           **{k: v for k, v in common.items() if k != "trace"})
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

@@ -163,6 +163,9 @@ SM_TABLE_BYTES = -(-4 * (MAX_SM_IDS + 1) // 16) * 16
 # host keeps the weights within SM_WEIGHT_RATIO of each other)
 SM_WEIGHT_MIN_STEPS = 4
 SM_WEIGHT_RATIO = 1.5
+PIECE_EMPTY_BITS = -1  # ptx.PIECE_EMPTY as an int32: a tagged piece slot's empty word
+# tagged_pieces: an owner loads this many pieces' slots before its K loop (4 registers each; a unit mostly has 1-2)
+TAGGED_EARLY_PIECES = 2
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
 TRACE_TAIL_SLOTS = 4
@@ -342,6 +345,13 @@ class GemmConfig:
     # outside their waits (step 45-46's traces), at or over the step's share of the bandwidth on the H200 (docs
     # step 63). The two accumulator buffers alternate by step (the loop runs two steps per trip)
     step_group: bool = False
+    # the stand-alone stream_k W1 / W2: a piece publishes its FP32 partials with relaxed stores and no fence into
+    # slots that hold ptx.PIECE_EMPTY otherwise (no count, no barrier), and goes on; the owner loads its first
+    # TAGGED_EARLY_PIECES pieces' slots before its K loop and, after it, polls (bounded) any word still empty, then
+    # empties the slots again. The fenced publication (the consumers' barrier, then thread 0's GPU-scope release)
+    # held a piece's whole CTA 5-7 us at the median, up to 15, on an H100 (step 63's traces): the fence waits for
+    # the SM's memory traffic in flight. The split buffers start empty (`split_buffers`)
+    tagged_pieces: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -415,6 +425,9 @@ class GemmConfig:
         if self.step_group and not (self.stream_k and self.ctas_per_sm == 1):
             raise ValueError("step_group is a knob of the stream_k loop at one CTA per SM: pass stream_k=True, "
                              "ctas_per_sm=1")
+        if self.tagged_pieces and not (self.stream_k and not self.stream_pair and not self.handover):
+            raise ValueError("tagged_pieces is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
+                             "pair kernel's halves, not handover: their words keep the fenced publication)")
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
@@ -688,6 +701,7 @@ class GemmConfig:
             s += ("_skp" + ("t" if self.trace else "") + ("w" if self.sm_weights else "") if self.stream_pair
                   else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
             s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
+            s += "_tag" if self.tagged_pieces else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -907,6 +921,7 @@ def _make_kernel(cfg: GemmConfig):
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
+    TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -2346,8 +2361,30 @@ def _make_kernel(cfg: GemmConfig):
             ptx.mbarrier_arrive(full)  # the byte announcement's arrival (no bytes: the copies are cp.async)
 
     @cute.jit
+    def piece_slot(split_partials, unit, cta, tid):
+        """tagged_pieces: consumer thread `tid`'s slot of piece unit + cta (BN / 2 FP32 words, 16 bytes)."""
+        return split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * ((BN // 2) * 4)
+
+    @cute.jit
+    def early_pieces(split_partials, unit, k_blocks, k_first, steps, ctas, work, tid):
+        """tagged_pieces, before a segment's K loop: an owner's first TAGGED_EARLY_PIECES pieces' slots, loaded now
+        (the pieces are the first segments of the CTAs after it, mostly published long before its last segment);
+        zeros for a segment that is no owner and past its pieces. `stream_epilogue` checks them."""
+        owner = Int32(0)
+        if k_first == 0 and steps < k_blocks:
+            owner = Int32(1)
+        first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
+        early = []
+        for j in cutlass.range_constexpr(TAGGED_EARLY_PIECES):
+            take = Int32(0)
+            if owner == 1 and j + 1 < pieces:
+                take = Int32(1)
+            early.append(ptx.ld_piece_v4_if(piece_slot(split_partials, unit, first_cta + j + 1, tid), take))
+        return early
+
+    @cute.jit
     def stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks, k_first,
-                        whole, next_step, *rest, wmode=None):
+                        whole, next_step, *rest, wmode=None, early=None):
         """A stream_k segment's consumer thread: a whole unit (whole = 1) goes to the role's epilogue (`rest`: its
         arguments). A shared unit is finished by its owner, the CTA with its first steps (k_first = 0: the last
         segment of that CTA's range, while the other pieces are the first segments of the CTAs after it). The
@@ -2355,11 +2392,30 @@ def _make_kernel(cfg: GemmConfig):
         release after the consumers' barrier); the owner adds their partials in CTA order to its own (the same bits
         whichever arrives last) and runs the epilogue: from the stage of its step `next_step` where its producer
         put them (up to STAGED_PIECES pieces), else after thread 0's bounded wait for their arrivals. Needs every
-        CTA of the grid resident at once (the launch's ctas_per_sm x SMs)."""
+        CTA of the grid resident at once (the launch's ctas_per_sm x SMs). tagged_pieces: the pieces' slots
+        instead (`early`: the owner's first pieces' words as loaded before its K loop, `piece_slots`)."""
         split_partials, split_counts = split
         per = BN // 2
         last = Float32(1.0)
-        if whole == 0:
+        if cutlass.const_expr(TAGGED):
+            if whole == 0:
+                first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
+                if k_first != 0:
+                    ptx.st_piece_v4(piece_slot(split_partials, unit, cta, tid), [acc[i] for i in range(per)])
+                    last = Float32(0.0)
+                else:  # the pieces in CTA order, as the fenced owner adds them (the same bits)
+                    for j in cutlass.range_constexpr(TAGGED_EARLY_PIECES):
+                        if j + 1 < pieces:
+                            theirs = ptx.settle_piece_v4(piece_slot(split_partials, unit, first_cta + j + 1, tid),
+                                                         early[j])
+                            for i in cutlass.range_constexpr(per):
+                                acc[i] = acc[i] + theirs[i]
+                    for p in cutlass.range(TAGGED_EARLY_PIECES + 1, pieces):
+                        at = piece_slot(split_partials, unit, first_cta + p, tid)
+                        theirs = ptx.settle_piece_v4(at, ptx.ld_piece_v4_if(at, Int32(1)))
+                        for i in cutlass.range_constexpr(per):
+                            acc[i] = acc[i] + theirs[i]
+        elif whole == 0:
             first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
             count_word = split_counts + Int64(unit) * 4
             if k_first != 0:
@@ -2711,10 +2767,11 @@ def _make_kernel(cfg: GemmConfig):
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
                         trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready,
                         wait_stamp=wait_stamp)
-                if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
-                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
-                    if pieces - 1 <= STAGED_PIECES:
-                        stage_pieces(smem, split, unit, first_cta, pieces, base + steps, tid - THREADS)
+                if cutlass.const_expr(not TAGGED):  # noqa: SIM102 (a trace-time branch around a device one)
+                    if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
+                        first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
+                        if pieces - 1 <= STAGED_PIECES:
+                            stage_pieces(smem, split, unit, first_cta, pieces, base + steps, tid - THREADS)
             else:
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
                     if tid == 0:
@@ -2724,6 +2781,9 @@ def _make_kernel(cfg: GemmConfig):
                 words = None
                 if cutlass.const_expr(LEAN):  # the epilogue's loads go out now and land during the K loop
                     factor, words = early_epilogue_words(role_args[0], w_factor, e, row0, count, q)
+                early = None
+                if cutlass.const_expr(TAGGED):
+                    early = early_pieces(split[0], unit, k_blocks, k_first, steps, ctas, work, tid)
                 consume_pipelined(steps, smem, wg, t, warp, g, q, acc, base,
                                   trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
@@ -2741,7 +2801,7 @@ def _make_kernel(cfg: GemmConfig):
                     dest_row, out = role_args
                     rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
                 stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
-                                k_first, whole, base + steps, *rest, wmode=wmode)
+                                k_first, whole, base + steps, *rest, wmode=wmode, early=early)
                 if cutlass.const_expr((PAIR or HANDOVER) and W1):  # noqa: SIM102 (a trace-time branch)
                     if k_first == 0:  # a whole unit or an owner: the unit's output rows are written
                         consumer_sync()  # every thread's stores (and reads of the staged pieces) before thread 0's
@@ -3203,7 +3263,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                fit_n: bool = False, stream_k: bool = False, trace: bool = False, lean_epilogue: bool = False,
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
-               transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False):
+               transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
+               tagged_pieces: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3218,7 +3279,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
-                     step_group=step_group)
+                     step_group=step_group, tagged_pieces=tagged_pieces)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3234,7 +3295,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
-            step_group: bool = False):
+            step_group: bool = False, tagged_pieces: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3304,6 +3365,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     step_group = step_group and stream_k and cfg.ctas_per_sm == 1
     if step_group:
         cfg = replace(cfg, step_group=True)
+    tagged_pieces = tagged_pieces and stream_k and not handover  # likewise, where the fenced words do not stay
+    if tagged_pieces:
+        cfg = replace(cfg, tagged_pieces=True)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -3354,6 +3418,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["early_rows"] = True
     if step_group:
         params["step_group"] = True
+    if tagged_pieces:
+        params["tagged_pieces"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3363,9 +3429,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         promises += ("fence.acq_rel.gpu", "atom.acq_rel.gpu.global.add", "ld.relaxed.gpu.global")
     if stream_k:  # the pieces' release, the owner's bounded acquire, its loads of the partials; W1 lets a
         # programmatic W2 start, W2's producer waits for W1's grid before reading its rows
-        promises += ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global",
-                     "griddepcontrol.launch_dependents" if role == "w1" else
-                     "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait")
+        promises += (("st.relaxed.gpu.global.v4.b32", "ld.relaxed.gpu.global.v4", "nanosleep") if tagged_pieces
+                     else ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global"))
+        promises += ("griddepcontrol.launch_dependents" if role == "w1" else
+                     "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait",)
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
     if transposed_stores:  # W2's fragments transposed by stmatrix, W1's bytes stored one by one; 16-byte stores out
@@ -3484,7 +3551,11 @@ def all_variants():
               # the stream-K loops with a K128 step's WGMMAs as one group (one wait per step), plain and lean
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, lean_epilogue=lean)
                  for role in ("w1", "w2") for lean in (False, True)]
-              + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, trace=True) for role in ("w1", "w2")]):
+              + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, trace=True) for role in ("w1", "w2")]
+              # the stream-K pieces published without a fence (plain, lean, traced, with step_group)
+              + [variant(role, 8, stream_k=True, ctas_per_sm=1, tagged_pieces=True, **knobs)
+                 for role in ("w1", "w2")
+                 for knobs in ({}, {"lean_epilogue": True}, {"trace": True}, {"step_group": True})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -3616,7 +3687,8 @@ def split_buffers(kernel, mat, capacity: int, device, sms: int | None = None):
     """(split_partials, split_counts) for a kernel with k_splits > 1 or stream_k at this matrix and capacity
     (stream_k: and `sms`, default the device's SMs, as its launches must use): FP32 partials (k_splits: [unit,
     split, consumer thread, block_n / 2]; stream_k: `stream_sizes`) and int32 counts [unit], zeroed (the kernel
-    keeps them zero between launches). None for a kernel without splits."""
+    keeps them zero between launches; tagged_pieces: the partials hold ptx.PIECE_EMPTY instead, and the kernel
+    leaves them so). None for a kernel without splits."""
     import torch
 
     cfg = GemmConfig(**dict(kernel.entry.variant.params))
@@ -3626,8 +3698,11 @@ def split_buffers(kernel, mat, capacity: int, device, sms: int | None = None):
         return None
     else:
         partials, units = split_sizes(cfg, grid(cfg, mat.rows, mat.num_experts, capacity))
-    return (torch.zeros(partials, dtype=torch.float32, device=device),
-            torch.zeros(units, dtype=torch.int32, device=device))
+    if cfg.tagged_pieces:  # every piece slot empty (the kernel empties what it fills)
+        partials_buf = torch.full((partials,), PIECE_EMPTY_BITS, dtype=torch.int32, device=device).view(torch.float32)
+    else:
+        partials_buf = torch.zeros(partials, dtype=torch.float32, device=device)
+    return partials_buf, torch.zeros(units, dtype=torch.int32, device=device)
 
 
 def _split_args(cfg: GemmConfig, kernel, mat, capacity: int, sms: int, k: int, split) -> list:

@@ -610,6 +610,59 @@ def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_
     )
 
 
+# ------------------------------------------------------------------------------------------ stream-K tagged pieces
+# A piece slot holds 32-bit words that are either a partial's bits or PIECE_EMPTY: pieces store their partials with
+# no fence (a value never has these bits: it is clamped one below), the owner polls until no word of a slot is
+# PIECE_EMPTY, then stores PIECE_EMPTY back, so every slot is empty again when the launch ends.
+PIECE_EMPTY = 0xFFFFFFFF
+
+
+def st_piece_v4(addr: Int64, v: list) -> None:
+    """Store four FP32 partials to a piece slot (relaxed, GPU scope; no fence): a value with PIECE_EMPTY's bits (a
+    NaN) is stored one below, still a NaN."""
+    asm(
+        "{\n.reg .b32 a, b, c, d;\n"
+        "mov.b32 a, $1;\nmov.b32 b, $2;\nmov.b32 c, $3;\nmov.b32 d, $4;\n"
+        "min.u32 a, a, 0xFFFFFFFE;\nmin.u32 b, b, 0xFFFFFFFE;\nmin.u32 c, c, 0xFFFFFFFE;\nmin.u32 d, d, 0xFFFFFFFE;\n"
+        "st.relaxed.gpu.global.v4.b32 [$0], {a, b, c, d};\n}",
+        [],
+        [addr, *v],
+    )
+
+
+def ld_piece_v4_if(addr: Int64, take: Int32) -> list:
+    """A piece slot's four words as FP32 where `take` != 0 (a relaxed load issued now, checked later with
+    `settle_piece_v4`), else four zeros and no load."""
+    return asm(
+        "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\n"
+        "mov.f32 $0, 0f00000000;\nmov.f32 $1, 0f00000000;\nmov.f32 $2, 0f00000000;\nmov.f32 $3, 0f00000000;\n"
+        "@p ld.relaxed.gpu.global.v4.f32 {$0, $1, $2, $3}, [$4];\n}",
+        [Float32] * 4,
+        [addr, take],
+    )
+
+
+def settle_piece_v4(addr: Int64, v: list, limit_ns: int = 10_000_000_000) -> list:
+    """The piece slot at `addr` as four FP32 partials, given `v` (its words as loaded earlier). The whole warp
+    (converged) loops until no lane has a word still PIECE_EMPTY (the piece's store not seen yet): those lanes
+    load their slot again (relaxed), a 64 ns back-off between tries, the loop's exit a warp vote so its control flow
+    stays uniform; traps once `limit_ns` of %globaltimer passed. Then every lane empties its slot (PIECE_EMPTY
+    stored, relaxed: after this thread's load of the same words, so it lands after the piece's store)."""
+    return asm(
+        "{\n.reg .pred ok, all, late;\n.reg .b32 a, b, c, d, m;\n.reg .b64 t0, t1;\n"
+        "mov.b32 a, $5;\nmov.b32 b, $6;\nmov.b32 c, $7;\nmov.b32 d, $8;\nmov.u64 t0, %globaltimer;\n"
+        "CHECK:\nmax.u32 m, a, b;\nmax.u32 m, m, c;\nmax.u32 m, m, d;\nsetp.ne.u32 ok, m, 0xFFFFFFFF;\n"
+        "vote.sync.all.pred all, ok, 0xffffffff;\n@all bra.uni DONE;\nnanosleep.u32 64;\n"
+        f"mov.u64 t1, %globaltimer;\nsub.u64 t1, t1, t0;\nsetp.gt.u64 late, t1, {limit_ns};\n"
+        "vote.sync.any.pred late, late, 0xffffffff;\n@late trap;\n"
+        "@!ok ld.relaxed.gpu.global.v4.b32 {a, b, c, d}, [$4];\nbra.uni CHECK;\n"
+        "DONE:\nmov.b32 $0, a;\nmov.b32 $1, b;\nmov.b32 $2, c;\nmov.b32 $3, d;\nmov.b32 m, 0xFFFFFFFF;\n"
+        "st.relaxed.gpu.global.v4.b32 [$4], {m, m, m, m};\n}",
+        [Float32] * 4,
+        [addr, *v],
+    )
+
+
 def red_add_release_gpu_s32(addr: Int64, v: Int32) -> None:
     """Add `v` with release semantics (the writes this thread observed, e.g. through a CTA barrier, happen
     before); no value comes back, so the thread does not wait for the round trip."""
