@@ -1,0 +1,50 @@
+"""Each variant set of a grouped-GEMM bench JSON (scripts/bench_grouped_gemm_sm90.py --json) against a baseline set
+of the same run, per model and token count: cold us of the point (and of W1 / W2 alone where the run timed them with
+--per-role), the candidate's time minus the baseline's. No GPU needed.
+
+    python scripts/set_deltas.py tagged.json --pairs tg:ws_auto,tg_pdl:ws_auto_pdl
+"""
+
+import argparse
+import json
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="a bench_grouped_gemm_sm90.py --json file")
+    ap.add_argument("--pairs", required=True, help="CANDIDATE:BASELINE[,CANDIDATE:BASELINE...] set tags")
+    args = ap.parse_args()
+    pairs = [tuple(p.split(":", 1)) for p in args.pairs.split(",")]
+    if any(len(p) != 2 or not all(p) for p in pairs):
+        print(f"--pairs wants CANDIDATE:BASELINE[,...], got {args.pairs!r}", file=sys.stderr)
+        return 2
+    with open(args.json) as f:
+        data = json.load(f)
+    rows = {(r["tag"], r["model"], r["tokens"]): r for r in data["rows"]}
+    print(f"read bandwidth {data['read_bw_bytes_per_s'] / 1e12:.2f} TB/s; cold us, candidate - baseline "
+          "(point / W1 alone / W2 alone)")
+    print(f"{'model':<22} {'T':>4} {'candidate':>10} {'baseline':>10} {'point':>14} {'W1':>14} {'W2':>14}")
+    missing = 0
+    for cand, base in pairs:
+        for (tag, model, tokens), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+            if tag != cand:
+                continue
+            b = rows.get((base, model, tokens))
+            if b is None:
+                missing += 1
+                continue
+            cells = []
+            for key in ("cold_us", "w1_cold_us", "w2_cold_us"):
+                if key in r and key in b:
+                    cells.append(f"{r[key]:6.1f} {r[key] - b[key]:+6.1f}")
+                else:
+                    cells.append("-")
+            print(f"{model:<22} {tokens:>4} {cand:>10} {base:>10} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14}")
+    if missing:
+        print(f"{missing} candidate rows had no baseline row at the same point")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
