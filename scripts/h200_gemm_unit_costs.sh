@@ -50,6 +50,9 @@
 #           stream read of its bytes (docs step 64)
 #   ttrace  1 and 8 tokens: the traced stream-K loops with and without tagged_pieces (the pieces' epilogue, the
 #           owners' and the CTAs' end spread; docs step 64)
+#   stages  1-8 tokens, twice: the stream-K loops (W2 programmatic) with rings of 8, 6 and 4 stages against the
+#           default 12 (`sk12p`), and 6 with tagged_pieces: how deep the ring must be (docs step 65)
+#   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -94,6 +97,11 @@ for s in $steps; do
              --auto-set t32:two_cta=False --auto-set tg:tagged_pieces=True \
              --auto-set sgtg:step_group=True,tagged_pieces=True \
              --extra-set skt1t:stream_k=True,ctas_per_sm=1,trace=True,tagged_pieces=True \
+             --extra-set sk8p:stream_k=True,ctas_per_sm=1,stages=8 --extra-set sk6p:stream_k=True,ctas_per_sm=1,stages=6 \
+             --extra-set sk4p:stream_k=True,ctas_per_sm=1,stages=4 \
+             --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True \
+             --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
+             --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
@@ -129,6 +137,20 @@ for s in $steps; do
               --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
               --extra-set skt1t:stream_k=True,ctas_per_sm=1,trace=True,tagged_pieces=True \
               --tokens 1,8 --windows 3 --replays 10 --json "$OUT/ttrace.json" ;;
+    stages) for r in 1 2; do  # twice: the 1-3 us effects against the run's spread
+              run stages$r 240 python $BENCH --check --time --per-role \
+                --extra-set sk12p:stream_k=True,ctas_per_sm=1,pdl=True \
+                --extra-set sk8p:stream_k=True,ctas_per_sm=1,stages=8,pdl=True \
+                --extra-set sk6p:stream_k=True,ctas_per_sm=1,stages=6,pdl=True \
+                --extra-set sk4p:stream_k=True,ctas_per_sm=1,stages=4,pdl=True \
+                --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True,pdl=True \
+                --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/stages$r.json"
+            done ;;
+    strace) run strace 200 python $BENCH --check --time --per-role --trace \
+              --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
+              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
+              --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
+              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/strace.json" ;;
     reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \
@@ -161,7 +183,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, reads)"; exit 2 ;;
+            "tagged, ttrace, stages, strace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
