@@ -50,8 +50,10 @@
 #           stream read of its bytes (docs step 64)
 #   ttrace  1 and 8 tokens: the traced stream-K loops with and without tagged_pieces (the pieces' epilogue, the
 #           owners' and the CTAs' end spread; docs step 64)
-#   stages  1-8 tokens, twice: the stream-K loops (W2 programmatic) with rings of 8, 6 and 4 stages against the
-#           default 12 (`sk12p`), and 6 with tagged_pieces: how deep the ring must be (docs step 65)
+#   stages  1-8 tokens, twice: the stream-K loops (W2 programmatic) with rings of 8, 7, 6, 5 and 4 stages against
+#           12 (`sk12p`), and 6 with tagged_pieces or step_group: how deep the ring must be (docs step 65)
+#   rings   16-256 tokens, twice: tile_knobs's sets with every ring capped at 6, 5, 4 and 3 stages (max_stages)
+#           against ws_auto_pdl (docs step 65)
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
@@ -98,7 +100,11 @@ for s in $steps; do
              --auto-set sgtg:step_group=True,tagged_pieces=True \
              --extra-set skt1t:stream_k=True,ctas_per_sm=1,trace=True,tagged_pieces=True \
              --extra-set sk8p:stream_k=True,ctas_per_sm=1,stages=8 --extra-set sk6p:stream_k=True,ctas_per_sm=1,stages=6 \
-             --extra-set sk4p:stream_k=True,ctas_per_sm=1,stages=4 \
+             --extra-set sk4p:stream_k=True,ctas_per_sm=1,stages=4 --extra-set sk7p:stream_k=True,ctas_per_sm=1,stages=7 \
+             --extra-set sk5p:stream_k=True,ctas_per_sm=1,stages=5 \
+             --extra-set sg6p:stream_k=True,ctas_per_sm=1,stages=6,step_group=True \
+             --auto-set r6:max_stages=6 --auto-set r5:max_stages=5 --auto-set r4:max_stages=4 \
+             --auto-set r3:max_stages=3 \
              --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True \
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
@@ -141,11 +147,20 @@ for s in $steps; do
               run stages$r 240 python $BENCH --check --time --per-role \
                 --extra-set sk12p:stream_k=True,ctas_per_sm=1,pdl=True \
                 --extra-set sk8p:stream_k=True,ctas_per_sm=1,stages=8,pdl=True \
+                --extra-set sk7p:stream_k=True,ctas_per_sm=1,stages=7,pdl=True \
                 --extra-set sk6p:stream_k=True,ctas_per_sm=1,stages=6,pdl=True \
+                --extra-set sk5p:stream_k=True,ctas_per_sm=1,stages=5,pdl=True \
                 --extra-set sk4p:stream_k=True,ctas_per_sm=1,stages=4,pdl=True \
                 --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True,pdl=True \
+                --extra-set sg6p:stream_k=True,ctas_per_sm=1,stages=6,step_group=True,pdl=True \
                 --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/stages$r.json"
             done ;;
+    rings) for r in 1 2; do  # every tile's ring capped (GemmConfig stages; tiles 16 / 24 hold 5 at two CTAs per SM)
+             run rings$r 300 python $BENCH --check --time --auto-ctas --pdl \
+               --auto-set r6:max_stages=6,pdl=True --auto-set r5:max_stages=5,pdl=True \
+               --auto-set r4:max_stages=4,pdl=True --auto-set r3:max_stages=3,pdl=True \
+               --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/rings$r.json"
+           done ;;
     strace) run strace 200 python $BENCH --check --time --per-role --trace \
               --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
               --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
@@ -183,7 +198,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, strace, reads)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, strace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

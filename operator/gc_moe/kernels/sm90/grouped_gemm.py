@@ -3295,11 +3295,12 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
-            step_group: bool = False, tagged_pieces: bool = False):
+            step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
-    consumer); bn 64 and l2_evict_first run on the cp.async pipeline (6 stages unless `stages` says otherwise)."""
+    consumer); bn 64 and l2_evict_first run on the cp.async pipeline (6 stages unless `stages` says otherwise).
+    max_stages caps the ring at that many stages where it would be deeper (sets may name it at every tile)."""
     from gc_moe.runtime.jit import KernelVariant
 
     table_decode = table_decode and fold_scales  # a way of folding: sets may name it with the fold off
@@ -3368,6 +3369,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     tagged_pieces = tagged_pieces and stream_k and not handover  # likewise, where the fenced words do not stay
     if tagged_pieces:
         cfg = replace(cfg, tagged_pieces=True)
+    if max_stages is not None:  # a cap on the configuration's ring (its deepest one where `stages` is None)
+        if max_stages < 2:
+            raise ValueError(f"max_stages {max_stages}: allowed >= 2 (a ring of at least two stages)")
+        if cfg.stages > max_stages:
+            cfg = replace(cfg, stages=max_stages)
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
