@@ -54,6 +54,8 @@
 #           12 (`sk12p`), and 6 with tagged_pieces or step_group: how deep the ring must be (docs step 65)
 #   rings   16-256 tokens, twice: tile_knobs's sets with every ring capped at 6, 5, 4 and 3 stages (max_stages)
 #           against ws_auto_pdl (docs step 65)
+#   u8rings 8-32 tokens: the tile-8 unit grid (two CTAs per SM, 6 stages each: tile_knobs's choice where W1's units
+#           pass STREAM_K_MAX_WAVES) at 4 and 3 stages per CTA
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
@@ -104,7 +106,8 @@ for s in $steps; do
              --extra-set sk5p:stream_k=True,ctas_per_sm=1,stages=5 \
              --extra-set sg6p:stream_k=True,ctas_per_sm=1,stages=6,step_group=True \
              --auto-set r6:max_stages=6 --auto-set r5:max_stages=5 --auto-set r4:max_stages=4 \
-             --auto-set r3:max_stages=3 \
+             --auto-set r3:max_stages=3 --extra-set u8:max_block_n=8 --extra-set u8r4:max_block_n=8,max_stages=4 \
+             --extra-set u8r3:max_block_n=8,max_stages=3 \
              --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True \
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
@@ -161,6 +164,9 @@ for s in $steps; do
                --auto-set r4:max_stages=4,pdl=True --auto-set r3:max_stages=3,pdl=True \
                --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/rings$r.json"
            done ;;
+    u8rings) run u8rings 240 python $BENCH --check --time --pdl --extra-set u8:max_block_n=8 \
+               --extra-set u8r4:max_block_n=8,max_stages=4 --extra-set u8r3:max_block_n=8,max_stages=3 \
+               --tokens 8,16,32 --windows 5 --replays 10 --json "$OUT/u8rings.json" ;;
     strace) run strace 200 python $BENCH --check --time --per-role --trace \
               --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
               --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
@@ -198,7 +204,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, strace, reads)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, u8rings, strace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

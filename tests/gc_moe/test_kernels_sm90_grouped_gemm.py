@@ -125,7 +125,13 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     dict(v.params).get("handover", False), dict(v.params).get("words_first", False))
                    for v in gg.all_variants()
                    if dict(v.params).get("stream_k") and not dict(v.params).get("step_group")
-                   and not dict(v.params).get("tagged_pieces"))  # 0: the tile's default
+                   and not dict(v.params).get("tagged_pieces")
+                   and not (dict(v.params).get("ctas_per_sm") == 1 and dict(v.params)["stages"] == gg.RING_STAGES[8]))
+    # (0: the tile's default ctas_per_sm; tile_knobs's ring of 6 stages at one CTA per SM is listed below)
+    capped = sorted(dict(v.params)["role"] for v in gg.all_variants()
+                    if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
+                    and dict(v.params).get("ctas_per_sm") == 1)
+    assert capped == ["w1", "w2"]
     assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
                            + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
                            + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
@@ -172,7 +178,7 @@ def _tile_knobs_without(block_n, *names):
 
 
 def test_tile_knobs_follow_the_measured_points():
-    stream = {"stream_k": True, "ctas_per_sm": 1}
+    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6}  # step 65: the ring at 6 stages, not 12
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
     # at tile 8 the default grid where W1's units pass 3.2 waves (step 24: 448-630 units on 132 SMs), else stream-K
     assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 422, 132) == (8, stream)
@@ -182,8 +188,9 @@ def test_tile_knobs_follow_the_measured_points():
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
     assert gg.tile_knobs(17) == (24, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(24)[0] == 24
     persistent = {**table, "persistent": True}  # steps 50 / 54: the persistent grid at tiles 32, 64 and 96
-    assert gg.tile_knobs(25) == (32, persistent) and gg.tile_knobs(32) == (32, persistent)
-    assert gg.tile_knobs(33) == (64, persistent) and gg.tile_knobs(500) == (64, persistent)
+    p32, p64 = {**persistent, "max_stages": 5}, {**persistent, "max_stages": 6}  # step 65: their rings capped
+    assert gg.tile_knobs(25) == (32, p32) and gg.tile_knobs(32) == (32, p32)
+    assert gg.tile_knobs(33) == (64, p64) and gg.tile_knobs(500) == (64, p64)
     wide = {**persistent, "transposed_stores": True, "scale_ratios": True}  # step 61: at the wide tile only
     assert gg.tile_knobs(65) == (96, wide) and gg.tile_knobs(96) == (96, wide)  # the wide tile by default
     for cap in (1, 9, 16, 17, 24, 25, 33, 80):  # every choice is a buildable variant of both roles
@@ -192,6 +199,8 @@ def test_tile_knobs_follow_the_measured_points():
             cfg = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
             assert (cfg.stream_k if bn == 8 else cfg.table_decode and cfg.fit_n) and cfg.block_n == bn
             assert cfg.persistent == (bn in (32, 64, 96))
+            deepest = dict(gg.variant(role, bn, **{k: v for k, v in knobs.items() if k != "max_stages"}).params)
+            assert cfg.stages == gg.RING_STAGES.get(bn, deepest["stages"]) < deepest["stages"] + (bn not in gg.RING_STAGES)
             assert gg.variant(role, bn, **knobs) in gg.all_variants()  # CI builds it
     with pytest.raises(ValueError, match="allowed >= 0"):
         gg.tile_knobs(-1)
@@ -199,7 +208,7 @@ def test_tile_knobs_follow_the_measured_points():
     assert [gg.tile_knobs(cap)[0] for cap in (8, 33, 64, 65, 96, 97)] == [8, 64, 64, 96, 96, 64]
     assert gg.tile_knobs(80, wide_tile=False)[0] == 64
     # two_cta_tiles=False: tile 32 at one CTA per SM for 9-32 rows, the rest as before
-    assert [gg.tile_knobs(cap, two_cta_tiles=False) for cap in (9, 17, 24, 32)] == [(32, persistent)] * 4
+    assert [gg.tile_knobs(cap, two_cta_tiles=False) for cap in (9, 17, 24, 32)] == [(32, p32)] * 4
     assert [gg.tile_knobs(cap, two_cta_tiles=False)[0] for cap in (8, 33, 80)] == [8, 64, 96]
     for role in ("w1", "w2"):
         assert gg.variant(role, 96, **gg.tile_knobs(80, wide_tile=True)[1]) in gg.all_variants()
@@ -560,10 +569,13 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert "persistent" not in dict(gg.variant("w2", 32, fold_scales=True, persistent=True).params)
     assert "persistent" not in dict(gg.variant("w2", 24, persistent=True, **tab).params)  # spills there
     built = [dict(v.params) for v in gg.all_variants() if dict(v.params).get("persistent")]
-    assert sorted((p["role"], p["block_n"]) for p in built
+    # at each tile its deepest ring, and tile_knobs's capped one (RING_STAGES) where it is shallower
+    assert sorted((p["role"], p["block_n"], p["block_n"] in (32, 64) and p["stages"] == gg.RING_STAGES[p["block_n"]])
+                  for p in built
                   if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")
                   and not p.get("early_rows")) == sorted(
-        (role, bn) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96))
+        [(role, bn, False) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96)]
+        + [(role, bn, True) for role in ("w1", "w2") for bn in (32, 64)])
 
 
 def test_snake_walk_knob_needs_the_persistent_grid_and_takes_an_order_table():
@@ -887,9 +899,11 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with the hand-over words (plain and traced), the persistent grids at bn 8 / 16 / 32 / 64 / 96,
     # the hand-over W2 taking its words first (plain and traced), the snake walk and the scale ratios at bn 32 / 64 / 96,
     # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's
-    # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced)
+    # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced),
+    # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
+    # 64 (and as the unit grid at 32 / 64)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -971,8 +985,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
     # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, the transposed stores at
     # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's early combine rows at the
-    # same tiles
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5
+    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -1011,9 +1025,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # taking them first); the persistent grids at bn 8 / 16 / 32 / 64 / 96 (and their snake walk and scale ratios at
     # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
     # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain, lean and
-    # traced)
+    # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
+    # (and as the unit grid at 32 / 64)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6)
+                       + 6 + 8 + 6 + 4)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1026,8 +1041,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # stream-K piece once (partials stored before the release; the owner: its acquire before the loads), and
         # a stream-K or persistent W1 epilogue once more at its end (its amax words are read before the next unit's
         # epilogue), a lean W1 epilogue once more after its per-token amax, a handover W1 once more before it publishes
-        # a unit, a W1 with transposed stores once more before its rows are copied out
-        split = 3 if params.get("k_splits", 1) > 1 else 2 if params.get("stream_k") else 0
+        # a unit, a W1 with transposed stores once more before its rows are copied out; stream-K with tagged pieces
+        # not at all (a piece's stores need no meeting, an owner's warps poll their own slots)
+        split = 3 if params.get("k_splits", 1) > 1 else 0 if params.get("tagged_pieces") else 2 if params.get(
+            "stream_k") else 0
         w1_meets = 0
         if params["role"] == "w1":
             w1_meets = (1 + bool(params.get("stream_k") or params.get("persistent")) + bool(params.get("lean_epilogue"))

@@ -170,6 +170,12 @@ TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
 TRACE_TAIL_SLOTS = 4
 TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + TRACE_TAIL_SLOTS
+# tile_knobs's rings, per token tile (the configurations' deepest ring elsewhere): each CTA keeps its ring's stages
+# requested, and beyond what the bandwidth needs that only queues every request, stores and fences included, behind
+# the reads (132 SMs x 12 stages x 17.4 KB = 27.6 MB at tile 8, ~9 us at 3.14 TB/s). On an H100 tile 8's stream-K
+# loops at 6 stages were 4-11 us faster at 1-8 tokens than at 12 (5 as fast, 4 and 8 slower), tile 32 at 5 3.5% faster
+# than at 10, tile 64 at 6 1-2.5% than at 8; tile 96 lost with fewer, the two-CTA tiles 16 / 24 were mixed (step 65)
+RING_STAGES = {8: 6, 32: 5, 64: 6}
 # tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
 # 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
 STREAM_K_MAX_WAVES = 3.2
@@ -3558,6 +3564,11 @@ def all_variants():
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, lean_epilogue=lean)
                  for role in ("w1", "w2") for lean in (False, True)]
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, step_group=True, trace=True) for role in ("w1", "w2")]
+              # tile_knobs's sets at their capped rings (RING_STAGES), and tiles 32 / 64 capped as a unit grid
+              + [variant(role, tile_knobs(cap)[0], **tile_knobs(cap)[1])
+                 for role in ("w1", "w2") for cap in (1, 9, 17, 25, 33, 65)]
+              + [variant(role, bn, **{**tile_knobs(bn)[1], "persistent": False})
+                 for role in ("w1", "w2") for bn in (32, 64)]
               # the stream-K pieces published without a fence (plain, lean, traced, with step_group)
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, tagged_pieces=True, **knobs)
                  for role in ("w1", "w2")
@@ -3647,22 +3658,22 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     if capacity <= 8:
         if w1_units is not None and sms and w1_units > STREAM_K_MAX_WAVES * sms:
             return 8, {}
-        return 8, {"stream_k": True, "ctas_per_sm": 1}
+        return 8, {"stream_k": True, "ctas_per_sm": 1, "max_stages": RING_STAGES[8]}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
     persistent = {**table, "persistent": True}
     if capacity <= 32 and not two_cta_tiles:
-        return 32, persistent
+        return 32, {**persistent, "max_stages": RING_STAGES[32]}
     if capacity <= 16:
         return 16, {**table, "ctas_per_sm": 2}
     if capacity <= 24:
         return 24, {**table, "ctas_per_sm": 2}
     if capacity <= 32:  # the persistent grid's waited loop, not the pipelined one ptxas serializes (step 54)
-        return 32, persistent
+        return 32, {**persistent, "max_stages": RING_STAGES[32]}
     if wide_tile and 64 < capacity <= max(TABLE_WIDE_BLOCK_N):
         # its epilogues' outputs through shared memory and its sums in units of the step's scale (both chains under
         # one wait): 3.3% faster at GLM-5.2 T=256 on the H100, four runs (steps 57-59, docs step 61)
         return max(TABLE_WIDE_BLOCK_N), {**persistent, "transposed_stores": True, "scale_ratios": True}
-    return 64, persistent
+    return 64, {**persistent, "max_stages": RING_STAGES[64]}
 
 
 def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:
