@@ -56,6 +56,8 @@
 #           against ws_auto_pdl (docs step 65)
 #   u8rings 8-32 tokens: the tile-8 unit grid (two CTAs per SM, 6 stages each: tile_knobs's choice where W1's units
 #           pass STREAM_K_MAX_WAVES) at 4 and 3 stages per CTA
+#   waves   8 tokens at the models' shapes and wider W1s (more units per expert): tile_knobs's choice (the unit grid
+#           past STREAM_K_MAX_WAVES waves of W1 units) against the stream-K loops at 6 stages, twice (docs step 65)
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
@@ -167,6 +169,14 @@ for s in $steps; do
     u8rings) run u8rings 240 python $BENCH --check --time --pdl --extra-set u8:max_block_n=8 \
                --extra-set u8r4:max_block_n=8,max_stages=4 --extra-set u8r3:max_block_n=8,max_stages=3 \
                --tokens 8,16,32 --windows 5 --replays 10 --json "$OUT/u8rings.json" ;;
+    waves) for r in 1 2; do  # tile 8 past STREAM_K_MAX_WAVES: tile_knobs's unit grid against the stream-K loops
+             run waves$r 240 python $BENCH --check --time --pdl \
+               --extra-set sk6p:stream_k=True,ctas_per_sm=1,stages=6,pdl=True \
+               --shape ds-i2816=deepseek-v4.1-flash:inter=2816 --shape glm-i2560=glm-5.2:inter=2560 \
+               --shape glm-i3072=glm-5.2:inter=3072 \
+               --models deepseek-v4.1-flash,ds-i2816,glm-5.2,glm-i2560,glm-i3072 --tokens 8 --windows 5 --replays 10 \
+               --json "$OUT/waves$r.json"
+           done ;;
     strace) run strace 200 python $BENCH --check --time --per-role --trace \
               --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
               --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
@@ -204,7 +214,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, u8rings, strace, reads)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, u8rings, waves, strace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

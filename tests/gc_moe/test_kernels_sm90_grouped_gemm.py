@@ -182,7 +182,12 @@ def test_tile_knobs_follow_the_measured_points():
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
     # at tile 8 the default grid where W1's units pass 3.2 waves (step 24: 448-630 units on 132 SMs), else stream-K
     assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 422, 132) == (8, stream)
-    assert gg.tile_knobs(4, 423, 132) == (8, {}) and gg.tile_knobs(6, 630, 132) == (8, {})
+    unit8 = {"max_stages": gg.UNIT_GRID_8_STAGES}  # step 65: its ring capped too
+    assert gg.tile_knobs(4, 423, 132) == (8, unit8) and gg.tile_knobs(6, 630, 132) == (8, unit8)
+    for role in ("w1", "w2"):
+        unit = gg.GemmConfig(**dict(gg.variant(role, 8, **unit8).params))
+        assert not unit.stream_k and unit.ctas_per_sm == 2 and unit.stages == 4
+        assert gg.variant(role, 8, **unit8) in gg.all_variants()
     assert gg.tile_knobs(9, 5000, 132)[0] == 16  # the units decide at tile 8 only
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}  # steps 33-34
     assert gg.tile_knobs(9) == (16, {**table, "ctas_per_sm": 2}) and gg.tile_knobs(16)[0] == 16
@@ -901,9 +906,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's
     # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced),
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
-    # 64 (and as the unit grid at 32 / 64)
+    # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1026,9 +1031,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
     # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain, lean and
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
-    # (and as the unit grid at 32 / 64)
+    # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4)
+                       + 6 + 8 + 6 + 4 + 2)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)

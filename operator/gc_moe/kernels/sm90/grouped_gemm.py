@@ -176,6 +176,9 @@ TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + TRACE_TAIL_SLOTS
 # loops at 6 stages were 4-11 us faster at 1-8 tokens than at 12 (5 as fast, 4 and 8 slower), tile 32 at 5 3.5% faster
 # than at 10, tile 64 at 6 1-2.5% than at 8; tile 96 lost with fewer, the two-CTA tiles 16 / 24 were mixed (step 65)
 RING_STAGES = {8: 6, 32: 5, 64: 6}
+# and tile 8's unit grid (two CTAs per SM, 6 stages each by default) where tile_knobs takes it: at 4 stages each
+# 2-5 us faster at 8-32 tokens but DeepSeek-V4.1-Flash T=32 (+1 us; tile_knobs runs tile 16 there), at 3 mixed
+UNIT_GRID_8_STAGES = 4
 # tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
 # 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
 STREAM_K_MAX_WAVES = 3.2
@@ -3569,6 +3572,7 @@ def all_variants():
                  for role in ("w1", "w2") for cap in (1, 9, 17, 25, 33, 65)]
               + [variant(role, bn, **{**tile_knobs(bn)[1], "persistent": False})
                  for role in ("w1", "w2") for bn in (32, 64)]
+              + [variant(role, 8, max_stages=UNIT_GRID_8_STAGES) for role in ("w1", "w2")]
               # the stream-K pieces published without a fence (plain, lean, traced, with step_group)
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, tagged_pieces=True, **knobs)
                  for role in ("w1", "w2")
@@ -3652,12 +3656,14 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     models' 128-256 tokens and 1.8-6.5% on the H200, steps 50 and 54; at tile 32 with the waited loop instead of the
     serialized pipelined one, 4.1% faster on the H200 at both models, step 54; at tile 16 it is 2-5% slower, at 24 it
     is not built); the wide tile with `transposed_stores` and `scale_ratios` (3.3% faster at GLM-5.2 T=256 on the
-    H100, step 61; at tiles 32 / 64 the two were within +-1.2%, so they stay off there)."""
+    H100, step 61; at tiles 32 / 64 the two were within +-1.2%, so they stay off there). The rings of tile 8 (both
+    grids), 32 and 64 are capped (`max_stages`: RING_STAGES, UNIT_GRID_8_STAGES; step 65: a deeper ring only queues
+    every request behind the reads)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
         if w1_units is not None and sms and w1_units > STREAM_K_MAX_WAVES * sms:
-            return 8, {}
+            return 8, {"max_stages": UNIT_GRID_8_STAGES}
         return 8, {"stream_k": True, "ctas_per_sm": 1, "max_stages": RING_STAGES[8]}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
     persistent = {**table, "persistent": True}
