@@ -180,10 +180,10 @@ def _tile_knobs_without(block_n, *names):
 def test_tile_knobs_follow_the_measured_points():
     stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6}  # step 65: the ring at 6 stages, not 12
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
-    # at tile 8 the default grid where W1's units pass 3.2 waves (step 24: 448-630 units on 132 SMs), else stream-K
-    assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 422, 132) == (8, stream)
+    # at tile 8 the default grid where W1's units pass 5.4 waves (past step 65's measured 704 units on 132 SMs)
+    assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 712, 132) == (8, stream)
     unit8 = {"max_stages": gg.UNIT_GRID_8_STAGES}  # step 65: its ring capped too
-    assert gg.tile_knobs(4, 423, 132) == (8, unit8) and gg.tile_knobs(6, 630, 132) == (8, unit8)
+    assert gg.tile_knobs(4, 713, 132) == (8, unit8) and gg.tile_knobs(6, 900, 132) == (8, unit8)
     for role in ("w1", "w2"):
         unit = gg.GemmConfig(**dict(gg.variant(role, 8, **unit8).params))
         assert not unit.stream_k and unit.ctas_per_sm == 2 and unit.stages == 4

@@ -179,9 +179,11 @@ RING_STAGES = {8: 6, 32: 5, 64: 6}
 # and tile 8's unit grid (two CTAs per SM, 6 stages each by default) where tile_knobs takes it: at 4 stages each
 # 2-5 us faster at 8-32 tokens but DeepSeek-V4.1-Flash T=32 (+1 us; tile_knobs runs tile 16 there), at 3 mixed
 UNIT_GRID_8_STAGES = 4
-# tile_knobs: above this many waves of W1 units the balance of a stream-K loop buys less than its pieces cost (step 24:
-# 0.5-3.6% slower at 448-630 units on 132 SMs, 2-17% faster at up to 400)
-STREAM_K_MAX_WAVES = 3.2
+# tile_knobs: above this many waves of W1 units tile 8 runs the unit grid instead of the stream-K loops. Step 24 (12
+# stages) found the stream-K loops 0.5-3.6% slower at 448-630 units on 132 SMs; with step 65's rings they were 1-6%
+# faster at 448-704 units (3.4-5.3 waves; the unit grid at 6 stages per CTA, 2-4 us more than at its capped 4), so
+# the unit grid is left for what was not measured
+STREAM_K_MAX_WAVES = 5.4
 K_SPLIT_CHOICES = (1, 2, 3, 4)
 K_SPLIT_MAX_BLOCK_N = 16  # the calls that leave SMs idle use tiles of 8 / 16; at 32 the split epilogue spills
 
@@ -3640,7 +3642,8 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; against the grid of units at two CTAs per
     SM 5-41% faster at 1 token, -4..+10% at 2-8, step 24; it replaces the per-call CTAs-per-SM and K-split rules),
     except where W1's units with tokens (token tiles x 2I/256, `w1_units`, when the caller knows them and the
-    `sms`) exceed STREAM_K_MAX_WAVES waves of the SMs: there the default grid (two CTAs per SM) is 0.5-3.6% faster; beyond, the table decode with N fitted to
+    `sms`) exceed STREAM_K_MAX_WAVES waves of the SMs (past what was measured: the default grid, two CTAs per SM,
+    there); beyond, the table decode with N fitted to
     each tile's rows (`fit_n`: 3-11% faster than the whole tile): up to 16 rows at tile 16 and two CTAs per SM
     (13-16% faster than one: twice the warps per SM to hide latency with), up to 24 at tile 24, two CTAs per SM
     (5-8% faster than tile 32), up to 32 at tile 32, beyond with 64-token tiles (the weights decoded once per 64

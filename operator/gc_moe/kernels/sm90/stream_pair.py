@@ -66,13 +66,16 @@ class PairConfig:
     # W1's hand-over words released by an 18th warp instead of the consumers' thread 0, whose GPU-scope release
     # stalled warpgroup 0 and the ring after every finished unit (`grouped_gemm.GemmConfig.publisher_warp`, step 46)
     publisher_warp: bool = False
+    # the ring both halves share: tile 8's stream-K depth (`grouped_gemm.RING_STAGES`, step 65) unless named
+    stages: int | None = None
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
         return gg.GemmConfig(role, BLOCK_N, swiglu_alpha=self.swiglu_alpha, swiglu_clamp=self.swiglu_clamp,
                              warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
                              lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights, trace=self.trace,
-                             words_first=self.words_first, publisher_warp=self.publisher_warp)
+                             words_first=self.words_first, publisher_warp=self.publisher_warp,
+                             stages=self.stages if self.stages is not None else gg.RING_STAGES[BLOCK_N])
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -83,12 +86,14 @@ class PairConfig:
 
 
 def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False,
-            sm_weights: bool = False, trace: bool = False, words_first: bool = False, publisher_warp: bool = False):
-    """The runtime KernelVariant of the pair kernel."""
+            sm_weights: bool = False, trace: bool = False, words_first: bool = False, publisher_warp: bool = False,
+            stages: int | None = None):
+    """The runtime KernelVariant of the pair kernel (stages: its ring, None for tile 8's adopted depth)."""
     from gc_moe.runtime.jit import KernelVariant
 
-    PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace, words_first, publisher_warp)  # validates
-    params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp}
+    cfg = PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace, words_first, publisher_warp,
+                     stages)  # validates
+    params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp, "stages": cfg.half("w1").stages}
     if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
         params["lean_epilogue"] = True
     if sm_weights:
@@ -118,7 +123,7 @@ def all_variants():
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
                lean_epilogue: bool = False, sm_weights: bool = False, trace: bool = False,
-               words_first: bool = False, publisher_warp: bool = False):
+               words_first: bool = False, publisher_warp: bool = False, stages: int | None = None):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -127,7 +132,7 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
     host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace,
-                                         words_first, publisher_warp))
+                                         words_first, publisher_warp, stages))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
