@@ -2034,6 +2034,22 @@ def test_step_group_knob_where_it_applies():
         assert "step_group" not in dict(gg.variant("w1", bn, step_group=True, **knobs).params), (bn, knobs)
 
 
+def test_w2_early_stages_knob_where_it_applies():
+    """w2_early_stages: the stand-alone stream-K W2 only, 1..its ring; sets may name it everywhere (the variant drops it
+    where it does not apply and caps it at the ring); its own kernel name."""
+    knobs = gg.tile_knobs(1)[1]
+    params = dict(gg.variant("w2", 8, w2_early_stages=4, **knobs).params)
+    assert params["w2_early_stages"] == 4 and "_e4" in gg.GemmConfig(**params).name
+    assert dict(gg.variant("w2", 8, w2_early_stages=9, **knobs).params)["w2_early_stages"] == gg.RING_STAGES[8]
+    for role, bn, more in (("w1", 8, knobs), ("w2", 16, gg.tile_knobs(16)[1]), ("w2", 8, {}),
+                           ("w2", 8, {"stream_k": True, "ctas_per_sm": 1, "handover": True})):
+        assert "w2_early_stages" not in dict(gg.variant(role, bn, w2_early_stages=2, **more).params), (role, bn)
+    for bad in ({"role": "w1", "stream_k": True, "ctas_per_sm": 1}, {"role": "w2"},
+                {"role": "w2", "stream_k": True, "ctas_per_sm": 1, "stages": 6, "w2_early_stages": 7}):
+        with pytest.raises(ValueError, match="w2_early_stages"):
+            gg.GemmConfig(**{"block_n": 8, "w2_early_stages": 2, **bad})
+
+
 def test_tagged_pieces_knob_where_it_applies():
     """tagged_pieces: the stand-alone stream-K loops only (not the hand-over ones); sets may name it everywhere, the
     variant drops it where it does not apply; its own kernel name (the bench keys split buffers by name); its split

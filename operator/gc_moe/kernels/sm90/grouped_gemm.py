@@ -363,6 +363,10 @@ class GemmConfig:
     # held a piece's whole CTA 5-7 us at the median, up to 15, on an H100 (step 63's traces): the fence waits for
     # the SM's memory traffic in flight. The split buffers start empty (`split_buffers`)
     tagged_pieces: bool = False
+    # the stand-alone stream_k W2: how many of its first stages' weights its producer issues before it waits for W1's
+    # grid (`griddepcontrol.wait`); None: half the ring (step 29: a whole ring of 12 left the memory idle until the
+    # consumers freed stage 0). With W2 launched programmatically these bytes move during W1's last CTAs
+    w2_early_stages: int | None = None
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -439,6 +443,11 @@ class GemmConfig:
         if self.tagged_pieces and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tagged_pieces is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
                              "pair kernel's halves, not handover: their words keep the fenced publication)")
+        if self.w2_early_stages is not None and not (
+                self.role == "w2" and self.stream_k and not self.stream_pair and not self.handover
+                and self.stages is not None and 1 <= self.w2_early_stages <= self.stages):
+            raise ValueError(f"w2_early_stages {self.w2_early_stages}: a knob of the stand-alone stream_k W2 (role 'w2', "
+                             f"stream_k=True, not the pair's half, not handover), 1..stages ({self.stages})")
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
@@ -713,6 +722,7 @@ class GemmConfig:
                   else "_skt" if self.trace else "_sk") + ("_ho" if self.handover else "")
             s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
             s += "_tag" if self.tagged_pieces else ""
+            s += f"_e{self.w2_early_stages}" if self.w2_early_stages is not None else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -933,6 +943,7 @@ def _make_kernel(cfg: GemmConfig):
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
+    W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -1225,8 +1236,8 @@ def _make_kernel(cfg: GemmConfig):
                 # half the ring: stage 0 completes only once the weights ahead of its rows have landed, and a full
                 # ring of them left the memory idle until the consumers freed stage 0 (W2 alone ~3 us slower)
                 early = k_steps
-                if early > STAGES // 2:
-                    early = Int32(STAGES // 2)
+                if early > W2_EARLY:
+                    early = Int32(W2_EARLY)
                 for kb in cutlass.range(early):
                     issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, kb)
                 ptx.griddepcontrol_wait()
@@ -3275,7 +3286,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
-               tagged_pieces: bool = False):
+               tagged_pieces: bool = False, w2_early_stages: int | None = None):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3290,7 +3301,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
-                     step_group=step_group, tagged_pieces=tagged_pieces)
+                     step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3306,7 +3317,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             lean_epilogue: bool = False, handover: bool = False,
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
-            step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None):
+            step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
+            w2_early_stages: int | None = None):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3385,6 +3397,11 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             raise ValueError(f"max_stages {max_stages}: allowed >= 2 (a ring of at least two stages)")
         if cfg.stages > max_stages:
             cfg = replace(cfg, stages=max_stages)
+    # a knob of the stand-alone stream-K W2 (sets may name it everywhere), at most the ring
+    if w2_early_stages is not None and role == "w2" and stream_k and not handover:
+        cfg = replace(cfg, w2_early_stages=min(w2_early_stages, cfg.stages))
+    else:
+        w2_early_stages = None
     params = {"role": role, "block_n": block_n, "stages": cfg.stages}
     if ctas_per_sm is not None and ctas_per_sm != GemmConfig(role, block_n, fold_scales=fold_scales,
                                                             ring_consumer=ring_consumer,
@@ -3437,6 +3454,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["step_group"] = True
     if tagged_pieces:
         params["tagged_pieces"] = True
+    if w2_early_stages is not None:
+        params["w2_early_stages"] = cfg.w2_early_stages
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
