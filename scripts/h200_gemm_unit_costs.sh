@@ -54,6 +54,8 @@
 #           12 (`sk12p`), and 6 with tagged_pieces or step_group: how deep the ring must be (docs step 65)
 #   rings   16-256 tokens, twice: tile_knobs's sets with every ring capped at 6, 5, 4 and 3 stages (max_stages)
 #           against ws_auto_pdl (docs step 65)
+#   rings16 24-128 tokens, twice: tile_knobs's sets with every ring capped at 4 and 3 stages, for the points at the
+#           two-CTA tiles 16 / 24 (the rows' block_n; docs step 65)
 #   u8rings 8-32 tokens: the tile-8 unit grid (two CTAs per SM, 6 stages each: tile_knobs's choice where W1's units
 #           pass STREAM_K_MAX_WAVES) at 4 and 3 stages per CTA
 #   waves   8 tokens at the models' shapes and wider W1s (more units per expert): tile_knobs's choice (the unit grid
@@ -170,6 +172,11 @@ for s in $steps; do
                --auto-set r4:max_stages=4,pdl=True --auto-set r3:max_stages=3,pdl=True \
                --tokens 16,32,64,128,256 --windows 5 --replays 10 --json "$OUT/rings$r.json"
            done ;;
+    rings16) for r in 1 2; do  # the two-CTA tiles 16 / 24 (5 stages each) at 4 and 3: the points that land there
+               run rings16-$r 300 python $BENCH --check --time --auto-ctas --pdl \
+                 --auto-set r4:max_stages=4,pdl=True --auto-set r3:max_stages=3,pdl=True \
+                 --tokens 24,32,40,48,64,80,96,128 --windows 5 --replays 10 --json "$OUT/rings16-$r.json"
+             done ;;
     u8rings) run u8rings 240 python $BENCH --check --time --pdl --extra-set u8:max_block_n=8 \
                --extra-set u8r4:max_block_n=8,max_stages=4 --extra-set u8r3:max_block_n=8,max_stages=3 \
                --tokens 8,16,32 --windows 5 --replays 10 --json "$OUT/u8rings.json" ;;
@@ -224,7 +231,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, u8rings, waves, early, strace, reads)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
