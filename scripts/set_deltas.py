@@ -19,10 +19,24 @@ def main() -> int:
     if any(len(p) != 2 or not all(p) for p in pairs):
         print(f"--pairs wants CANDIDATE:BASELINE[,...], got {args.pairs!r}", file=sys.stderr)
         return 2
-    with open(args.json) as f:
-        data = json.load(f)
-    rows = {(r["tag"], r["model"], r["tokens"]): r for r in data["rows"]}
-    print(f"read bandwidth {data['read_bw_bytes_per_s'] / 1e12:.2f} TB/s; cold us, candidate - baseline "
+    try:
+        with open(args.json) as f:
+            data = json.load(f)
+        rows = {(r["tag"], r["model"], r["tokens"]): r for r in data["rows"]}
+        bandwidth = data["read_bw_bytes_per_s"]
+    except FileNotFoundError:
+        print(f"{args.json}: no such file", file=sys.stderr)
+        return 2
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        print(f"{args.json} is not a bench_grouped_gemm_sm90.py --json file ({exc!r}): it needs read_bw_bytes_per_s and "
+              "rows with tag, model, tokens", file=sys.stderr)
+        return 2
+    tags = {tag for tag, _, _ in rows}
+    unknown = sorted({t for pair in pairs for t in pair} - tags)
+    if unknown:
+        print(f"--pairs names sets the run does not have: {unknown}; it has {sorted(tags)}", file=sys.stderr)
+        return 2
+    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s; cold us, candidate - baseline "
           "(point / W1 alone / W2 alone)")
     print(f"{'model':<22} {'T':>4} {'candidate':>10} {'baseline':>10} {'point':>14} {'W1':>14} {'W2':>14}")
     missing = 0
