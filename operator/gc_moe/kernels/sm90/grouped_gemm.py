@@ -2415,7 +2415,7 @@ def _make_kernel(cfg: GemmConfig):
         whichever arrives last) and runs the epilogue: from the stage of its step `next_step` where its producer
         put them (up to STAGED_PIECES pieces), else after thread 0's bounded wait for their arrivals. Needs every
         CTA of the grid resident at once (the launch's ctas_per_sm x SMs). tagged_pieces: the pieces' slots
-        instead (`early`: the owner's first pieces' words as loaded before its K loop, `piece_slots`)."""
+        instead (`early`: the owner's first pieces' words as loaded before its K loop; `piece_slot`)."""
         split_partials, split_counts = split
         per = BN // 2
         last = Float32(1.0)
