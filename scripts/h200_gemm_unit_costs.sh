@@ -63,9 +63,6 @@
 #   early   1-8 tokens, twice: the programmatic W2 issuing 2, 4 or all 6 of its first stages' weights before it waits
 #           for W1's grid (GemmConfig.w2_early_stages; tile_knobs's W2 issues half its ring, 3) against ws_auto_pdl
 #           (docs step 66)
-#   tlb     1-8 tokens, twice: tile_knobs's sets with every weight page prefetched into the L2 before the unit scan
-#           (GemmConfig.tlb_prefetch) against ws_auto_pdl, and the traced loops at 6 stages with and without it
-#           (docs step 67)
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
@@ -117,8 +114,6 @@ for s in $steps; do
              --extra-set sg6p:stream_k=True,ctas_per_sm=1,stages=6,step_group=True \
              --auto-set r6:max_stages=6 --auto-set r5:max_stages=5 --auto-set r4:max_stages=4 \
              --auto-set e2:w2_early_stages=2 --auto-set e4:w2_early_stages=4 --auto-set e6:w2_early_stages=6 \
-             --auto-set pf:tlb_prefetch=True \
-             --extra-set skt6pf:stream_k=True,ctas_per_sm=1,trace=True,stages=6,tlb_prefetch=True \
              --auto-set r3:max_stages=3 --extra-set u8:max_block_n=8 --extra-set u8r4:max_block_n=8,max_stages=4 \
              --extra-set u8r3:max_block_n=8,max_stages=3 \
              --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True \
@@ -199,14 +194,6 @@ for s in $steps; do
                --auto-set e6:w2_early_stages=6,pdl=True \
                --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/early$r.json"
            done ;;
-    tlb) for r in 1 2; do  # the weights' pages prefetched into the L2 before the unit scan (tlb_prefetch)
-           run tlb$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
-             --auto-set pf:tlb_prefetch=True,pdl=True --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/tlb$r.json"
-         done
-         run tlbtrace 200 python $BENCH --check --time --per-role --trace \
-           --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
-           --extra-set skt6pf:stream_k=True,ctas_per_sm=1,trace=True,stages=6,tlb_prefetch=True \
-           --tokens 1,8 --windows 3 --replays 10 --json "$OUT/tlbtrace.json" ;;
     strace) run strace 200 python $BENCH --check --time --per-role --trace \
               --extra-set skt1:stream_k=True,ctas_per_sm=1,trace=True \
               --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
@@ -244,7 +231,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, tlb, strace, reads)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

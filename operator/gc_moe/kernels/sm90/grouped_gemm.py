@@ -367,12 +367,6 @@ class GemmConfig:
     # grid (`griddepcontrol.wait`); None: half the ring (step 29: a whole ring of 12 left the memory idle until the
     # consumers freed stage 0). With W2 launched programmatically these bytes move during W1's last CTAs
     w2_early_stages: int | None = None
-    # the stand-alone stream_k W1 / W2: before its unit scan the producer warp of every CTA prefetches one line of
-    # each 2 MB page of the launch's weight codes and K32 scales into the L2 (the pages spread over the CTAs and
-    # lanes). A measuring knob for step 67: W1's first full stage arrives ~2.8 us after the scan at every ring depth,
-    # over three DRAM round trips; if the weights' address translations after the L2 flush are why, these requests
-    # walk them during the scan
-    tlb_prefetch: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -449,9 +443,6 @@ class GemmConfig:
         if self.tagged_pieces and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tagged_pieces is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
                              "pair kernel's halves, not handover: their words keep the fenced publication)")
-        if self.tlb_prefetch and not (self.stream_k and not self.stream_pair):
-            raise ValueError("tlb_prefetch is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
-                             "pair kernel's halves)")
         if self.w2_early_stages is not None and not (
                 self.role == "w2" and self.stream_k and not self.stream_pair and not self.handover
                 and self.stages is not None and 1 <= self.w2_early_stages <= self.stages):
@@ -732,7 +723,6 @@ class GemmConfig:
             s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
             s += "_tag" if self.tagged_pieces else ""
             s += f"_e{self.w2_early_stages}" if self.w2_early_stages is not None else ""
-            s += "_pf" if self.tlb_prefetch else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -954,7 +944,6 @@ def _make_kernel(cfg: GemmConfig):
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
     W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
-    TLB_PREFETCH = cfg.tlb_prefetch  # one L2 prefetch per 2 MB page of the weights before the unit scan
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
     # The persistent role2 loop keeps its stage barriers across units of both halves, so the fused W1 half
@@ -2503,16 +2492,6 @@ def _make_kernel(cfg: GemmConfig):
         return factor, words
 
     @cute.jit
-    def prefetch_pages(base, nbytes, cta, ctas, lane):
-        """tlb_prefetch: this producer lane's share of one L2 prefetch per 2 MB page of [base, base + nbytes): pages
-        cta + lane x ctas, then every 32 x ctas on."""
-        page = cta + lane * ctas
-        pages = (nbytes + Int64((1 << 21) - 1)) >> 21
-        while page < pages:
-            ptx.prefetch_l2(base + (page << 21))
-            page = page + Int64(32) * ctas
-
-    @cute.jit
     def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args, handover=None):
         """A stream_k CTA (GemmConfig.stream_k): its share of the steps of the units with tokens, unit after unit
         on one stage ring (initialized once; `base` counts the CTA's steps). The producer warp and the consumer
@@ -2528,12 +2507,6 @@ def _make_kernel(cfg: GemmConfig):
             ptx.griddepcontrol_launch_dependents()
         coords = thread_coords(tid)
         cta = Int32(cute.arch.block_idx()[0])
-        if cutlass.const_expr(TLB_PREFETCH):  # noqa: SIM102 (a trace-time branch around a device one)
-            if tid >= THREADS:
-                tiles = Int64(experts) * Int64(m_tiles) * Int64(k_blocks)
-                grid_ctas = Int64(cute.arch.grid_dim()[0])
-                prefetch_pages(a[0], tiles * TILE_BYTES, Int64(cta), grid_ctas, Int64(tid - THREADS))
-                prefetch_pages(a[1], tiles * TILE_SCALE_BYTES, Int64(cta), grid_ctas, Int64(tid - THREADS))
         trace = Int64(0)
         if cutlass.const_expr(TRACE):
             trace, split = trace_slots(split, cta, tid)
@@ -3313,7 +3286,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
-               tagged_pieces: bool = False, w2_early_stages: int | None = None, tlb_prefetch: bool = False):
+               tagged_pieces: bool = False, w2_early_stages: int | None = None):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3328,8 +3301,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
-                     step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     tlb_prefetch=tlb_prefetch)
+                     step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3346,7 +3318,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, tlb_prefetch: bool = False):
+            w2_early_stages: int | None = None):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3484,10 +3456,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["tagged_pieces"] = True
     if w2_early_stages is not None:
         params["w2_early_stages"] = cfg.w2_early_stages
-    tlb_prefetch = tlb_prefetch and stream_k  # a knob of the stream-K loops: sets may name it everywhere
-    if tlb_prefetch:
-        cfg = replace(cfg, tlb_prefetch=True)
-        params["tlb_prefetch"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")

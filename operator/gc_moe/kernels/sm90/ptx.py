@@ -610,11 +610,6 @@ def wait_all_bits_relaxed_gpu(addr: Int64, bits: Int64, started: Int64, timeout_
     )
 
 
-def prefetch_l2(addr: Int64) -> None:
-    """Ask for the line at `addr` in the L2 (its address translated on the way); nothing comes back."""
-    asm("prefetch.global.L2 [$0];", [], [addr])
-
-
 # ------------------------------------------------------------------------------------------ stream-K tagged pieces
 # A piece slot holds 32-bit words that are either a partial's bits or PIECE_EMPTY: pieces store their partials with
 # no fence (a value never has these bits: it is clamped one below), the owner polls until no word of a slot is
