@@ -476,6 +476,11 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
         if pt.pair is None:
             # a handover set's kernels run in pairs only: its trace is the pair's
             row["trace"] = trace_point(pt, stream, flush) if pt.ready is None else {}
+            if args.trace_warm and pt.ready is None:
+                row["trace_warm"] = trace_point(pt, stream, flush, warm=True)
+                for role, tr in row["trace_warm"].items():
+                    brief = {k: v for k, v in tr.items() if k != "ctas_by_sm_runs"}
+                    print(f"# warm trace {row['tag']} {pt.name} T={pt.tokens} {role}: {json.dumps(brief)}", flush=True)
             pair = pair_trace_point(pt, stream, flush)
         else:  # the pair kernel: traced only in its trace variant
             row["trace"], pair = pair_kernel_trace_point(pt, stream, flush)
@@ -489,9 +494,10 @@ def run_point(pt, row, args, stream, flush, bw) -> bool:
     return ok
 
 
-def trace_summary(words, segments) -> dict:
+def trace_summary(words, segments, role: str = "") -> dict:
     """Phases of one traced stream_k launch (GemmConfig.trace), in us: the CTAs' start spread, the unit scan, the
-    first full stage after it, the K loops' time per step and the waits in them (consumers for full stages,
+    first full stage after it (a stand-alone W1, role "w1": split where its producer's first copies went out, after
+    its own scan end), the K loops' time per step and the waits in them (consumers for full stages,
     producer for empty ones), the first full stage of later segments (the ring at a unit switch), the epilogues by
     kind (an owner's includes its wait for the pieces), the CTAs' end spread and the span from the first start to
     the last end."""
@@ -531,11 +537,24 @@ def trace_summary(words, segments) -> dict:
 
     def med_max(v):
         return (round(statistics.median(v), 2), round(max(v), 2)) if v else None
+    first_copies = {}
+    if role == "w1" and all(r[tail + 3][1] for _, r in rows):  # the stand-alone W1's stamp (not the pair kernel's)
+        first_copies = {
+            # the producer's path from its scan to its first copies out, then the memory's to thread 0's full stage
+            "first_issue_us": med_max([us(r[tail + 3][1], r[2][1]) for _, r in rows]),
+            "first_landed_us": med_max([us(r[4][1], r[tail + 3][1]) for _, r in rows]),
+            # its path in parts (median, max us): the range computed, the first unit looked up, the copies' sources
+            # computed, the copies out (each from the one before)
+            "first_issue_parts_us": {
+                part: med_max([us(r[end][1], r[start][1]) for _, r in rows])
+                for part, start, end in (("range", 2, tail + 4), ("lookup", tail + 4, tail + 5),
+                                         ("sources", tail + 5, tail + 6), ("copies", tail + 6, tail + 3))},
+        }
     return {
         "ctas": len(rows), "ghz": round(ghz, 3), "span_us": round((max(ends) - t0) / 1e3, 2),
         "start_spread_us": round((max(starts) - t0) / 1e3, 2),
         "scan_us": med_max([us(r[1][1], r[0][1]) for _, r in rows]),
-        "first_stage_us": med_max([us(r[4][1], r[1][1]) for _, r in rows]),
+        "first_stage_us": med_max([us(r[4][1], r[1][1]) for _, r in rows]), **first_copies,
         "us_per_step": round(loop_us / max(loop_steps, 1), 3), "steps_per_cta": round(loop_steps / len(rows), 1),
         # per step: thread 0's wait for full stages (the data late) and the producer's for empty ones (the
         # consumers late); the first stage's wait of each segment included
@@ -550,11 +569,13 @@ def trace_summary(words, segments) -> dict:
     }
 
 
-def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2"), replay: bool = False):
+def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2"), replay: bool = False, warm: bool = False):
     """Launches the point's kernels (`roles`) `runs` times, each after a read flush of the L2 and synchronized:
     yields after each, for the caller to read what the launch stamped. replay: the kernels as one captured graph,
     replayed (a programmatic W2 launched eagerly waits for the host's second launch, 65-240 us after W1 ends, which
-    is not what the timed graph replays see)."""
+    is not what the timed graph replays see). warm: the same launch once more between the flush and the one that
+    counts, so its code, the routing's words and the activations are in the caches and only the weights (more than
+    the L2 holds, read in the same order) are not."""
     graph = None
     if replay:
         graph = torch.cuda.CUDAGraph()
@@ -563,17 +584,19 @@ def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2"), replay: b
     for run in range(runs):
         with torch.cuda.stream(stream):
             read_flush(flush)
-            if graph is None:
-                pt.launch(stream, roles=roles)
-            else:
-                graph.replay()
+            for _ in range(2 if warm else 1):
+                if graph is None:
+                    pt.launch(stream, roles=roles)
+                else:
+                    graph.replay()
         stream.synchronize()
         yield run
 
 
-def trace_point(pt, stream, flush, runs: int = 3) -> dict:
+def trace_point(pt, stream, flush, runs: int = 3, warm: bool = False) -> dict:
     """Each traced stream_k kernel of the point launched after a read flush `runs` times: the summary of the run
-    with the median span (`trace_summary`), with every run's per-CTA (SM, start, end, steps) lists."""
+    with the median span (`trace_summary`), with every run's per-CTA (SM, start, end, steps) lists. warm: each
+    traced launch right after the same launch (`after_read_flush`)."""
     from gc_moe.kernels.sm90 import grouped_gemm as gg
 
     out = {}
@@ -581,8 +604,8 @@ def trace_point(pt, stream, flush, runs: int = 3) -> dict:
         if not dict(kernel.entry.variant.params).get("trace"):
             continue
         ctas, segments = traced_segments(pt, kernel, mat)
-        results = [trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments)  # W2 reads the last W1's output
-                   for _ in after_read_flush(pt, stream, flush, runs, roles=(role,))]
+        results = [trace_summary(split[0][: ctas * gg.TRACE_SLOTS * 4], segments, role)  # W2 reads W1's last output
+                   for _ in after_read_flush(pt, stream, flush, runs, roles=(role,), warm=warm)]
         runs_by_sm = [r.pop("ctas_by_sm") for r in results]  # every run's, in launch order
         results.sort(key=lambda r: r["span_us"])
         out[role] = {**results[len(results) // 2], "ctas_by_sm_runs": runs_by_sm}
@@ -829,6 +852,9 @@ def main() -> int:
                     help="for sets with traced stream-K loops (an --extra-set with stream_k=True,trace=True): each "
                          "kernel's phases after a read flush, into the row's `trace` (start, unit scan, first stage, "
                          "us per K128 step, unit switches, epilogues, end spread)")
+    ap.add_argument("--trace-warm", action="store_true",
+                    help="with --trace: also each traced kernel launched right after the same launch (after the "
+                         "flush), into `trace_warm`: its code, routing words and activations cached, its weights not")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--flush", default="read", choices=("read", "write", "both"),
                     help="the cold timing's L2 flush: read 256 MB (default), write them (the earlier method), or "

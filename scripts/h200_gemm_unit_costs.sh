@@ -64,6 +64,9 @@
 #           for W1's grid (GemmConfig.w2_early_stages; tile_knobs's W2 issues half its ring, 3) against ws_auto_pdl
 #           (docs step 66)
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
+#   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
+#           (--trace-warm: code, routing words and activations cached), W1's first stage split at its producer's
+#           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -199,6 +202,9 @@ for s in $steps; do
               --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
               --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
               --tokens 1,8 --windows 3 --replays 10 --json "$OUT/strace.json" ;;
+    cold) run cold 200 python $BENCH --check --time --per-role --trace --trace-warm \
+            --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
+            --tokens 1,8 --windows 3 --replays 10 --json "$OUT/cold.json" ;;
     reads) run reads 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set ws_auto_pair:pair=True --tokens 1,2,4,8,64,256 --windows 5 --replays 10 --json "$OUT/reads.json" ;;
     table) run table 300 python $BENCH --check --time --auto-ctas --pdl --auto-set unit:persistent=False \

@@ -823,6 +823,28 @@ def test_pair_trace_summary_reads_the_handover_on_one_timer():
     assert got["w2_end_spread_us"] == 2.5 and got["span_us"] == 52.5
 
 
+def test_trace_summary_splits_w1s_first_stage_at_its_first_copies():
+    """The bench's trace summary of a stand-alone W1: the first full stage after the scan split where the producer's
+    first copies went out (clock64 cycles of the CTA's SM, at the clock the CTA's stamps give); W2's summary, whose
+    same slot holds its wait, has no such split."""
+    bench = _load_script("bench_grouped_gemm_sm90")
+    tail = 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+    w = torch.zeros(2, gg.TRACE_SLOTS, 2, dtype=torch.int64)
+    for c, (issue_ns, full_ns) in enumerate(((1500, 3600), (1300, 3800))):  # after a scan ending at 1000 ns
+        for slot, ns in ((0, 0), (1, 1000), (2, 1000), (4, full_ns), (tail + 3, issue_ns), (3 + 2, 9000),
+                         (tail, 20000), (tail + 1, 20000 + c), (tail + 4, 1100), (tail + 5, 1150 + 100 * c),
+                         (tail + 6, 1250)):
+            w[c, slot, 0], w[c, slot, 1] = 10**9 + ns, 2 * ns  # 2 cycles per ns
+        w[c, tail + 2, 0] = 1  # one segment
+    segments = [[(8, "whole")], [(8, "whole")]]
+    got = bench.trace_summary(w.view(-1), segments, "w1")
+    assert got["first_stage_us"] == (2.7, 2.8) and got["ghz"] == 2.0
+    assert got["first_issue_us"] == (0.4, 0.5) and got["first_landed_us"] == (2.3, 2.5)
+    assert got["first_issue_parts_us"] == {"range": (0.1, 0.1), "lookup": (0.1, 0.15), "sources": (0.05, 0.1),
+                                           "copies": (0.15, 0.25)}
+    assert "first_issue_us" not in bench.trace_summary(w.view(-1), segments, "w2")
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1640,6 +1662,9 @@ def test_traced_programmatic_pair_stamps_the_handover_in_order():
     w2 = [w for w, seg in zip(words[1], seg2) if seg]
     assert all(w[tail + 3][0] >= max(w1_ends) for w in w2), "a W2 producer passed its wait before W1's grid ended"
     assert all(w[4][0] >= w[tail + 3][0] for w in w2)  # the first stage holds W1's rows: after the wait
+    w1 = [w for w, seg in zip(words[0], seg1) if seg]  # W1's producer: scan, first copies out, then the full stage
+    assert all(w[2][0] <= w[tail + 3][0] <= w[4][0] and w[tail + 3][1] > 0 for w in w1)
+    assert all(w[2][1] <= w[tail + 4][1] <= w[tail + 5][1] <= w[tail + 6][1] <= w[tail + 3][1] for w in w1)  # its path
     got = bench.pair_trace_summary(split1[0][: ctas * gg.TRACE_SLOTS * 4], seg1,
                                    split2[0][: ctas * gg.TRACE_SLOTS * 4], seg2)
     assert got["w2_first_start_us"] >= got["w1_first_end_us"] and got["span_us"] > got["w1_last_end_us"] > 0

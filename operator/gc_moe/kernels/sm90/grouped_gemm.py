@@ -151,10 +151,12 @@ SCALE_RATIO_FLOOR = 2.0 ** -64
 # head of the partials buffer (the pieces' partials after them): entry, after the unit scan (consumer / producer),
 # then per segment (up to TRACE_SEGMENTS) its start, first full stage, end of its K loop, end of its epilogue and
 # the cycles thread 0 waited for full stages and the producer for empty ones; the producer's and the consumers' end,
-# the segment count and the SM the CTA ran on, and W2's: when its producer's `griddepcontrol.wait` returned (the
-# bench's `trace_summary` and `pair_trace_summary` read them). One CTA per SM only: the traced two-CTA W1 loop
-# spilled 8 B and wrote other bytes than the plain loop in about one launch of eight (never root-caused; the plain
-# two-CTA loops pass the same relaunch checks), so it is not built
+# the segment count and the SM the CTA ran on, and W2's: when its producer's `griddepcontrol.wait` returned (W1's,
+# outside the pair kernel: when its producer's first copies were out, and three more of its producer's path to them:
+# its range known, its first unit looked up, its copies' sources computed; the bench's `trace_summary` and
+# `pair_trace_summary` read them). One CTA per SM only: the traced two-CTA W1 loop spilled 8 B and wrote other
+# bytes than the plain loop in about one launch of eight (never root-caused; the plain two-CTA loops pass the same
+# relaunch checks), so it is not built
 # stream_pair with sm_weights: the per-SM weight table has one int32 per %smid below this (0: no CTA there); its two
 # exclusive prefixes (weight, working SMs) live in shared memory, MAX_SM_IDS + 1 entries each
 MAX_SM_IDS = 256
@@ -168,7 +170,7 @@ PIECE_EMPTY_BITS = -1  # ptx.PIECE_EMPTY as an int32: a tagged piece slot's empt
 TAGGED_EARLY_PIECES = 2
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
-TRACE_TAIL_SLOTS = 4
+TRACE_TAIL_SLOTS = 7
 TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + TRACE_TAIL_SLOTS
 # tile_knobs's rings, per token tile (the configurations' deepest ring elsewhere): each CTA keeps its ring's stages
 # requested, and beyond what the bandwidth needs that only queues every request, stores and fences included, behind
@@ -1208,6 +1210,9 @@ def _make_kernel(cfg: GemmConfig):
         w_src, s_src, tile_stride, scale_stride = weights
         b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
+        if cutlass.const_expr(trace_seg is not None and W1 and base is not None and not PAIR):  # noqa: SIM102
+            if pidx == 0 and base == 0:  # the CTA's first copies' sources are known: the tail's slot 6
+                ptx.stamp_times(trace_seg + Int64(16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 6)))
         early = Int32(0)  # steps whose weights went out before the wait
         if cutlass.const_expr(LEAN and not STREAM and not PERSIST):  # persistent: per unit slot (`persistent_body`)
             stage_epilogue_words(a[4], a[5], e, row0, count, smem, pidx)
@@ -1274,6 +1279,9 @@ def _make_kernel(cfg: GemmConfig):
                         ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
                                              x_src[r] + Int64(kb * 4), x_bytes[r])
             ptx.cp_async_mbarrier_arrive_noinc(full)
+            if cutlass.const_expr(trace_seg is not None and W1 and base is not None and not PAIR):  # noqa: SIM102
+                if pidx == 0 and base == 0 and kb == 0:  # the CTA's first copies are out: the tail's last slot
+                    ptx.stamp_times(trace_seg + Int64(16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3)))
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if pidx == 0:
                 ptx.stg_s64(trace_seg + Int64(72), Int64(waited))
@@ -2752,6 +2760,11 @@ def _make_kernel(cfg: GemmConfig):
         every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
         wg, t, warp, g, q = coords
         s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
+        producer_path = None  # traced W1 (not the pair kernel's half): the tail's slots 4 and 5 of its producer's path
+        if cutlass.const_expr(TRACE and W1 and not PAIR):
+            producer_path = trace + Int64(48 + 16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 4))
+            if tid == THREADS:
+                ptx.stamp_times(producer_path)
         segment = Int32(0)
         if cutlass.const_expr(PUBLISHER and W1):
             published = Int32(0)  # the units this CTA finished so far: the count thread 0 stores
@@ -2778,6 +2791,9 @@ def _make_kernel(cfg: GemmConfig):
                 if segment < TRACE_SEGMENTS:
                     seg_stamps = trace + Int64(48) + Int64(segment) * seg_bytes
             if tid >= THREADS:
+                if cutlass.const_expr(TRACE and W1 and not PAIR):  # noqa: SIM102 (a trace-time branch)
+                    if tid == THREADS and segment == 0:
+                        ptx.stamp_times(producer_path + Int64(16))
                 ready = None
                 if cutlass.const_expr((PAIR or HANDOVER) and not W1):  # the W1 units whose rows this segment reads
                     ready = pair[0] + ((Int64(e) * Int64(pair[1]) + Int64(bz)) * Int64(k_blocks) + Int64(k_first)) * 4
