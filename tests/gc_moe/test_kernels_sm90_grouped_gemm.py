@@ -125,13 +125,18 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     dict(v.params).get("handover", False), dict(v.params).get("words_first", False))
                    for v in gg.all_variants()
                    if dict(v.params).get("stream_k") and not dict(v.params).get("step_group")
-                   and not dict(v.params).get("tagged_pieces")
+                   and not dict(v.params).get("tagged_pieces") and not dict(v.params).get("quick_start")
                    and not (dict(v.params).get("ctas_per_sm") == 1 and dict(v.params)["stages"] == gg.RING_STAGES[8]))
     # (0: the tile's default ctas_per_sm; tile_knobs's ring of 6 stages at one CTA per SM is listed below)
     capped = sorted(dict(v.params)["role"] for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
-                    and dict(v.params).get("ctas_per_sm") == 1)
+                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("quick_start"))
     assert capped == ["w1", "w2"]
+    # the walk's quick start at tile_knobs's ring: plain, traced, with the hand-over words
+    quick = sorted((dict(v.params)["role"], dict(v.params).get("trace", False), dict(v.params).get("handover", False))
+                   for v in gg.all_variants() if dict(v.params).get("quick_start"))
+    assert quick == sorted((role, trace, handover) for role in ("w1", "w2")
+                           for trace, handover in ((False, False), (True, False), (False, True)))
     assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
                            + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
                            + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
@@ -845,6 +850,34 @@ def test_trace_summary_splits_w1s_first_stage_at_its_first_copies():
     assert "first_issue_us" not in bench.trace_summary(w.view(-1), segments, "w2")
 
 
+def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
+    """quick_start's divisions (grouped_gemm.divide_by_magic, the steps of ptx.divide_by_magic): floor(n / d) for
+    every divisor of a grid (1..256 CTAs) and the numerators a walk forms (CTA x work up to 2^31 - 1, the edges
+    around multiples of d included), and the walk's ranges and first units equal to stream_range's."""
+    import random
+
+    rng = random.Random(5)
+    for d in range(1, 257):
+        magic = gg.division_magic(d)
+        numerators = {0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1}
+        numerators |= {rng.randrange(2**31) for _ in range(300)} | {rng.randrange(4 * d) for _ in range(50)}
+        for n in numerators:
+            if n >= 0:
+                assert gg.divide_by_magic(n, d, magic) == n // d, (n, d)
+    for ctas, units, k_blocks in ((132, 9 * 18, 40), (132, 600, 18), (7, 13 * 18, 40), (256, 2000, 56)):
+        work, magic = units * k_blocks, gg.division_magic(ctas)
+        for cta in range(ctas):
+            s, end = gg.stream_range(cta, ctas, work)
+            assert (gg.divide_by_magic(cta * work, ctas, magic), gg.divide_by_magic((cta + 1) * work, ctas, magic)) \
+                == (s, end)
+            assert gg.divide_by_magic(cta * units, ctas, magic) == s // k_blocks  # the walk's first unit
+    with pytest.raises(ValueError, match="quick_start is a knob of the stand-alone stream_k"):
+        gg.GemmConfig("w1", 8, quick_start=True)
+    assert "_quick" in gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, quick_start=True).name
+    assert "quick_start" not in dict(gg.variant("w1", 16, quick_start=True).params)  # a stream-K knob only
+    assert dict(gg.variant("w1", 8, stream_k=True, quick_start=True).params)["quick_start"] is True
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -928,9 +961,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's
     # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced),
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
-    # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring
+    # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
+    # (plain, traced, with the hand-over words)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1053,9 +1087,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
     # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain, lean and
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
-    # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring
+    # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2)
+                       + 6 + 8 + 6 + 4 + 2 + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2129,6 +2163,31 @@ def test_tagged_pieces_write_the_stream_k_bytes(hidden, inter, experts, topk, to
     got_mid, ref_mid, got, ref = _run_case(*case, seed=tokens + hidden + 6, tagged_pieces=True,
                                            **{k: v for k, v in common.items() if k != "trace"})
     _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trace", [False, True], ids=["plain", "traced"])
+@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [
+    (1024, 512, 7, 4, 3),
+    (5120, 2304, 10, 6, 8),   # DeepSeek-V4.1-Flash's K at 8 tokens
+    (512, 256, 64, 8, 12),    # 64 local experts: the lookup's second ballot
+    (256, 256, 5, 2, 40),     # experts of 9-32 rows: two to four token tiles (the lookup's division)
+    (256, 256, 6, 2, 1)])     # fewer K128 steps than CTAs at every SM: the range's other divisor
+def test_quick_start_writes_the_stream_k_bytes(hidden, inter, experts, topk, tokens, sms, trace):
+    """The stream-K walk's quick start (`quick_start`: its range and first unit by multiplies, its units' experts by
+    ballots, its unit carried from segment to segment) walks the same partition, so W1 and W2 write the bytes of
+    tile_knobs's stream-K loops, relaunched on the same buffers, and (untraced) with the hand-over words too (W2
+    launched programmatically). And the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    common = {**gg.tile_knobs(1)[1], "sms": sms}
+    seed = hidden + tokens + experts
+    quick = _run_case(*case, seed=seed, quick_start=True, trace=trace, return_raw=True, relaunches=2,
+                      handover_pairs=0 if trace else 2, **common)
+    _assert_same_bytes(quick, _run_case(*case, seed=seed, return_raw=True, **common))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, quick_start=True, **common)
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

@@ -369,6 +369,11 @@ class GemmConfig:
     # grid (`griddepcontrol.wait`); None: half the ring (step 29: a whole ring of 12 left the memory idle until the
     # consumers freed stage 0). With W2 launched programmatically these bytes move during W1's last CTAs
     w2_early_stages: int | None = None
+    # the stand-alone stream_k W1 / W2: the walk's first unit without a division or a serial lookup (its range and
+    # unit as multiplies by a magic number computed while the unit scan's loads are out, the unit's expert as one
+    # ballot per 32 experts, the walk carrying its unit from segment to segment). W1's producer took 1.4 us from its
+    # scan to its first copies, the memory idle meanwhile, in a dependent chain of ~300 instructions (step 68)
+    quick_start: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -445,6 +450,9 @@ class GemmConfig:
         if self.tagged_pieces and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tagged_pieces is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
                              "pair kernel's halves, not handover: their words keep the fenced publication)")
+        if self.quick_start and not (self.stream_k and not self.stream_pair and not self.sm_weights):
+            raise ValueError("quick_start is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
+                             "pair kernel's halves)")
         if self.w2_early_stages is not None and not (
                 self.role == "w2" and self.stream_k and not self.stream_pair and not self.handover
                 and self.stages is not None and 1 <= self.w2_early_stages <= self.stages):
@@ -725,6 +733,7 @@ class GemmConfig:
             s += ("_wf" if self.words_first else "") + ("_pub" if self.publisher_warp else "")
             s += "_tag" if self.tagged_pieces else ""
             s += f"_e{self.w2_early_stages}" if self.w2_early_stages is not None else ""
+            s += "_quick" if self.quick_start else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -809,6 +818,17 @@ def stream_range(cta, ctas, work):
     """The K128 steps [first, end) of stream_k CTA `cta` < ctas (= stream_ctas) sharing `work` steps: at least one
     each (host ints or DSL values)."""
     return (cta * work) // ctas, ((cta + 1) * work) // ctas
+
+
+def division_magic(d: int) -> int:
+    """The host's ptx.division_magic: floor((2^32 - 1) / d) for d >= 1."""
+    return 0xFFFFFFFF // d
+
+
+def divide_by_magic(n: int, d: int, magic: int) -> int:
+    """The host's ptx.divide_by_magic (the same steps): floor(n / d) for 0 <= n < 2^31, magic = division_magic(d)."""
+    q = (n * magic) >> 32
+    return q + 1 if n - q * d >= d else q
 
 
 def stream_owner(step, ctas, work):
@@ -945,6 +965,7 @@ def _make_kernel(cfg: GemmConfig):
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
+    QUICK = cfg.quick_start  # stream_k: the walk's first unit without divisions or a serial lookup
     W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -2120,6 +2141,37 @@ def _make_kernel(cfg: GemmConfig):
         return found_e, r // found_tiles, bz, found_first + bz * BN, found_rows - bz * BN
 
     @cute.jit
+    def unit_lookup_quick(table, b):
+        """quick_start: `unit_lookup` without its serial passes. The units are numbered expert after expert, so unit
+        b's expert is the count of experts whose inclusive unit prefix is at most b (the experts before it, empty ones
+        included): one ballot per pass of 32, both at once, then one shuffle of each value from that lane. The
+        expert's token tiles are mostly one (a stream-K tile of 8 rows), which needs no division. The results are
+        warp-uniform: the producer's bulk copies take them from uniform registers."""
+        before = Int32(0)
+        for c in cutlass.range_constexpr(STREAM_MAX_EXPERTS // 32):
+            passed = Int32(0)
+            if table[c][0] <= b:
+                passed = Int32(1)
+            before = before + ptx.popc(ptx.ballot(passed))
+        e = cute.arch.make_warp_uniform(before)
+        src = e % 32
+        start, first, rows = table[0][0] - table[0][1], table[0][2], table[0][3]
+        for c in cutlass.range_constexpr(1, STREAM_MAX_EXPERTS // 32):
+            if e >= c * 32:  # the pass holding expert e: its lane's values (a select per lane, before one shuffle)
+                start, first, rows = table[c][0] - table[c][1], table[c][2], table[c][3]
+        start = cute.arch.make_warp_uniform(ptx.shfl_idx_s32(start, src))
+        first = cute.arch.make_warp_uniform(ptx.shfl_idx_s32(first, src))
+        rows = cute.arch.make_warp_uniform(ptx.shfl_idx_s32(rows, src))
+        tiles = (rows + (BN - 1)) // BN
+        r = b - start
+        bx = r
+        bz = Int32(0)
+        if tiles != 1:
+            bx = r // tiles
+            bz = r - bx * tiles
+        return e, bx, bz, first + bz * BN, rows - bz * BN
+
+    @cute.jit
     def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
                     out_scale, ring, done_mask, words=None, meta=None):
         """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
@@ -2520,11 +2572,14 @@ def _make_kernel(cfg: GemmConfig):
             trace, split = trace_slots(split, cta, tid)
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
         init_stage_ring(smem, tid)
+        magic = None
+        if cutlass.const_expr(QUICK):  # the range's divisor's multiplier while the scan's loads are out
+            magic = ptx.division_magic(Int32(cute.arch.grid_dim()[0]))
         table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
         if cutlass.const_expr(TRACE):
             trace_scanned(trace, tid)
         base, segment = stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords,
-                                    cta, smem, Int32(0), trace, pair=handover)
+                                    cta, smem, Int32(0), trace, pair=handover, magic=magic)
         if tid >= THREADS:
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
         if cutlass.const_expr(TRACE):
@@ -2692,13 +2747,21 @@ def _make_kernel(cfg: GemmConfig):
             ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
 
     @cute.jit
-    def walk_range(units, k_blocks, cta, smem, smid):
+    def walk_range(units, k_blocks, cta, smem, smid, magic=None):
         """A stream_k CTA's K128 steps [s, end) of this role's work, the working CTAs, the work, and the weighted
-        mode (sm_weights: 1 where the ranges follow the weights, 0 where they are equal; None without)."""
+        mode (sm_weights: 1 where the ranges follow the weights, 0 where they are equal; None without). quick_start
+        (magic: ptx.division_magic of the grid's CTAs): also the unit of step s, its range's bounds and that unit as
+        multiplies by the magic (the same quotients as stream_range and s // k_blocks: floor(floor(x) / k) =
+        floor(x / k)) wherever every CTA of the grid works."""
         ctas = Int32(cute.arch.grid_dim()[0])
         work = units * k_blocks
         s = Int32(0)
         end = Int32(0)
+        if cutlass.const_expr(QUICK):
+            units = cute.arch.make_warp_uniform(units)
+            work = units * k_blocks
+            grid_ctas = ctas
+            first_unit = Int32(0)
         wmode = None
         if cutlass.const_expr(WEIGHTED):
             ctas = ptx.lds_s32(smem + cfg.sm_table_offset + SM_TABLE_BYTES + MAX_SM_IDS * 4)  # the weighted SMs
@@ -2715,6 +2778,16 @@ def _make_kernel(cfg: GemmConfig):
         else:
             if work < ctas:  # stream_ctas: one step at least per working CTA
                 ctas = work
+            if cutlass.const_expr(QUICK):
+                if cta < ctas:
+                    if ctas == grid_ctas:
+                        s = ptx.divide_by_magic(cta * work, ctas, magic)
+                        end = ptx.divide_by_magic((cta + 1) * work, ctas, magic)
+                        first_unit = ptx.divide_by_magic(cta * units, ctas, magic)
+                    else:  # fewer steps than CTAs: another divisor
+                        s, end = stream_range(cta, ctas, work)
+                        first_unit = s // k_blocks
+                return s, end, ctas, work, wmode, first_unit
             if cta < ctas:
                 s, end = stream_range(cta, ctas, work)
         return s, end, ctas, work, wmode
@@ -2751,7 +2824,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def stream_walk(a, w_factor, table, units, k_blocks, m_tiles, split, role_args, tid, coords, cta, smem, base,
-                    trace, pair=None, smid=None):
+                    trace, pair=None, smid=None, magic=None):
         """The segments of a stream_k CTA's range over this role's units (`unit_table`), its steps numbered from
         `base` on the CTA's stage ring; returns (base after them, segments walked). pair (a half of the stream-K
         pair kernel, `kernels.sm90.stream_pair`): W1's (ready words, token tiles per expert in them, W2's weight-row
@@ -2759,7 +2832,11 @@ def _make_kernel(cfg: GemmConfig):
         is the SM's rank (`sm_rank`), `smid` its SM: the range is its weighted share (`weighted_range`) wherever
         every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
         wg, t, warp, g, q = coords
-        s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
+        if cutlass.const_expr(QUICK):  # the walk carries its unit and first step (no division per segment)
+            s, end, ctas, work, wmode, walk_unit = walk_range(units, k_blocks, cta, smem, smid, magic)
+            walk_first = s - walk_unit * k_blocks
+        else:
+            s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
         producer_path = None  # traced W1 (not the pair kernel's half): the tail's slots 4 and 5 of its producer's path
         if cutlass.const_expr(TRACE and W1 and not PAIR):
             producer_path = trace + Int64(48 + 16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 4))
@@ -2770,13 +2847,20 @@ def _make_kernel(cfg: GemmConfig):
             published = Int32(0)  # the units this CTA finished so far: the count thread 0 stores
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
         while s < end:
-            unit = s // k_blocks
-            k_first = s - unit * k_blocks
+            if cutlass.const_expr(QUICK):
+                unit = walk_unit
+                k_first = walk_first
+            else:
+                unit = s // k_blocks
+                k_first = s - unit * k_blocks
             k_end = end - unit * k_blocks
             if k_end > k_blocks:
                 k_end = k_blocks
             steps = k_end - k_first
-            e, bx, bz, row0, count = unit_lookup(table, unit)
+            if cutlass.const_expr(QUICK):
+                e, bx, bz, row0, count = unit_lookup_quick(table, unit)
+            else:
+                e, bx, bz, row0, count = unit_lookup(table, unit)
             staged = Int32(0)  # the pair's W1 owner: its pieces took one more stage of the ring
             if cutlass.const_expr(PAIR):
                 if k_first == 0 and steps < k_blocks:
@@ -2865,6 +2949,9 @@ def _make_kernel(cfg: GemmConfig):
             base = base + steps + staged
             s = s + steps
             segment = segment + 1
+            if cutlass.const_expr(QUICK):  # a segment ends its range or its unit: the next one starts a unit
+                walk_unit = walk_unit + 1
+                walk_first = Int32(0)
         return base, segment
 
     @cute.jit
@@ -3302,7 +3389,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
-               tagged_pieces: bool = False, w2_early_stages: int | None = None):
+               tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3317,7 +3404,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      fit_n=fit_n, stream_k=stream_k, trace=trace, lean_epilogue=lean_epilogue, handover=handover,
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
-                     step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages)
+                     step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
+                     quick_start=quick_start)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3334,7 +3422,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None):
+            w2_early_stages: int | None = None, quick_start: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3408,6 +3496,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     tagged_pieces = tagged_pieces and stream_k and not handover  # likewise, where the fenced words do not stay
     if tagged_pieces:
         cfg = replace(cfg, tagged_pieces=True)
+    quick_start = quick_start and stream_k  # a knob of the stand-alone stream-K loops: sets may name it everywhere
+    if quick_start:
+        cfg = replace(cfg, quick_start=True)
     if max_stages is not None:  # a cap on the configuration's ring (its deepest one where `stages` is None)
         if max_stages < 2:
             raise ValueError(f"max_stages {max_stages}: allowed >= 2 (a ring of at least two stages)")
@@ -3472,6 +3563,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["tagged_pieces"] = True
     if w2_early_stages is not None:
         params["w2_early_stages"] = cfg.w2_early_stages
+    if quick_start:
+        params["quick_start"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3613,7 +3706,10 @@ def all_variants():
               # the stream-K pieces published without a fence (plain, lean, traced, with step_group)
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, tagged_pieces=True, **knobs)
                  for role in ("w1", "w2")
-                 for knobs in ({}, {"lean_epilogue": True}, {"trace": True}, {"step_group": True})]):
+                 for knobs in ({}, {"lean_epilogue": True}, {"trace": True}, {"step_group": True})]
+              # the stream-K walk's quick start (tile_knobs's ring; plain, traced, with handover words)
+              + [variant(role, 8, **{**tile_knobs(1)[1], "quick_start": True, **knobs})
+                 for role in ("w1", "w2") for knobs in ({}, {"trace": True}, {"handover": True})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

@@ -546,6 +546,24 @@ def shfl_idx_s32(v: Int32, src: Int32) -> Int32:
     return asm("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", [Int32], [v, src])
 
 
+def division_magic(d: Int32) -> Uint32:
+    """floor((2^32 - 1) / d) for d >= 1: `divide_by_magic`'s multiplier, one division ahead of the quotients."""
+    return asm("{\n.reg .u32 t;\nmov.u32 t, 0xFFFFFFFF;\ndiv.u32 $0, t, $1;\n}", [Uint32], [d])
+
+
+def divide_by_magic(n: Int32, d: Int32, magic: Uint32) -> Int32:
+    """floor(n / d) for 0 <= n < 2^31 and magic = division_magic(d): the high word of n x magic is the quotient or
+    one less, and the remainder it leaves corrects it (four dependent integer instructions, against the ~20 of a
+    division by a value known only at run time). Emulated by grouped_gemm.divide_by_magic."""
+    return asm("{\n.reg .u32 q, r;\n.reg .pred p;\nmul.hi.u32 q, $1, $3;\nmul.lo.u32 r, q, $2;\nsub.u32 r, $1, r;\n"
+               "setp.ge.u32 p, r, $2;\n@p add.u32 q, q, 1;\nmov.b32 $0, q;\n}", [Int32], [n, d, magic])
+
+
+def popc(mask: Int32) -> Int32:
+    """The set bits of a 32-bit mask."""
+    return asm("popc.b32 $0, $1;", [Int32], [mask])
+
+
 def zero_after(dep: Float32) -> Float32:
     """0.0, computed after `dep` (an unused input): a constant that the compiler cannot hoist above the code that
     produced `dep`, so zeros meant for after a loop are not held (and rematerialized) through it."""
