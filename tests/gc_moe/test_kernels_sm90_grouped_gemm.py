@@ -2240,8 +2240,18 @@ def test_segment_cost_matches_the_reference_on_every_relaunch(hidden, inter, exp
     order), traced and with the quick start too, and match the float32 reference."""
     case = (hidden, inter, experts, topk, tokens, 8)
     common = {**gg.tile_knobs(1)[1], "sms": sms, "segment_cost": 2, **knobs}
-    _run_case(*case, seed=hidden + tokens, return_raw=True, relaunches=2, **common)
-    if not knobs.get("trace"):
+    splits = []
+    _run_case(*case, seed=hidden + tokens, return_raw=True, relaunches=2, splits_out=splits, **common)
+    if knobs.get("trace"):  # each working CTA walked the host's partition of the slots (its segment count)
+        offsets, split1, split2 = splits[0]
+        tiles = sum(-(-c // 8) for c in (offsets[1:] - offsets[:-1]).tolist())
+        grid_ctas, tail = sms or gg.device_sms("cuda"), 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
+        for split, rows, k_blocks in ((split1, 2 * inter, hidden // 128), (split2, hidden, inter // 128)):
+            words = split[0][: grid_ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(grid_ctas, gg.TRACE_SLOTS, 2)
+            walks = gg.stream_segments(tiles * (rows // gg.ROWS_PER_CTA), k_blocks, grid_ctas, 2)
+            assert [int(words[c, tail + 2, 0]) if walk else 0 for c, walk in enumerate(walks)] == \
+                [len(walk) for walk in walks]
+    else:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=hidden + tokens + 1, **common)
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
