@@ -620,7 +620,7 @@ def traced_segments(pt, kernel, mat):
     cfg = gg.GemmConfig(**dict(kernel.entry.variant.params))
     ctas = gg.grid(cfg, mat.rows, mat.num_experts, pt.capacity, gg.device_sms(pt.device))[0]
     units = sum(-(-int(c) // 8) for c in pt.counts.tolist()) * (mat.rows // gg.ROWS_PER_CTA)
-    return ctas, gg.stream_segments(units, mat.cols // 128, ctas, cfg.segment_cost)
+    return ctas, gg.stream_segments(units, mat.cols // 128, ctas)
 
 
 def pair_trace_summary(w1_words, w1_segments, w2_words, w2_segments) -> dict:

@@ -64,10 +64,9 @@
 #           for W1's grid (GemmConfig.w2_early_stages; tile_knobs's W2 issues half its ring, 3) against ws_auto_pdl
 #           (docs step 66)
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
-#   quick   1-8 tokens, twice: `qk` (tile_knobs's choice with the stream-K walk's quick start, GemmConfig.quick_start)
-#           and `qc1` / `qc2` / `qc3` (with the ranges' segment cost of 1-3 steps, GemmConfig.segment_cost) against
-#           ws_auto_pdl, each kernel alone too; then the traced loops at 6 stages with and without them (`qtrace`:
-#           the producer's path from its scan to its first copies, the CTAs' ends; docs steps 69-70)
+#   quick   1-8 tokens, twice: ws_auto_pdl (tile_knobs's stream-K loops start quickly since step 69,
+#           GemmConfig.quick_start) against `pw`, the same with the plain walk, each kernel alone too; then the traced
+#           loops at 6 stages with and without it (`qtrace`: the producer's path from its scan to its first copies)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm: code, routing words and activations cached), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -126,18 +125,15 @@ for s in $steps; do
              --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True \
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
-             --auto-set qk:quick_start=True,pdl=True --auto-set qc1:quick_start=True,segment_cost=1,pdl=True \
-             --auto-set qc2:quick_start=True,segment_cost=2,pdl=True \
-             --auto-set qc3:quick_start=True,segment_cost=3,pdl=True \
+             --auto-set pw:quick_start=False,pdl=True \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
-             --extra-set skq6c2:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,segment_cost=2 \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio \
-                 or transposed or early_rows or step_group or tagged or quick_start or segment_cost" ;;
+                 or transposed or early_rows or step_group or tagged or quick_start" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -211,17 +207,14 @@ for s in $steps; do
               --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
               --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
               --tokens 1,8 --windows 3 --replays 10 --json "$OUT/strace.json" ;;
-    quick) for r in 1 2; do  # the stream-K walk's quick start against tile_knobs's default, W2 programmatic
+    quick) for r in 1 2; do  # tile_knobs's default (the quick start) against the plain walk, W2 programmatic
              run quick$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
-               --auto-set qk:quick_start=True,pdl=True --auto-set qc1:quick_start=True,segment_cost=1,pdl=True \
-               --auto-set qc2:quick_start=True,segment_cost=2,pdl=True \
-               --auto-set qc3:quick_start=True,segment_cost=3,pdl=True --tokens 1,2,4,8 --windows 5 --replays 10 \
+               --auto-set pw:quick_start=False,pdl=True --tokens 1,2,4,8 --windows 5 --replays 10 \
                --json "$OUT/quick$r.json"
            done
            run qtrace 200 python $BENCH --check --time --per-role --trace \
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
-             --extra-set skq6c2:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,segment_cost=2 \
              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/qtrace.json" ;;
     cold) run cold 200 python $BENCH --check --time --per-role --trace --trace-warm \
             --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \

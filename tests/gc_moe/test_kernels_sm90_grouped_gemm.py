@@ -126,25 +126,17 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                    for v in gg.all_variants()
                    if dict(v.params).get("stream_k") and not dict(v.params).get("step_group")
                    and not dict(v.params).get("tagged_pieces") and not dict(v.params).get("quick_start")
-                   and not dict(v.params).get("segment_cost")
                    and not (dict(v.params).get("ctas_per_sm") == 1 and dict(v.params)["stages"] == gg.RING_STAGES[8]))
     # (0: the tile's default ctas_per_sm; tile_knobs's ring of 6 stages at one CTA per SM is listed below)
-    capped = sorted(dict(v.params)["role"] for v in gg.all_variants()
+    # tile_knobs's ring with the walk's quick start (its default: plain, traced, with the hand-over words) and
+    # without it (the same three, its baseline)
+    capped = sorted((dict(v.params)["role"], dict(v.params).get("quick_start", False), dict(v.params).get("trace", False),
+                     dict(v.params).get("handover", False)) for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
-                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("quick_start")
-                    and not dict(v.params).get("segment_cost"))
-    assert capped == ["w1", "w2"]
-    # the walk's quick start at tile_knobs's ring: plain, traced, with the hand-over words
-    quick = sorted((dict(v.params)["role"], dict(v.params).get("trace", False), dict(v.params).get("handover", False))
-                   for v in gg.all_variants() if dict(v.params).get("quick_start") and not dict(v.params).get("segment_cost"))
-    assert quick == sorted((role, trace, handover) for role in ("w1", "w2")
-                           for trace, handover in ((False, False), (True, False), (False, True)))
-    # the ranges' segment cost (plain, traced, with the quick start)
-    costs = sorted((dict(v.params)["role"], dict(v.params)["segment_cost"], dict(v.params).get("trace", False),
-                    dict(v.params).get("quick_start", False))
-                   for v in gg.all_variants() if dict(v.params).get("segment_cost"))
-    assert costs == sorted((role, 2, trace, quick) for role in ("w1", "w2")
-                           for trace, quick in ((False, False), (True, False), (False, True)))
+                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces"))
+    assert capped == sorted((role, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
+                            for trace, handover in ((False, False), (True, False), (False, True)))
+    assert gg.tile_knobs(1)[1]["quick_start"] is True
     assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
                            + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
                            + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
@@ -191,7 +183,8 @@ def _tile_knobs_without(block_n, *names):
 
 
 def test_tile_knobs_follow_the_measured_points():
-    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6}  # step 65: the ring at 6 stages, not 12
+    # step 65: the ring at 6 stages, not 12; step 69: the walk's quick start
+    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6, "quick_start": True}
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
     # at tile 8 the default grid where W1's units pass 5.4 waves (past step 65's measured 704 units on 132 SMs)
     assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 712, 132) == (8, stream)
@@ -886,36 +879,6 @@ def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
     assert dict(gg.variant("w1", 8, stream_k=True, quick_start=True).params)["quick_start"] is True
 
 
-def test_segment_cost_shares_steps_and_unit_starts_equally():
-    """segment_cost: the ranges share the slots (each unit's cost slots, then its steps) equally, so they cover the
-    steps in order, each nonempty, the owner of every step is the CTA whose range holds it, and every CTA's steps
-    plus cost x its unit starts are within 2 x cost + 1 of every other's (a share may end among a unit's cost slots,
-    whose start is the next CTA's); cost 0 is the plain partition."""
-    for units, k_blocks, ctas, cost in ((162, 40, 132, 2), (180, 18, 132, 2), (600, 18, 132, 1), (13, 40, 7, 3),
-                                        (3, 2, 132, 2), (1, 1, 132, 2), (624, 16, 132, 8)):
-        work = units * k_blocks
-        working = gg.stream_ctas(ctas, work, k_blocks, cost)
-        assert working == min(ctas, units * (k_blocks + cost) // (cost + 1))
-        ends, loads = [0], []
-        for cta in range(working):
-            first, end = gg.stream_range(cta, working, work, k_blocks, cost)
-            assert first == ends[-1] < end, (units, k_blocks, cost, cta)
-            assert all(gg.stream_owner(t, working, work, k_blocks, cost) == cta for t in range(first, end))
-            ends.append(end)
-            starts = sum(1 for t in range(first, end) if t % k_blocks == 0)
-            loads.append(end - first + cost * starts)
-        assert ends[-1] == work and max(loads) - min(loads) <= 2 * cost + 1, loads
-        walks = gg.stream_segments(units, k_blocks, ctas, cost)
-        assert [sum(steps for steps, _ in w) for w in walks[:working]] == [b - a for a, b in zip(ends, ends[1:])]
-        assert gg.stream_range(5, 132, 7200, 40) == gg.stream_range(5, 132, 7200)  # cost 0: the plain partition
-    with pytest.raises(ValueError, match="segment_cost 2: a knob of the stand-alone stream_k"):
-        gg.GemmConfig("w1", 8, segment_cost=2)
-    with pytest.raises(ValueError, match="segment_cost 9"):
-        gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, segment_cost=9)
-    assert "_c2" in gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, segment_cost=2).name
-    assert "segment_cost" not in dict(gg.variant("w1", 16, segment_cost=2).params)
-
-
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1000,9 +963,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced),
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
-    # (plain, traced, with the hand-over words), the ranges' segment cost (plain, traced, with the quick start)
+    # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 6 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1125,10 +1088,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # bn 32 / 64 / 96); the transposed stores at bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at
     # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain, lean and
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
-    # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start, the
-    # ranges' segment cost
+    # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
+    # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 6 + 6)
+                       + 6 + 8 + 6 + 4 + 2 + 10)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2217,42 +2180,16 @@ def test_quick_start_writes_the_stream_k_bytes(hidden, inter, experts, topk, tok
     """The stream-K walk's quick start (`quick_start`: its range and first unit by multiplies, its units' experts by
     ballots, its unit carried from segment to segment) walks the same partition, so W1 and W2 write the bytes of
     tile_knobs's stream-K loops, relaunched on the same buffers, and (untraced) with the hand-over words too (W2
-    launched programmatically). And the float32 reference."""
+    launched programmatically). And the float32 reference. (tile_knobs's stream-K loops start quickly since step 69:
+    the baseline here is the plain walk at the same ring.)"""
     case = (hidden, inter, experts, topk, tokens, 8)
-    common = {**gg.tile_knobs(1)[1], "sms": sms}
+    common = {**gg.tile_knobs(1)[1], "sms": sms, "quick_start": False}
     seed = hidden + tokens + experts
-    quick = _run_case(*case, seed=seed, quick_start=True, trace=trace, return_raw=True, relaunches=2,
-                      handover_pairs=0 if trace else 2, **common)
+    quick = _run_case(*case, seed=seed, trace=trace, return_raw=True, relaunches=2, handover_pairs=0 if trace else 2,
+                      **{**common, "quick_start": True})
     _assert_same_bytes(quick, _run_case(*case, seed=seed, return_raw=True, **common))
     if not trace:
-        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, quick_start=True, **common)
-        _assert_matches_reference(got_mid, ref_mid, got, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{}, {"trace": True}, {"quick_start": True}], ids=["plain", "traced", "quick"])
-@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
-@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [
-    (1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 1), (512, 256, 64, 8, 12), (256, 256, 6, 2, 1)])
-def test_segment_cost_matches_the_reference_on_every_relaunch(hidden, inter, experts, topk, tokens, sms, knobs):
-    """The stream-K loops with the ranges' segment cost (`segment_cost`, 2 steps per unit start: other piece
-    boundaries than the plain partition) write the same bytes on every relaunch (the owners add their pieces in CTA
-    order), traced and with the quick start too, and match the float32 reference."""
-    case = (hidden, inter, experts, topk, tokens, 8)
-    common = {**gg.tile_knobs(1)[1], "sms": sms, "segment_cost": 2, **knobs}
-    splits = []
-    _run_case(*case, seed=hidden + tokens, return_raw=True, relaunches=2, splits_out=splits, **common)
-    if knobs.get("trace"):  # each working CTA walked the host's partition of the slots (its segment count)
-        offsets, split1, split2 = splits[0]
-        tiles = sum(-(-c // 8) for c in (offsets[1:] - offsets[:-1]).tolist())
-        grid_ctas, tail = sms or gg.device_sms("cuda"), 3 + gg.TRACE_SEGMENT_SLOTS * gg.TRACE_SEGMENTS
-        for split, rows, k_blocks in ((split1, 2 * inter, hidden // 128), (split2, hidden, inter // 128)):
-            words = split[0][: grid_ctas * gg.TRACE_SLOTS * 4].view(torch.int64).reshape(grid_ctas, gg.TRACE_SLOTS, 2)
-            walks = gg.stream_segments(tiles * (rows // gg.ROWS_PER_CTA), k_blocks, grid_ctas, 2)
-            assert [int(words[c, tail + 2, 0]) if walk else 0 for c, walk in enumerate(walks)] == \
-                [len(walk) for walk in walks]
-    else:
-        got_mid, ref_mid, got, ref = _run_case(*case, seed=hidden + tokens + 1, **common)
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **{**common, "quick_start": True})
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

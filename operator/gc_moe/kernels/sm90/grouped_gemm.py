@@ -168,7 +168,6 @@ SM_WEIGHT_RATIO = 1.5
 PIECE_EMPTY_BITS = -1  # ptx.PIECE_EMPTY as an int32: a tagged piece slot's empty word
 # tagged_pieces: an owner loads this many pieces' slots before its K loop (4 registers each; a unit mostly has 1-2)
 TAGGED_EARLY_PIECES = 2
-SEGMENT_COST_MAX = 8  # GemmConfig.segment_cost: at most this many K128 steps per unit start
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
 TRACE_TAIL_SLOTS = 7
@@ -376,11 +375,6 @@ class GemmConfig:
     # memory idle meanwhile, in a dependent chain of ~300 instructions (step 68). The consumers keep the plain lookup
     # (the quick one's uniform values, live across their K loops, cost W2's loop 5 instructions per step)
     quick_start: bool = False
-    # the stand-alone stream_k W1 / W2: each unit counts as this many K128 steps more in the equal shares of the
-    # CTAs' ranges (`stream_slots`), for its epilogue and unit switch, so a range with more unit starts holds fewer
-    # steps. At 1-2 tokens a CTA with three segments ended ~1.1 us after one with two (step 68's traces), and the
-    # last CTA sets the kernel's end
-    segment_cost: int = 0
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -460,10 +454,6 @@ class GemmConfig:
         if self.quick_start and not (self.stream_k and not self.stream_pair and not self.sm_weights):
             raise ValueError("quick_start is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
                              "pair kernel's halves)")
-        if self.segment_cost and not (self.stream_k and not self.stream_pair and not self.sm_weights
-                                      and 0 <= self.segment_cost <= SEGMENT_COST_MAX):
-            raise ValueError(f"segment_cost {self.segment_cost}: a knob of the stand-alone stream_k W1 / W2 (stream_k="
-                             f"True, not the pair kernel's halves), 0..{SEGMENT_COST_MAX} K128 steps")
         if self.w2_early_stages is not None and not (
                 self.role == "w2" and self.stream_k and not self.stream_pair and not self.handover
                 and self.stages is not None and 1 <= self.w2_early_stages <= self.stages):
@@ -745,7 +735,6 @@ class GemmConfig:
             s += "_tag" if self.tagged_pieces else ""
             s += f"_e{self.w2_early_stages}" if self.w2_early_stages is not None else ""
             s += "_quick" if self.quick_start else ""
-            s += f"_c{self.segment_cost}" if self.segment_cost else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -820,34 +809,15 @@ def decode_fp4x8_table(w, table_lo, table_hi, prmt, u32=int):
     return lo, hi
 
 
-def stream_slots(work: int, k_blocks: int = 1, cost: int = 0) -> int:
-    """What a stream_k launch shares out (`segment_cost`): per unit of k_blocks steps `cost` slots that stand for its
-    epilogue and unit switch, then one slot per step; cost 0: the steps themselves. Host ints."""
-    return work + cost * (work // k_blocks)
+def stream_ctas(ctas: int, work: int) -> int:
+    """The stream_k CTAs of a launch of `ctas` that get steps: at most one per step, so that every range is
+    nonempty and a unit's pieces are consecutive CTAs (the others exit). Host ints; the kernel computes the same."""
+    return min(ctas, work)
 
 
-def slot_step(slot: int, k_blocks: int, cost: int) -> tuple[int, int]:
-    """(the first step at or after `slot`, its unit): a unit's cost slots stand for its first step. Host ints (the
-    kernel's walk_range computes the same)."""
-    unit = slot // (k_blocks + cost)
-    return unit * k_blocks + max(0, slot - unit * (k_blocks + cost) - cost), unit
-
-
-def stream_ctas(ctas: int, work: int, k_blocks: int = 1, cost: int = 0) -> int:
-    """The stream_k CTAs of a launch of `ctas` that get steps: at most one per step (per cost + 1 slots), so that
-    every range is nonempty and a unit's pieces are consecutive CTAs (the others exit). Host ints; the kernel
-    computes the same."""
-    return min(ctas, stream_slots(work, k_blocks, cost) // (cost + 1))
-
-
-def stream_range(cta, ctas, work, k_blocks: int = 1, cost: int = 0):
+def stream_range(cta, ctas, work):
     """The K128 steps [first, end) of stream_k CTA `cta` < ctas (= stream_ctas) sharing `work` steps: at least one
-    each (host ints or DSL values); with a segment cost (host ints) equal shares of the slots (`stream_slots`), so a
-    range with more unit starts holds fewer steps."""
-    if cost:
-        slots = stream_slots(work, k_blocks, cost)
-        return (slot_step((cta * slots) // ctas, k_blocks, cost)[0],
-                slot_step(((cta + 1) * slots) // ctas, k_blocks, cost)[0])
+    each (host ints or DSL values)."""
     return (cta * work) // ctas, ((cta + 1) * work) // ctas
 
 
@@ -862,22 +832,18 @@ def divide_by_magic(n: int, d: int, magic: int) -> int:
     return q + 1 if n - q * d >= d else q
 
 
-def stream_owner(step, ctas, work, k_blocks=1, cost: int = 0):
-    """The stream_k CTA whose steps (stream_range, same ctas, k_blocks and cost) hold `step` (host ints or DSL
-    values): the largest CTA whose share of the slots starts at or before the step's slot."""
-    if cost:
-        slot = step + cost * (step // k_blocks + 1)
-        return ((slot + 1) * ctas - 1) // (work + cost * (work // k_blocks))
+def stream_owner(step, ctas, work):
+    """The stream_k CTA whose steps (stream_range, same ctas) hold `step` (host ints or DSL values)."""
     return ((step + 1) * ctas - 1) // work
 
 
-def stream_segments(units: int, k_blocks: int, ctas: int, cost: int = 0) -> list:
+def stream_segments(units: int, k_blocks: int, ctas: int) -> list:
     """Per CTA of a stream_k launch of `ctas` over `units` units of `k_blocks` steps: its segments as the kernel
     walks them, [(steps, kind)], kind "whole" (the unit's steps all here), "owner" (its first steps: the CTA adds the
-    other pieces) or "piece"; [] for a CTA without steps. cost: the launch's segment_cost."""
+    other pieces) or "piece"; [] for a CTA without steps."""
     work = units * k_blocks
-    working = stream_ctas(ctas, work, k_blocks, cost)
-    return [range_segments(*stream_range(cta, working, work, k_blocks, cost), k_blocks) if cta < working else []
+    working = stream_ctas(ctas, work)
+    return [range_segments(*stream_range(cta, working, work), k_blocks) if cta < working else []
             for cta in range(ctas)]
 
 
@@ -1001,7 +967,6 @@ def _make_kernel(cfg: GemmConfig):
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
     QUICK = cfg.quick_start  # stream_k: the walk's first unit without divisions or a serial lookup
-    COST = cfg.segment_cost  # stream_k: the slots each unit start costs a range (stream_slots)
     W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -2178,11 +2143,11 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def unit_lookup_quick(table, b):
-        """quick_start, the producer's: `unit_lookup` without its serial passes. The units are numbered expert after expert, so unit
-        b's expert is the count of experts whose inclusive unit prefix is at most b (the experts before it, empty ones
-        included): one ballot per pass of 32, both at once, then one shuffle of each value from that lane. The
-        expert's token tiles are mostly one (a stream-K tile of 8 rows), which needs no division. The results are
-        warp-uniform: the producer's bulk copies take them from uniform registers."""
+        """quick_start, the producer's: `unit_lookup` without its serial passes. The units are numbered expert after
+        expert, so unit b's expert is the count of experts whose inclusive unit prefix is at most b (the experts before
+        it, empty ones included): one ballot per pass of 32, both at once, then one shuffle of each value from that
+        lane. The expert's token tiles are mostly one (a stream-K tile of 8 rows), which needs no division. The
+        results are warp-uniform: the producer's bulk copies take them from uniform registers."""
         before = Int32(0)
         for c in cutlass.range_constexpr(STREAM_MAX_EXPERTS // 32):
             passed = Int32(0)
@@ -2370,8 +2335,8 @@ def _make_kernel(cfg: GemmConfig):
         """A shared unit's owner CTA and its piece count (the owner's own included). wmode (sm_weights): 1 where
         the ranges follow the weights (`weighted_owner` over the table in `smem`), 0 where they are equal."""
         if cutlass.const_expr(wmode is None):
-            first_cta = stream_owner(unit * k_blocks, ctas, work, k_blocks, COST)
-            return first_cta, stream_owner((unit + 1) * k_blocks - 1, ctas, work, k_blocks, COST) - first_cta + 1
+            first_cta = stream_owner(unit * k_blocks, ctas, work)
+            return first_cta, stream_owner((unit + 1) * k_blocks - 1, ctas, work) - first_cta + 1
         first_cta = stream_owner(unit * k_blocks, ctas, work)
         last_cta = stream_owner((unit + 1) * k_blocks - 1, ctas, work)
         if wmode == 1:
@@ -2611,8 +2576,6 @@ def _make_kernel(cfg: GemmConfig):
         magic = None
         if cutlass.const_expr(QUICK):  # the range's divisor's multiplier while the scan's loads are out
             magic = ptx.division_magic(Int32(cute.arch.grid_dim()[0]))
-            if cutlass.const_expr(COST > 0):  # and the slots' unit span's
-                magic = (magic, ptx.division_magic(k_blocks + COST))
         table, units = unit_table(expert_offsets, experts, m_tiles // TILES_PER_CTA)
         if cutlass.const_expr(TRACE):
             trace_scanned(trace, tid)
@@ -2785,27 +2748,12 @@ def _make_kernel(cfg: GemmConfig):
             ptx.stg_s64(tail + Int64(40), Int64(ptx.sm_id()))  # where it ran: is the end spread per SM?
 
     @cute.jit
-    def walk_slot_step(slot, k_blocks, magic_span=None):
-        """segment_cost: (the first step at or after `slot`, its unit), as the host's slot_step; magic_span (quick_start):
-        ptx.division_magic of k_blocks + COST."""
-        span = k_blocks + COST
-        if cutlass.const_expr(magic_span is None):
-            unit = slot // span
-        else:
-            unit = ptx.divide_by_magic(slot, span, magic_span)
-        off = slot - unit * span - COST
-        if off < 0:
-            off = Int32(0)
-        return unit * k_blocks + off, unit
-
-    @cute.jit
     def walk_range(units, k_blocks, cta, smem, smid, magic=None):
         """A stream_k CTA's K128 steps [s, end) of this role's work, the working CTAs, the work, and the weighted
         mode (sm_weights: 1 where the ranges follow the weights, 0 where they are equal; None without). quick_start
         (magic: ptx.division_magic of the grid's CTAs): also the unit of step s, its range's bounds and that unit as
         multiplies by the magic (the same quotients as stream_range and s // k_blocks: floor(floor(x) / k) =
-        floor(x / k)) wherever every CTA of the grid works. segment_cost: the shares are of the slots (magic: the
-        grid's and k_blocks + COST's multipliers)."""
+        floor(x / k)) wherever every CTA of the grid works."""
         ctas = Int32(cute.arch.grid_dim()[0])
         work = units * k_blocks
         s = Int32(0)
@@ -2828,27 +2776,6 @@ def _make_kernel(cfg: GemmConfig):
                     s, end = weighted_range(smem, smid, work)
                 else:
                     s, end = stream_range(cta, ctas, work)
-        elif cutlass.const_expr(COST > 0):  # equal shares of the slots (stream_slots, stream_range)
-            slots = units * (k_blocks + COST)
-            if slots // (COST + 1) < ctas:  # stream_ctas: a step at least per working CTA
-                ctas = slots // (COST + 1)
-            if cta < ctas:
-                x0 = Int32(0)
-                x1 = Int32(0)
-                if cutlass.const_expr(QUICK):
-                    if ctas == grid_ctas:
-                        x0 = ptx.divide_by_magic(cta * slots, ctas, magic[0])
-                        x1 = ptx.divide_by_magic((cta + 1) * slots, ctas, magic[0])
-                    else:
-                        x0 = (cta * slots) // ctas
-                        x1 = ((cta + 1) * slots) // ctas
-                    s, first_unit = walk_slot_step(x0, k_blocks, magic[1])
-                    end = walk_slot_step(x1, k_blocks, magic[1])[0]
-                else:
-                    s = walk_slot_step((cta * slots) // ctas, k_blocks)[0]
-                    end = walk_slot_step(((cta + 1) * slots) // ctas, k_blocks)[0]
-            if cutlass.const_expr(QUICK):
-                return s, end, ctas, work, wmode, first_unit
         else:
             if work < ctas:  # stream_ctas: one step at least per working CTA
                 ctas = work
@@ -3464,8 +3391,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
-               tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               segment_cost: int = 0):
+               tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3481,7 +3407,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, segment_cost=segment_cost)
+                     quick_start=quick_start)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3498,7 +3424,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False, segment_cost: int = 0):
+            w2_early_stages: int | None = None, quick_start: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3575,9 +3501,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     quick_start = quick_start and stream_k  # a knob of the stand-alone stream-K loops: sets may name it everywhere
     if quick_start:
         cfg = replace(cfg, quick_start=True)
-    segment_cost = segment_cost if stream_k else 0  # likewise
-    if segment_cost:
-        cfg = replace(cfg, segment_cost=segment_cost)
     if max_stages is not None:  # a cap on the configuration's ring (its deepest one where `stages` is None)
         if max_stages < 2:
             raise ValueError(f"max_stages {max_stages}: allowed >= 2 (a ring of at least two stages)")
@@ -3644,8 +3567,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["w2_early_stages"] = cfg.w2_early_stages
     if quick_start:
         params["quick_start"] = True
-    if segment_cost:
-        params["segment_cost"] = segment_cost
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3788,12 +3709,11 @@ def all_variants():
               + [variant(role, 8, stream_k=True, ctas_per_sm=1, tagged_pieces=True, **knobs)
                  for role in ("w1", "w2")
                  for knobs in ({}, {"lean_epilogue": True}, {"trace": True}, {"step_group": True})]
-              # the stream-K walk's quick start (tile_knobs's ring; plain, traced, with handover words)
-              + [variant(role, 8, **{**tile_knobs(1)[1], "quick_start": True, **knobs})
-                 for role in ("w1", "w2") for knobs in ({}, {"trace": True}, {"handover": True})]
-              # the ranges' segment cost (plain, traced, with the quick start)
-              + [variant(role, 8, **{**tile_knobs(1)[1], "segment_cost": 2, **knobs})
-                 for role in ("w1", "w2") for knobs in ({}, {"trace": True}, {"quick_start": True})]):
+              # the stream-K loops at tile_knobs's ring, its quick start traced and with the hand-over words, and
+              # the plain walk (plain, traced, with the words: the quick start's baseline)
+              + [variant(role, 8, **{**tile_knobs(1)[1], **knobs}) for role in ("w1", "w2")
+                 for knobs in ({"trace": True}, {"handover": True}, {"quick_start": False},
+                               {"quick_start": False, "trace": True}, {"quick_start": False, "handover": True})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -3876,13 +3796,14 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     is not built); the wide tile with `transposed_stores` and `scale_ratios` (3.3% faster at GLM-5.2 T=256 on the
     H100, step 61; at tiles 32 / 64 the two were within +-1.2%, so they stay off there). The rings of tile 8 (both
     grids), 32 and 64 are capped (`max_stages`: RING_STAGES, UNIT_GRID_8_STAGES; step 65: a deeper ring only queues
-    every request behind the reads)."""
+    every request behind the reads). The stream-K loops start quickly (`quick_start`: W1's producer 0.4 us sooner at
+    its first copies, the pair 0.6 us faster on average at 1-8 tokens on the H100, step 69)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
         if w1_units is not None and sms and w1_units > STREAM_K_MAX_WAVES * sms:
             return 8, {"max_stages": UNIT_GRID_8_STAGES}
-        return 8, {"stream_k": True, "ctas_per_sm": 1, "max_stages": RING_STAGES[8]}
+        return 8, {"stream_k": True, "ctas_per_sm": 1, "max_stages": RING_STAGES[8], "quick_start": True}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
     persistent = {**table, "persistent": True}
     if capacity <= 32 and not two_cta_tiles:
