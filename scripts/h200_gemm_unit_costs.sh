@@ -65,7 +65,8 @@
 #           (docs step 66)
 #   strace  1 and 8 tokens: the traced stream-K loops at 12, 6 and 4 stages (first stage, pieces, waits per step)
 #   quick   1-8 tokens, twice: ws_auto_pdl (tile_knobs's stream-K loops start quickly since step 69,
-#           GemmConfig.quick_start) against `pw`, the same with the plain walk, each kernel alone too; then the traced
+#           GemmConfig.quick_start) against `pw`, the same with the plain walk, each kernel alone too, and the pair
+#           kernel with W1's quick start (`pairq`, PairConfig.quick_start) against `ws_auto_pair`; then the traced
 #           loops at 6 stages with and without it (`qtrace`: the producer's path from its scan to its first copies)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm: code, routing words and activations cached), W1's first stage split at its producer's
@@ -125,7 +126,7 @@ for s in $steps; do
              --extra-set sk6tp:stream_k=True,ctas_per_sm=1,stages=6,tagged_pieces=True \
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
-             --auto-set pw:quick_start=False,pdl=True \
+             --auto-set pw:quick_start=False,pdl=True --auto-set pairq:pair=True,quick_start=True \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
@@ -209,7 +210,8 @@ for s in $steps; do
               --tokens 1,8 --windows 3 --replays 10 --json "$OUT/strace.json" ;;
     quick) for r in 1 2; do  # tile_knobs's default (the quick start) against the plain walk, W2 programmatic
              run quick$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
-               --auto-set pw:quick_start=False,pdl=True --tokens 1,2,4,8 --windows 5 --replays 10 \
+               --auto-set pw:quick_start=False,pdl=True --auto-set ws_auto_pair:pair=True \
+               --auto-set pairq:pair=True,quick_start=True --tokens 1,2,4,8 --windows 5 --replays 10 \
                --json "$OUT/quick$r.json"
            done
            run qtrace 200 python $BENCH --check --time --per-role --trace \

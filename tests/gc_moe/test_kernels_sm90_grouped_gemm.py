@@ -872,7 +872,7 @@ def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
             assert (gg.divide_by_magic(cta * work, ctas, magic), gg.divide_by_magic((cta + 1) * work, ctas, magic)) \
                 == (s, end)
             assert gg.divide_by_magic(cta * units, ctas, magic) == s // k_blocks  # the walk's first unit
-    with pytest.raises(ValueError, match="quick_start is a knob of the stand-alone stream_k"):
+    with pytest.raises(ValueError, match="quick_start is a knob of the stream_k W1 / W2"):
         gg.GemmConfig("w1", 8, quick_start=True)
     assert "_quick" in gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, quick_start=True).name
     assert "quick_start" not in dict(gg.variant("w1", 16, quick_start=True).params)  # a stream-K knob only
@@ -1737,10 +1737,15 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    knobs = ("lean_epilogue", "sm_weights", "trace", "words_first", "publisher_warp")
+    knobs = ("lean_epilogue", "sm_weights", "trace", "words_first", "publisher_warp", "quick_start")
     assert [{k for k in knobs if dict(v.params).get(k)} for v in stream_pair.all_variants()] == [
         set(), {"lean_epilogue"}, {"sm_weights"}, {"trace"}, {"words_first"}, {"trace", "words_first"},
-        {"publisher_warp"}, {"words_first", "publisher_warp"}, {"trace", "words_first", "publisher_warp"}]
+        {"publisher_warp"}, {"words_first", "publisher_warp"}, {"trace", "words_first", "publisher_warp"},
+        {"quick_start"}, {"quick_start", "trace"}, {"quick_start", "words_first", "publisher_warp"}]
+    quick = stream_pair.PairConfig(quick_start=True)  # W1's walk only: W2's starts under W1's last units
+    assert quick.half("w1").quick_start and not quick.half("w2").quick_start
+    with pytest.raises(ValueError, match="quick_start is a knob of the stream_k W1 / W2"):
+        stream_pair.PairConfig(quick_start=True, sm_weights=True)
     traced = stream_pair.PairConfig(trace=True).half("w2")
     assert traced.name.endswith("_skpt_ws") and traced.trace
     with pytest.raises(ValueError, match="not traced"):

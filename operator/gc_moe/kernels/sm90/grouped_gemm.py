@@ -451,9 +451,9 @@ class GemmConfig:
         if self.tagged_pieces and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tagged_pieces is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
                              "pair kernel's halves, not handover: their words keep the fenced publication)")
-        if self.quick_start and not (self.stream_k and not self.stream_pair and not self.sm_weights):
-            raise ValueError("quick_start is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
-                             "pair kernel's halves)")
+        if self.quick_start and not (self.stream_k and not self.sm_weights):
+            raise ValueError("quick_start is a knob of the stream_k W1 / W2 (the pair kernel's too, not with "
+                             "sm_weights): pass stream_k=True")
         if self.w2_early_stages is not None and not (
                 self.role == "w2" and self.stream_k and not self.stream_pair and not self.handover
                 and self.stages is not None and 1 <= self.w2_early_stages <= self.stages):
@@ -2779,7 +2779,7 @@ def _make_kernel(cfg: GemmConfig):
         else:
             if work < ctas:  # stream_ctas: one step at least per working CTA
                 ctas = work
-            if cutlass.const_expr(QUICK):
+            if cutlass.const_expr(QUICK and magic is not None):
                 if cta < ctas:
                     if ctas == grid_ctas:
                         s = ptx.divide_by_magic(cta * work, ctas, magic)
@@ -2807,7 +2807,7 @@ def _make_kernel(cfg: GemmConfig):
         barrier, so their stores are ordered before; an acquire poll, bounded) and releases the unit's word: one
         permit per W2 unit that reads it. A count, not a barrier's phase: the consumers may run ahead by any
         number of units."""
-        s, end, _, _, _ = walk_range(units, k_blocks, cta, smem, smid)
+        s, end = walk_range(units, k_blocks, cta, smem, smid)[:2]
         published = Int32(0)
         while s < end:
             unit = s // k_blocks

@@ -68,6 +68,9 @@ class PairConfig:
     publisher_warp: bool = False
     # the ring both halves share: tile 8's stream-K depth (`grouped_gemm.RING_STAGES`, step 65) unless named
     stages: int | None = None
+    # W1's walk starts quickly (`grouped_gemm.GemmConfig.quick_start`: its producer's path to its first copies by
+    # multiplies and a ballot lookup, step 69); W2's walk starts under W1's last units. Not with sm_weights
+    quick_start: bool = False
 
     def half(self, role: str) -> gg.GemmConfig:
         """The stream-K loop of one role as a half of the pair (one CTA per SM; both halves share the ring)."""
@@ -75,7 +78,8 @@ class PairConfig:
                              warp_specialized=True, ctas_per_sm=1, stream_k=True, stream_pair=True,
                              lean_epilogue=self.lean_epilogue, sm_weights=self.sm_weights, trace=self.trace,
                              words_first=self.words_first, publisher_warp=self.publisher_warp,
-                             stages=self.stages if self.stages is not None else gg.RING_STAGES[BLOCK_N])
+                             stages=self.stages if self.stages is not None else gg.RING_STAGES[BLOCK_N],
+                             quick_start=self.quick_start and role == "w1")
 
     def __post_init__(self):
         w1, w2 = self.half("w1"), self.half("w2")
@@ -87,12 +91,12 @@ class PairConfig:
 
 def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue: bool = False,
             sm_weights: bool = False, trace: bool = False, words_first: bool = False, publisher_warp: bool = False,
-            stages: int | None = None):
+            stages: int | None = None, quick_start: bool = False):
     """The runtime KernelVariant of the pair kernel (stages: its ring, None for tile 8's adopted depth)."""
     from gc_moe.runtime.jit import KernelVariant
 
     cfg = PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace, words_first, publisher_warp,
-                     stages)  # validates
+                     stages, quick_start)  # validates
     params = {"swiglu_alpha": swiglu_alpha, "swiglu_clamp": swiglu_clamp, "stages": cfg.half("w1").stages}
     if lean_epilogue:  # named only when on: the plain variant keeps its parameters (and cache key)
         params["lean_epilogue"] = True
@@ -104,6 +108,8 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
         params["words_first"] = True
     if publisher_warp:
         params["publisher_warp"] = True
+    if quick_start:
+        params["quick_start"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.shared::cluster.global.mbarrier",
                 "mbarrier.try_wait.parity", "red.release.gpu.global.add", "red.relaxed.gpu.global.add",
                 "ld.relaxed.gpu.global", "fence.acq_rel.gpu", "trap")
@@ -118,12 +124,16 @@ def variant(swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0, lean_epilogue
 def all_variants():
     return [variant(), variant(lean_epilogue=True), variant(sm_weights=True), variant(trace=True),
             variant(words_first=True), variant(trace=True, words_first=True), variant(publisher_warp=True),
-            variant(words_first=True, publisher_warp=True), variant(trace=True, words_first=True, publisher_warp=True)]
+            variant(words_first=True, publisher_warp=True), variant(trace=True, words_first=True, publisher_warp=True),
+            # W1's walk starting quickly (plain, traced, with both of the hand-over's knobs)
+            variant(quick_start=True), variant(quick_start=True, trace=True),
+            variant(quick_start=True, words_first=True, publisher_warp=True)]
 
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
                lean_epilogue: bool = False, sm_weights: bool = False, trace: bool = False,
-               words_first: bool = False, publisher_warp: bool = False, stages: int | None = None):
+               words_first: bool = False, publisher_warp: bool = False, stages: int | None = None,
+               quick_start: bool = False):
     """The runtime's builder: a CompileRequest for the pair kernel (no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -132,7 +142,7 @@ def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: fl
     if arch != "sm_90a":
         raise ValueError(f"the SM90 stream-K pair kernel is built for sm_90a only, not {arch!r}")
     host, half = _make_kernel(PairConfig(swiglu_alpha, swiglu_clamp, lean_epilogue, sm_weights, trace,
-                                         words_first, publisher_warp, stages))
+                                         words_first, publisher_warp, stages, quick_start))
     args = tuple(Int64(0) if kind == "u64" else Int32(1) for _, kind in PARAMS)
     return CompileRequest(host, args, LaunchShape(block=(half.threads, 1, 1), dynamic_smem_bytes=half.smem_bytes))
 
@@ -357,6 +367,9 @@ def _make_kernel(cfg: PairConfig):
         if cutlass.const_expr(cfg.sm_weights):
             smid = ptx.sm_id()
             cta, _ = w1.sm_rank(smem, smid)  # the CTA's place in the order: its SM's rank by weight
+        magic = None
+        if cutlass.const_expr(cfg.quick_start):  # W1's range divisor's multiplier while the scan's loads are out
+            magic = ptx.division_magic(Int32(cute.arch.grid_dim()[0]))
         table1, units1 = w1.unit_table(expert_offsets, experts, w1_m_tiles // rows_per_unit)
         if cutlass.const_expr(cfg.trace):
             w1.trace_scanned(trace1, tid)
@@ -369,13 +382,13 @@ def _make_kernel(cfg: PairConfig):
                                 (ready, ready_tiles, w2_m_tiles // rows_per_unit), tid, cta, smem, smid)
             else:
                 walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, (split1, trace1),
-                          (split2, trace2))
+                          (split2, trace2), magic)
         else:
             walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, (split1, trace1),
-                      (split2, trace2))
+                      (split2, trace2), magic)
 
     @cute.jit
-    def walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, w1_split, w2_split):
+    def walk_both(tensors, sizes, table1, units1, tid, coords, cta, smem, smid, w1_split, w2_split, magic=None):
         """The consumers and the producer: the CTA's W1 range, then its W2 range, on one ring."""
         (w1_codes, w1_scales, w1_factor, act, act_scale, expert_offsets, routing_weight, mid, mid_scale,
          w2_codes, w2_scales, w2_factor, dest_row, out, ready) = tensors
@@ -385,7 +398,8 @@ def _make_kernel(cfg: PairConfig):
         base, segments1 = w1.stream_walk((w1_codes, w1_scales, act, act_scale), w1_factor, table1, units1,
                                          hidden_blocks, w1_m_tiles, split1, (routing_weight, mid, mid_scale), tid,
                                          coords, cta, smem, Int32(0), trace1,
-                                         pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit), smid=smid)
+                                         pair=(ready, ready_tiles, w2_m_tiles // rows_per_unit), smid=smid,
+                                         magic=magic)
         if cutlass.const_expr(cfg.trace):
             w1.trace_tail(trace1, tid, segments1)
             if tid == 0:
