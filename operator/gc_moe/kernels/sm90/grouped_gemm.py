@@ -369,11 +369,12 @@ class GemmConfig:
     # grid (`griddepcontrol.wait`); None: half the ring (step 29: a whole ring of 12 left the memory idle until the
     # consumers freed stage 0). With W2 launched programmatically these bytes move during W1's last CTAs
     w2_early_stages: int | None = None
-    # the stand-alone stream_k W1 / W2: the walk's first unit without a division or a serial lookup (its range and
-    # first unit as multiplies by a magic number computed while the unit scan's loads are out; the producer finds the
-    # unit's expert with one ballot per 32 experts). W1's producer took 1.4 us from its scan to its first copies, the
-    # memory idle meanwhile, in a dependent chain of ~300 instructions (step 68). The consumers keep the plain lookup
-    # (the quick one's uniform values, live across their K loops, cost W2's loop 5 instructions per step)
+    # the stream_k W1 / W2 (the pair kernel's W1 too: stream_pair.PairConfig.quick_start): the walk's first unit
+    # without a division or a serial lookup (its range and first unit as multiplies by a magic number computed while
+    # the unit scan's loads are out; the producer finds the unit's expert with one ballot per 32 experts). W1's
+    # producer took 1.4 us from its scan to its first copies, the memory idle meanwhile, in a dependent chain of ~300
+    # instructions (step 68). The consumers keep the plain lookup (the quick one's uniform values, live across their
+    # K loops, cost W2's loop 5 instructions per step)
     quick_start: bool = False
 
     def __post_init__(self):
