@@ -553,7 +553,7 @@ def division_magic(d: Int32) -> Uint32:
 
 def divide_by_magic(n: Int32, d: Int32, magic: Uint32) -> Int32:
     """floor(n / d) for 0 <= n < 2^31 and magic = division_magic(d): the high word of n x magic is the quotient or
-    one less, and the remainder it leaves corrects it (four dependent integer instructions, against the ~20 of a
+    one less, and the remainder it leaves corrects it (five dependent integer instructions, against the ~20 of a
     division by a value known only at run time). Emulated by grouped_gemm.divide_by_magic."""
     return asm("{\n.reg .u32 q, r;\n.reg .pred p;\nmul.hi.u32 q, $1, $3;\nmul.lo.u32 r, q, $2;\nsub.u32 r, $1, r;\n"
                "setp.ge.u32 p, r, $2;\n@p add.u32 q, q, 1;\nmov.b32 $0, q;\n}", [Int32], [n, d, magic])
