@@ -574,8 +574,8 @@ def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2"), replay: b
     yields after each, for the caller to read what the launch stamped. replay: the kernels as one captured graph,
     replayed (a programmatic W2 launched eagerly waits for the host's second launch, 65-240 us after W1 ends, which
     is not what the timed graph replays see). warm: the same launch once more between the flush and the one that
-    counts, so its code, the routing's words and the activations are in the caches and only the weights (more than
-    the L2 holds, read in the same order) are not."""
+    counts. Its code and data stay cached only where the point's bytes fit the L2: at the models' shapes the weights
+    streamed by the first launch evict them again (docs step 68; a --shape below the L2 size is warm)."""
     graph = None
     if replay:
         graph = torch.cuda.CUDAGraph()
@@ -854,7 +854,7 @@ def main() -> int:
                          "us per K128 step, unit switches, epilogues, end spread)")
     ap.add_argument("--trace-warm", action="store_true",
                     help="with --trace: also each traced kernel launched right after the same launch (after the "
-                         "flush), into `trace_warm`: its code, routing words and activations cached, its weights not")
+                         "flush), into `trace_warm`: warm only where the point's bytes fit the L2 (a small --shape)")
     ap.add_argument("--tag", default="", help="label written into each row (which variant set ran)")
     ap.add_argument("--flush", default="read", choices=("read", "write", "both"),
                     help="the cold timing's L2 flush: read 256 MB (default), write them (the earlier method), or "

@@ -69,7 +69,7 @@
 #           kernel with W1's quick start (`pairq`, PairConfig.quick_start) against `ws_auto_pair`; then the traced
 #           loops at 6 stages with and without it (`qtrace`: the producer's path from its scan to its first copies)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
-#           (--trace-warm: code, routing words and activations cached), W1's first stage split at its producer's
+#           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's

@@ -3798,7 +3798,7 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     H100, step 61; at tiles 32 / 64 the two were within +-1.2%, so they stay off there). The rings of tile 8 (both
     grids), 32 and 64 are capped (`max_stages`: RING_STAGES, UNIT_GRID_8_STAGES; step 65: a deeper ring only queues
     every request behind the reads). The stream-K loops start quickly (`quick_start`: W1's producer 0.4 us sooner at
-    its first copies, the pair 0.6 us faster on average at 1-8 tokens on the H100, step 69)."""
+    its first copies, the pair 0.5 us faster on average at 1-8 tokens over six runs on three H100s, steps 69 / 71)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:
