@@ -108,7 +108,8 @@ class Point:
     """One (model, tokens) point: inputs, outputs, launches."""
 
     def __init__(self, name, model, tokens, weights, canon, kernels, gen, device, max_block_n=32):
-        """weights: {nibble order: weights.sm90.Sm90Weights} (the "table" order for table_decode kernels)."""
+        """weights: {nibble order: weights.sm90.Sm90Weights} (`grouped_gemm.nibble_order` names the one a kernel
+        reads)."""
         self.name, self.model, self.tokens = name, model, tokens
         self.weights_by_order, self.canon = weights, canon
         self.weights = weights["lane"]
@@ -135,12 +136,11 @@ class Point:
     def use(self, kernels, max_block_n=None):
         """Run with this variant set's kernels: {(role, block_n): loaded kernel}, token tiles up to max_block_n
         (None: the point's), on the weights in the nibble order the kernels read."""
-        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, handover_words, split_buffers
+        from gc_moe.kernels.sm90.grouped_gemm import GemmConfig, handover_words, nibble_order, split_buffers
 
         self.block_n = block_n_for(self.capacity, max_block_n or self.max_block_n, {bn for _, bn in kernels})
         self.k1, self.k2 = kernels[("w1", self.block_n)], kernels[("w2", self.block_n)]
-        table = GemmConfig(**dict(self.k1.entry.variant.params)).table_decode
-        self.weights = self.weights_by_order["table" if table else "lane"]
+        self.weights = self.weights_by_order[nibble_order(GemmConfig(**dict(self.k1.entry.variant.params)))]
         for k, mat in ((self.k1, self.weights.l1), (self.k2, self.weights.l2)):
             if k.name not in self.splits:  # allocated before any capture
                 self.splits[k.name] = split_buffers(k, mat, self.capacity, self.device)
@@ -946,7 +946,7 @@ def main() -> int:
         tag, auto_knobs[tag], auto_pdl[tag] = parse_auto_set(spec)
         pair_only = {k: auto_knobs[tag].pop(k) for k in PAIR_ONLY_KNOBS if k in auto_knobs[tag]}
         if pair_only.pop("pair", False):  # the pseudo-knob pair: the pair kernel where the rule picks stream-K
-            auto_pair[tag] = {k: auto_knobs[tag][k] for k in ("lean_epilogue", "words_first", "quick_start")
+            auto_pair[tag] = {k: auto_knobs[tag][k] for k in ("lean_epilogue", "words_first", "quick_start", "split_nibbles")
                               if k in auto_knobs[tag]}
             auto_pair[tag].update(pair_only)
         kernel_sets[tag] = None
@@ -1025,11 +1025,15 @@ def main() -> int:
         canon = (random_mxfp4(e_loc, 2 * model["inter"], model["hidden"], gen, device),
                  random_mxfp4(e_loc, model["hidden"], model["inter"], gen, device))
         weights = {"lane": wsm90.transform(*canon)}
-        if auto_tiles or any(dict(k.entry.variant.params).get("table_decode")
-                             for ks in kernel_sets.values() if isinstance(ks, dict) for k in ks.values()):
+        orders = {gg.nibble_order(gg.GemmConfig(**dict(k.entry.variant.params)))
+                  for ks in kernel_sets.values() if isinstance(ks, dict) for k in ks.values()}
+        if auto_tiles:
+            orders |= {gg.nibble_order(gg.GemmConfig(**dict(k.entry.variant.params)))
+                       for tiles in auto_tiles.values() for ks in tiles.values() for k in ks.values()}
+        for order in sorted(orders - {"lane"}):  # each kernel on the codes in its own order (the same weights)
             lane = weights["lane"]
-            weights["table"] = wsm90.Sm90Weights(l1=wsm90.with_nibble_order(lane.l1, "table"),
-                                                 l2=wsm90.with_nibble_order(lane.l2, "table"))
+            weights[order] = wsm90.Sm90Weights(l1=wsm90.with_nibble_order(lane.l1, order),
+                                               l2=wsm90.with_nibble_order(lane.l2, order))
         torch.cuda.synchronize()
         print(f"# {name}: {e_loc} local experts, weights ready in {time.time() - t0:.1f} s", flush=True)
         for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -133,7 +133,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
     capped = sorted((dict(v.params)["role"], dict(v.params).get("quick_start", False), dict(v.params).get("trace", False),
                      dict(v.params).get("handover", False)) for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
-                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces"))
+                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
+                    and not dict(v.params).get("split_nibbles"))
     assert capped == sorted((role, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                             for trace, handover in ((False, False), (True, False), (False, True)))
     assert gg.tile_knobs(1)[1]["quick_start"] is True
@@ -445,7 +446,7 @@ def test_table_decode_every_code_at_every_window_step():
 
 def _thread_words(mat):
     """The 8 code words each thread of a 64x128 tile loads, as the kernel issues its two 16-byte loads: lane order
-    bytes [32 T, +32), table order [16 T, +16) and [2048 + 16 T, +16). int64 [E, mt, kt, T, word 2j+h]."""
+    bytes [32 T, +32), table and split orders [16 T, +16) and [2048 + 16 T, +16). int64 [E, mt, kt, T, word 2j+h]."""
     if mat.nibble_order == "lane":
         return _words(mat.codes.view(*mat.codes.shape[:3], 128, 8, 4))
     halves = mat.codes.view(*mat.codes.shape[:3], 2, 128, 4, 4)
@@ -498,6 +499,70 @@ def test_folded_decodes_of_whole_tiles_equal_the_dequantized_weights(gate_up, de
         ref = ref[:, wsm90.w1_row_order(m // 2)]
     assert torch.equal(got, ref)
     assert torch.equal(got, wsm90.dequantize_matrix(mat))
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_split_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
+    """Per thread as the split_nibbles kernel does (two 16-byte loads of the split order, decode_fp4x8_split, then the
+    K32 scale 2^(d + 6) and the expert's factor): every element equals formats.dequantize_fp4_ue8m0 of the canonical
+    weights, every code in both rows of a word, every d; and the decode equals the lane order's word for word."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    e, m, k = 2, 128, 512
+    codes = torch.randint(0, 16, (e, m, k), dtype=torch.uint8, generator=gen)
+    codes[:, :, :16] = torch.arange(16, dtype=torch.uint8)  # every code in every row
+    exps = torch.randint(113, 125, (e, m, k // 32), dtype=torch.uint8, generator=gen)
+    exps[:, 0, :12] = torch.arange(113, 125, dtype=torch.uint8)
+    packed, sf = pack_fp4(codes), pack_ue8m0(exps)
+    mat = wsm90.repack_matrix(packed, sf, gate_up=gate_up, nibble_order="split")
+    lane_words = _thread_words(wsm90.with_nibble_order(mat, "lane"))
+    words = _thread_words(mat)
+    scales = mat.scales.long() - wsm90.UE8M0_BIAS  # [E, mt, kt, tile row, K32 block]: 2^(d + 6)
+    t = torch.arange(128)
+    warp, g, q = t // 32, (t % 32) // 4, t % 4
+    row_lo = 16 * warp + g
+    dense = torch.zeros(e, m // 64, k // 128, 64, 128)
+    for j in range(4):
+        for h in range(2):
+            lo, hi = gg.decode_fp4x8_split(words[..., 2 * j + h])
+            lane = lane_words[..., 2 * j + h]
+            assert torch.equal(lo, ((lane << 4) & 0x80808080) | ((lane << 2) & 0x1C1C1C1C))
+            assert torch.equal(hi, (lane & 0x80808080) | ((lane >> 2) & 0x1C1C1C1C))
+            lo, hi = _e4m3(_word_bytes(lo)), _e4m3(_word_bytes(hi))
+            for b in range(4):
+                col = 32 * j + 16 * h + 4 * q + b
+                dense[..., row_lo, col] = lo[..., b] * torch.exp2(scales[..., row_lo, j].float())
+                dense[..., row_lo + 8, col] = hi[..., b] * torch.exp2(scales[..., row_lo + 8, j].float())
+    got = dense.transpose(2, 3).reshape(e, m, k) * mat.factor.view(e, 1, 1)
+    ref = dequantize_fp4_ue8m0(packed, sf)
+    if gate_up:
+        ref = ref[:, wsm90.w1_row_order(m // 2)]
+    assert torch.equal(got, ref)
+    assert torch.equal(got, wsm90.dequantize_matrix(mat))
+
+
+def test_split_nibbles_knob_and_the_nibble_order_it_needs():
+    cfg = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, split_nibbles=True)
+    assert gg.nibble_order(cfg) == "split" and gg.nibble_order(gg.GemmConfig("w1", 8)) == "lane"
+    for bad in ({"fold_scales": True}, {"warp_specialized": False}, {"ring_consumer": True}):
+        with pytest.raises(ValueError, match="split_nibbles is a knob"):
+            gg.GemmConfig(**{"role": "w2", "block_n": 8, "split_nibbles": True, **bad})
+    # a knob sets may name everywhere: on at tile 8's loops, dropped where the scales are folded
+    assert dict(gg.variant("w1", 8, **{**gg.tile_knobs(1)[1], "split_nibbles": True}).params)["split_nibbles"]
+    assert "split_nibbles" not in dict(gg.variant("w1", 16, **{**gg.tile_knobs(9)[1], "split_nibbles": True}).params)
+    assert "split_nibbles" not in dict(gg.variant("w1", 8).params)  # the plain variants keep their cache keys
+    gen = torch.Generator().manual_seed(5)
+    mat = wsm90.repack_matrix(pack_fp4(torch.randint(0, 16, (2, 128, 256), dtype=torch.uint8, generator=gen)),
+                              pack_ue8m0(torch.full((2, 128, 8), 127, dtype=torch.uint8)), gate_up=False)
+
+    class Kernel:
+        name = "k"
+
+    with pytest.raises(ValueError, match="'split' nibble order"):
+        gg._check_nibble_order(cfg, Kernel, mat)
+    gg._check_nibble_order(cfg, Kernel, wsm90.with_nibble_order(mat, "split"))
+    for order in wsm90.NIBBLE_ORDERS:  # every order back to every other, exactly
+        back = wsm90.with_nibble_order(wsm90.with_nibble_order(wsm90.with_nibble_order(mat, order), "split"), "lane")
+        assert torch.equal(back.codes, mat.codes)
 
 
 def test_table_decode_knob_and_the_nibble_order_it_needs():
@@ -963,9 +1028,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # early combine rows at the same tiles, the stream-K loops with a step's WGMMAs as one group (plain, lean, traced),
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
-    # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words)
+    # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
+    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -991,6 +1057,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
         assert len(mma) == 4 * steps * main_loops and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
+        # the split order's decode: row g's register is one mask of the code word (0x9C9C9C9C), four per K128 step
+        masks = len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -1667457892;", ptx))
+        assert (masks >= 8) == cfg.split_nibbles, variant.describe()
         res = entry.resources
         # no stack but W1's epilogue at two shapes (grouped_gemm._local_bytes_budget; none inside the K loops: the
         # bench's SASS report)
@@ -1089,9 +1158,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # 32 / 64 / 96), W2's early combine rows, the stream-K loops with a step's WGMMAs as one group (plain, lean and
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
-    # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words)
+    # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
+    # on the split nibble order (stream-K, traced, the unit grid)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1277,7 +1347,8 @@ def _run_case(hidden, inter, experts, topk, tokens, block_n, seed, fold_scales=F
         return packed, pack_ue8m0(exps)
 
     l1, l2 = mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
-    w = wsm90.transform(l1, l2, nibble_order="table" if more_knobs.get("table_decode") else "lane")
+    w = wsm90.transform(l1, l2, nibble_order="table" if more_knobs.get("table_decode") else
+                        "split" if more_knobs.get("split_nibbles") else "lane")
     # routing: tokens x topk distinct experts, expert 0 left without tokens
     if experts < topk + 2:
         raise ValueError(f"{experts} experts cannot leave expert 0 empty with top-{topk} routing; allowed: >= {topk + 2}")
@@ -1427,16 +1498,18 @@ def _check_pair_kernel(w, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
     stream = torch.cuda.current_stream()
     variants = [v for v in stream_pair.all_variants()
                 if bool(dict(v.params).get("sm_weights")) == (sm_weights is not None)]
+    split = wsm90.Sm90Weights(l1=wsm90.with_nibble_order(w.l1, "split"), l2=wsm90.with_nibble_order(w.l2, "split"))
     for variant in variants:
         kernel = jit.load_kernel(variant, "sm_90a")
+        codes = split if dict(variant.params).get("split_nibbles") else w  # the same weights in its nibble order
 
-        def pair(on, kernel=kernel):
+        def pair(on, kernel=kernel, codes=codes):
             mid.view(torch.uint8).fill_(0x7F)
             mid_sf.fill_(float("nan"))
             out.fill_(float("nan"))
             _poison_partials(buffers["w1"])
             _poison_partials(buffers["w2"])
-            stream_pair.launch_pair(kernel, w.l1, w.l2, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
+            stream_pair.launch_pair(kernel, codes.l1, codes.l2, act, act_sf, offsets, rw, mid, mid_sf, dest, out, cap,
                                     buffers, on)
 
         for launch in _eager_and_replayed(pair, stream, launches):
@@ -1737,11 +1810,14 @@ def test_stream_pair_host_side_names_what_is_wrong():
     with pytest.raises(ValueError, match="stream_pair is a half"):
         gg.GemmConfig("w1", 8, stream_pair=True, ctas_per_sm=1)  # not stream_k
     assert stream_pair.ready_words(48, 9, 2304) == 48 * 2 * 18
-    knobs = ("lean_epilogue", "sm_weights", "trace", "words_first", "publisher_warp", "quick_start")
+    knobs = ("lean_epilogue", "sm_weights", "trace", "words_first", "publisher_warp", "quick_start", "split_nibbles")
     assert [{k for k in knobs if dict(v.params).get(k)} for v in stream_pair.all_variants()] == [
         set(), {"lean_epilogue"}, {"sm_weights"}, {"trace"}, {"words_first"}, {"trace", "words_first"},
         {"publisher_warp"}, {"words_first", "publisher_warp"}, {"trace", "words_first", "publisher_warp"},
-        {"quick_start"}, {"quick_start", "trace"}, {"quick_start", "words_first", "publisher_warp"}]
+        {"quick_start"}, {"quick_start", "trace"}, {"quick_start", "words_first", "publisher_warp"},
+        {"split_nibbles"}, {"split_nibbles", "trace"}, {"split_nibbles", "quick_start"}]
+    split = stream_pair.PairConfig(split_nibbles=True)  # both halves read the split order
+    assert split.half("w1").split_nibbles and split.half("w2").split_nibbles
     quick = stream_pair.PairConfig(quick_start=True)  # W1's walk only: W2's starts under W1's last units
     assert quick.half("w1").quick_start and not quick.half("w2").quick_start
     with pytest.raises(ValueError, match="quick_start is a knob of the stream_k W1 / W2"):
@@ -2195,6 +2271,25 @@ def test_quick_start_writes_the_stream_k_bytes(hidden, inter, experts, topk, tok
     _assert_same_bytes(quick, _run_case(*case, seed=seed, return_raw=True, **common))
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **{**common, "quick_start": True})
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{**gg.tile_knobs(1)[1]}, {**gg.tile_knobs(1)[1], "trace": True},
+                                   {"max_stages": gg.UNIT_GRID_8_STAGES}], ids=["stream_k", "traced", "unit_grid"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
+                                                              (256, 256, 5, 2, 40)])
+def test_split_nibbles_write_the_lane_orders_bytes(hidden, inter, experts, topk, tokens, knobs):
+    """The tile-8 loops on the "split" nibble order (`split_nibbles`) decode the same E4M3 bytes as on the lane order
+    and do the same FP32 work, so W1 and W2 write the same bytes, relaunched on the same buffers (the stream-K loops,
+    traced, and the unit grid past its waves; 9-40 rows per expert: several token tiles). And the float32
+    reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    seed = hidden + tokens + experts
+    split = _run_case(*case, seed=seed, return_raw=True, relaunches=2, split_nibbles=True, **knobs)
+    _assert_same_bytes(split, _run_case(*case, seed=seed, return_raw=True, **knobs))
+    if not knobs.get("trace"):
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, split_nibbles=True, **knobs)
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

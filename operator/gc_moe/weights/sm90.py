@@ -34,6 +34,14 @@ magnitudes as four permute selectors per half, `w & 0x80808080` row g's signs at
 words 4..7 at [2048 + 16 T, ...): each of its two 16-byte shared loads is then contiguous over the warp (no bank
 conflict; the lane order's 32-byte stride costs two wavefronts per quarter warp).
 
+Nibble order "split" (opt-in, `nibble_order="split"`; the kernels' `split_nibbles`): the same 32 bytes per thread,
+its two 16-byte halves placed as in the table order, each byte's eight bits shared by the two rows' codes of one k
+so that both E4M3 bytes come out with few masks and shifts. Word 2 j + h byte b holds the code n of A[row g, k]
+(k = 32 j + 16 h + 4 q + b) already in its E4M3 bits (`(n & 8) << 4 | (n & 7) << 2`: bits 7, 4..2) and the code
+m of A[row g + 8, k] in the other four: its bits 0..1 at 0..1, bit 2 at 6, bit 3 at 5. Then `w & 0x9C9C9C9C` is
+row g's A register and `((w & 0x23232323) << 2) | ((w >> 2) & 0x10101010)` row g + 8's: five instructions per
+word against the lane order's seven.
+
 Row order. W2 tiles take rows in order. W1 tiles interleave gate and up so one thread holds both halves
 of the same intermediate channel: W1 tile mt, row 16 w + r is gate channel 32 mt + 8 w + r for r < 8 and
 up channel 32 mt + 8 w + r - 8 for r >= 8 (rows [gate; up] of the DeepGEMM layout, I rows each).
@@ -63,7 +71,7 @@ TILE_BYTES = TILE_M * TILE_K // 2
 WINDOW_STEPS = 11  # largest exponent distance d a block may keep from the window base
 X64_EXPONENT = 6  # decode yields value / 2^6; stored scales carry 2^6 back
 UE8M0_BIAS = 127
-NIBBLE_ORDERS = ("lane", "table")
+NIBBLE_ORDERS = ("lane", "table", "split")
 
 
 @dataclass
@@ -76,7 +84,7 @@ class Sm90Matrix:
     rows: int  # M
     cols: int  # K
     gate_up_interleaved: bool
-    nibble_order: str = "lane"  # "table": the byte-permute decode's order (module docstring)
+    nibble_order: str = "lane"  # "table": the byte-permute decode's order; "split": the masked one (module docstring)
 
     @property
     def num_experts(self) -> int:
@@ -154,17 +162,41 @@ def _table_bytes_to_codes(tile_bytes: torch.Tensor) -> torch.Tensor:
     return torch.stack(codes, dim=-1)
 
 
+def _codes_to_split_bytes(c: torch.Tensor) -> torch.Tensor:
+    """codes [..., n words, 8] (as _lane_words_to_codes) -> uint8 [..., 4 n]: each word in split nibble order
+    (the 16-byte halves are placed by _split_thread_halves)."""
+    lo, hi = c[..., :4], c[..., 4:]
+    row_g = ((lo & 8) << 4) | ((lo & 7) << 2)  # bits 7, 4..2: the E4M3 byte of row g's code
+    row_g8 = (hi & 3) | ((hi & 4) << 4) | ((hi & 8) << 2)  # bits 0..1, 6, 5
+    return (row_g | row_g8).reshape(*c.shape[:-2], 4 * c.shape[-2])
+
+
+def _split_bytes_to_codes(tile_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 n] in split order -> codes [..., n words, 8] (row g k0..k3, row g+8 k0..k3)."""
+    b = tile_bytes.view(*tile_bytes.shape[:-1], tile_bytes.shape[-1] // 4, 4)
+    row_g = ((b >> 2) & 7) | ((b >> 4) & 8)
+    row_g8 = (b & 3) | ((b >> 4) & 4) | ((b >> 2) & 8)
+    return torch.cat((row_g, row_g8), dim=-1)
+
+
 def with_nibble_order(mat: Sm90Matrix, order: str) -> Sm90Matrix:
-    """The same matrix with its codes in `order` ("lane" or "table"); scales and factor shared, codes new."""
+    """The same matrix with its codes in `order` (NIBBLE_ORDERS); scales and factor shared, codes new."""
     if order not in NIBBLE_ORDERS:
         raise ValueError(f"nibble order {order!r}; allowed: {NIBBLE_ORDERS}")
     if order == mat.nibble_order:
         return mat
-    if order == "table":
-        new = _split_thread_halves(_codes_to_table_bytes(_lane_words_to_codes(mat.codes)))
+    if mat.nibble_order == "lane":
+        codes = _lane_words_to_codes(mat.codes)
+    elif mat.nibble_order == "table":
+        codes = _table_bytes_to_codes(_join_thread_halves(mat.codes))
     else:
-        c = _table_bytes_to_codes(_join_thread_halves(mat.codes))
-        new = (c[..., :4] | (c[..., 4:] << 4)).reshape(mat.codes.shape)
+        codes = _split_bytes_to_codes(_join_thread_halves(mat.codes))
+    if order == "table":
+        new = _split_thread_halves(_codes_to_table_bytes(codes))
+    elif order == "split":
+        new = _split_thread_halves(_codes_to_split_bytes(codes))
+    else:
+        new = (codes[..., :4] | (codes[..., 4:] << 4)).reshape(mat.codes.shape)
     return Sm90Matrix(codes=new.contiguous(), scales=mat.scales, factor=mat.factor, rows=mat.rows, cols=mat.cols,
                       gate_up_interleaved=mat.gate_up_interleaved, nibble_order=order)
 

@@ -376,6 +376,12 @@ class GemmConfig:
     # instructions (step 68). The consumers keep the plain lookup (the quick one's uniform values, live across their
     # K loops, cost W2's loop 5 instructions per step)
     quick_start: bool = False
+    # the warp-specialized unfolded consumer (issue_group's loops: the stream-K tile-8 loops among them) reads codes in
+    # weights.sm90's "split" nibble order: five integer instructions per code word instead of the lane order's seven
+    # (16 fewer per K128 step and warp on a loop of 156-161), and its two 16-byte shared loads contiguous over the
+    # warp (the lane order's 32-byte stride costs two wavefronts per quarter warp). The tile-8 consumers sit near their
+    # share of the bandwidth per step on the H200 (docs step 62), so a step's instructions are its time there
+    split_nibbles: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -460,6 +466,10 @@ class GemmConfig:
                 and self.stages is not None and 1 <= self.w2_early_stages <= self.stages):
             raise ValueError(f"w2_early_stages {self.w2_early_stages}: a knob of the stand-alone stream_k W2 (role 'w2', "
                              f"stream_k=True, not the pair's half, not handover), 1..stages ({self.stages})")
+        if self.split_nibbles and not (self.warp_specialized and not self.fold_scales and not self.ring_consumer
+                                       and not self.fused_role2):
+            raise ValueError("split_nibbles is a knob of the warp-specialized unfolded consumer (stand-alone: no ring "
+                             "consumer, no fused role2; fold_scales off)")
         if self.trace and self.ctas_per_sm != 1:
             raise ValueError(f"trace stamps a stream_k loop at one CTA per SM (the traced two-CTA W1 loop spilled and "
                              f"was not deterministic); got ctas_per_sm {self.ctas_per_sm}: pass ctas_per_sm=1")
@@ -808,6 +818,13 @@ def decode_fp4x8_table(w, table_lo, table_hi, prmt, u32=int):
     lo = prmt(table_lo[0], table_lo[1], m) | (w & u32(0x80808080))
     hi = prmt(table_hi[0], table_hi[1], m >> 16) | ((w << 4) & u32(0x80808080))
     return lo, hi
+
+
+def decode_fp4x8_split(w, u32=int):
+    """A word of eight codes in weights.sm90's "split" nibble order -> (row g, row g + 8) A registers: four E4M3
+    bytes each of value / 64. Row g's bits already sit where E4M3 wants them (one mask); row g + 8's bits 0..1 and
+    5 move up by two, its bit 6 down by two (two shifts, a mask, a mask-and-or)."""
+    return w & u32(0x9C9C9C9C), ((w & u32(0x23232323)) << 2) | ((w >> 2) & u32(0x10101010))  # no carry past bit 31
 
 
 def stream_ctas(ctas: int, work: int) -> int:
@@ -1486,6 +1503,7 @@ def _make_kernel(cfg: GemmConfig):
     # warpgroup decodes and scales, also across K128 steps
     PNP = cfg.wgmmas_per_group
     GROUPS = 4 // PNP
+    NIBBLES_SPLIT = cfg.split_nibbles  # (SPLIT is the consumer_registers split)
     PER = PNP * (BN // 2)
 
     @cute.jit
@@ -1494,21 +1512,26 @@ def _make_kernel(cfg: GemmConfig):
         tile (ptx.smem_desc_kmajor_lo), advanced by 16 per K32 block (256 bytes). Returns once at most `pending`
         groups are in flight."""
         # the group's own 8 x PNP bytes of the thread's A fragment (fewer live registers than the whole step)
+        # (split_nibbles: the thread's words 0..3 at wa, 4..7 at wa + 2048, weights.sm90's thread halves)
+        half = TILE_BYTES // 2 if cutlass.const_expr(NIBBLES_SPLIT) else 16
         if cutlass.const_expr(PNP == 4):
-            words = ptx.lds128(wa) + ptx.lds128(wa + 16)
+            words = ptx.lds128(wa) + ptx.lds128(wa + half)
         elif cutlass.const_expr(PNP == 2):
-            words = ptx.lds128(wa + 16 * grp)
+            words = ptx.lds128(wa + half * grp)
         else:
-            words = ptx.lds64(wa + 8 * grp)
+            words = ptx.lds64(wa + half * (grp // 2) + 8 * (grp % 2))
         a_regs = []
         descs = []
         for jj in cutlass.range_constexpr(PNP):
             j = grp * PNP + jj
             w_k0, w_k16 = words[2 * jj], words[2 * jj + 1]
-            a_regs += [
-                ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
-                ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
-            ]
+            if cutlass.const_expr(NIBBLES_SPLIT):
+                a_regs += [*ptx.decode_fp4x8_split(w_k0), *ptx.decode_fp4x8_split(w_k16)]
+            else:
+                a_regs += [
+                    ptx.decode_fp4x4_low(w_k0), ptx.decode_fp4x4_high(w_k0),
+                    ptx.decode_fp4x4_low(w_k16), ptx.decode_fp4x4_high(w_k16),
+                ]
             descs.append(ptx.smem_desc_kmajor_from_lo(desc_lo + j * 16, 1024))
         ptx.wgmma_fence()
         out = ptx.wgmma_rs_e4m3_issue(BN, a_regs, descs, [buf[r] for r in range(PER)], pending)
@@ -1601,6 +1624,10 @@ def _make_kernel(cfg: GemmConfig):
             tsum[r] = Float32(0.0)
         bar0 = smem + cfg.barrier_offset
         a_off = wg * TILE_BYTES + t * 32
+        if cutlass.const_expr(NIBBLES_SPLIT):
+            # wg x 4096 + 16 t as 16 x (the consumer thread's index) + a uniform part: without that ptxas rebuilt
+            # the sum from the thread index every step (four instructions against one)
+            a_off = cute.arch.make_warp_uniform(wg * (TILE_BYTES // 2)) + (wg * 128 + t) * 16
         s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
         x_off = cfg.xs_offset + 2 * q * 4
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
@@ -3392,7 +3419,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                handover: bool = False, persistent: bool = False,
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
-               tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False):
+               tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
+               split_nibbles: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3408,7 +3436,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start)
+                     quick_start=quick_start, split_nibbles=split_nibbles)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3425,7 +3453,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False):
+            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3502,6 +3530,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     quick_start = quick_start and stream_k  # a knob of the stand-alone stream-K loops: sets may name it everywhere
     if quick_start:
         cfg = replace(cfg, quick_start=True)
+    # a knob of the warp-specialized unfolded consumer, stand-alone: sets may name it everywhere
+    split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer)
+    if split_nibbles:
+        cfg = replace(cfg, split_nibbles=True)
     if max_stages is not None:  # a cap on the configuration's ring (its deepest one where `stages` is None)
         if max_stages < 2:
             raise ValueError(f"max_stages {max_stages}: allowed >= 2 (a ring of at least two stages)")
@@ -3568,6 +3600,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["w2_early_stages"] = cfg.w2_early_stages
     if quick_start:
         params["quick_start"] = True
+    if split_nibbles:
+        params["split_nibbles"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3714,7 +3748,12 @@ def all_variants():
               # the plain walk (plain, traced, with the words: the quick start's baseline)
               + [variant(role, 8, **{**tile_knobs(1)[1], **knobs}) for role in ("w1", "w2")
                  for knobs in ({"trace": True}, {"handover": True}, {"quick_start": False},
-                               {"quick_start": False, "trace": True}, {"quick_start": False, "handover": True})]):
+                               {"quick_start": False, "trace": True}, {"quick_start": False, "handover": True})]
+              # the tile-8 loops (stream-K, plain and traced, and the unit grid past its waves) on the "split" nibble
+              # order
+              + [variant(role, 8, **{**knobs, "split_nibbles": True}) for role in ("w1", "w2")
+                 for knobs in (tile_knobs(1)[1], {**tile_knobs(1)[1], "trace": True},
+                               {"max_stages": UNIT_GRID_8_STAGES})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -3762,9 +3801,15 @@ def _check_ring_args(cfg: GemmConfig, kernel, ring_args) -> list:
     return list(ring_args)
 
 
+def nibble_order(cfg: GemmConfig) -> str:
+    """The weights.sm90 nibble order a configuration reads its codes in: "table" with table_decode, "split" with
+    split_nibbles, else "lane"."""
+    return "table" if cfg.table_decode else "split" if cfg.split_nibbles else "lane"
+
+
 def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
-    """A table_decode kernel reads codes in the "table" nibble order, every other one in the "lane" order."""
-    want = "table" if cfg.table_decode else "lane"
+    """A kernel reads its codes in one nibble order (`nibble_order`): the matrix must hold them so."""
+    want = nibble_order(cfg)
     have = getattr(mat, "nibble_order", "lane")
     if have != want:
         raise ValueError(f"{kernel.name} reads weights in the {want!r} nibble order, the matrix has {have!r}: "

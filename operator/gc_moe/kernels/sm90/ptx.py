@@ -191,6 +191,13 @@ def decode_fp4x4_high(w: Uint32) -> Uint32:
     return (w & Uint32(0x80808080)) | ((w >> 2) & Uint32(0x1C1C1C1C))
 
 
+def decode_fp4x8_split(w: Uint32) -> tuple:
+    """A "split"-order word's eight codes -> the row g and row g + 8 A registers (grouped_gemm.decode_fp4x8_split)."""
+    from gc_moe.kernels.sm90.grouped_gemm import decode_fp4x8_split as decode
+
+    return decode(w, Uint32)
+
+
 def decode_fp4x4_folded(w: Uint32, step: Uint32, high: bool) -> Uint32:
     """Four FP4 nibbles of w with their K32 scale folded in: E4M3 bytes of value * 2^(d - 5) (see
     grouped_gemm.decode_fp4x4_folded, the arithmetic shared with its CPU emulation)."""
