@@ -1003,6 +1003,9 @@ def main() -> int:
                 pair_kernels["pair_w"] = jit.load_kernel(stream_pair.variant(sm_weights=True), "sm_90a")
                 kernel_sets["pair_w"] = "pair"
         for tag, pair_knobs in auto_pair.items():
+            # the pair reads the codes in the order of the set's tile-8 loops (its weights are theirs)
+            tile8 = {**tile_rule(gg, auto_knobs[tag])[0](1)[1], **auto_knobs[tag]}
+            pair_knobs = {**pair_knobs, "split_nibbles": bool(tile8.get("split_nibbles"))}
             pair_kernels[tag] = jit.load_kernel(stream_pair.variant(**pair_knobs), "sm_90a")
     occupancy_report({k: v for k, v in kernel_sets.items() if v != "pair"})
     stream = torch.cuda.Stream()

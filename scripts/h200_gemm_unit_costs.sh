@@ -68,10 +68,11 @@
 #           GemmConfig.quick_start) against `pw`, the same with the plain walk, each kernel alone too, and the pair
 #           kernel with W1's quick start (`pairq`, PairConfig.quick_start) against `ws_auto_pair`; then the traced
 #           loops at 6 stages with and without it (`qtrace`: the producer's path from its scan to its first copies)
-#   split   1-8 tokens, twice: ws_auto_pdl against `sn`, the same with its tile-8 loops on the "split" nibble order
-#           (GemmConfig.split_nibbles: five instructions per code word instead of seven, conflict-free code loads),
-#           each kernel alone too, and the pair kernel with it (`pairs`) against `ws_auto_pair`; then the traced loops
-#           at 6 stages with and without it (`strace2`: the time per K128 step and its waits; docs step 72)
+#   split   1-8 tokens, twice: ws_auto_pdl (tile 8 on the "split" nibble order since step 72, GemmConfig.split_nibbles:
+#           five instructions per code word instead of seven, conflict-free code loads) against `lane`, the same on the
+#           lane order, each kernel alone too, and `ws_auto_pair` against the pair kernel on the lane order
+#           (`lanepair`); then the traced loops at 6 stages without and with it (`strace2`: the time per K128 step and
+#           its waits; docs step 72)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -133,6 +134,7 @@ for s in $steps; do
              --auto-set pw:quick_start=False,pdl=True --auto-set pairq:pair=True,quick_start=True \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
              --auto-set sn:split_nibbles=True,pdl=True --auto-set pairs:pair=True,split_nibbles=True \
+             --auto-set lane:split_nibbles=False,pdl=True --auto-set lanepair:pair=True,split_nibbles=False \
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
@@ -224,10 +226,10 @@ for s in $steps; do
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/qtrace.json" ;;
-    split) for r in 1 2; do  # the "split" nibble order (17 fewer instructions per K128 step) against the lane order
+    split) for r in 1 2; do  # tile 8 on the "split" nibble order (17 fewer instructions per K128 step) against the lane order
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
-               --auto-set sn:split_nibbles=True,pdl=True --auto-set ws_auto_pair:pair=True \
-               --auto-set pairs:pair=True,split_nibbles=True --tokens 1,2,4,8 --windows 5 --replays 10 \
+               --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \
+               --auto-set lanepair:pair=True,split_nibbles=False --tokens 1,2,4,8 --windows 5 --replays 10 \
                --json "$OUT/split$r.json"
            done
            run strace2 200 python $BENCH --check --time --per-role --trace \

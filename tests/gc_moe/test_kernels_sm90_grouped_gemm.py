@@ -128,16 +128,17 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                    and not dict(v.params).get("tagged_pieces") and not dict(v.params).get("quick_start")
                    and not (dict(v.params).get("ctas_per_sm") == 1 and dict(v.params)["stages"] == gg.RING_STAGES[8]))
     # (0: the tile's default ctas_per_sm; tile_knobs's ring of 6 stages at one CTA per SM is listed below)
-    # tile_knobs's ring with the walk's quick start (its default: plain, traced, with the hand-over words) and
-    # without it (the same three, its baseline)
-    capped = sorted((dict(v.params)["role"], dict(v.params).get("quick_start", False), dict(v.params).get("trace", False),
+    # tile_knobs's ring with the walk's quick start (its default, on the split nibble order: plain, traced, with the
+    # hand-over words) and without it (the same three, its baseline); on the lane order the default plain and traced
+    capped = sorted((dict(v.params)["role"], dict(v.params).get("split_nibbles", False),
+                     dict(v.params).get("quick_start", False), dict(v.params).get("trace", False),
                      dict(v.params).get("handover", False)) for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
-                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
-                    and not dict(v.params).get("split_nibbles"))
-    assert capped == sorted((role, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
-                            for trace, handover in ((False, False), (True, False), (False, True)))
-    assert gg.tile_knobs(1)[1]["quick_start"] is True
+                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces"))
+    assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
+                             for trace, handover in ((False, False), (True, False), (False, True))]
+                            + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
+    assert gg.tile_knobs(1)[1]["quick_start"] is True and gg.tile_knobs(1)[1]["split_nibbles"] is True
     assert built == sorted([(role, 8, ctas, False, False, False, False) for role in ("w1", "w2") for ctas in (0, 1)]
                            + [(role, 8, 1, True, False, False, False) for role in ("w1", "w2")]
                            + [(role, 8, 1, trace, True, False, False) for role in ("w1", "w2")
@@ -184,12 +185,12 @@ def _tile_knobs_without(block_n, *names):
 
 
 def test_tile_knobs_follow_the_measured_points():
-    # step 65: the ring at 6 stages, not 12; step 69: the walk's quick start
-    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6, "quick_start": True}
+    # step 65: the ring at 6 stages, not 12; step 69: the walk's quick start; step 72: the split nibble order
+    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6, "quick_start": True, "split_nibbles": True}
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
     # at tile 8 the default grid where W1's units pass 5.4 waves (past step 65's measured 704 units on 132 SMs)
     assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 712, 132) == (8, stream)
-    unit8 = {"max_stages": gg.UNIT_GRID_8_STAGES}  # step 65: its ring capped too
+    unit8 = {"max_stages": gg.UNIT_GRID_8_STAGES, "split_nibbles": True}  # step 65: its ring capped too
     assert gg.tile_knobs(4, 713, 132) == (8, unit8) and gg.tile_knobs(6, 900, 132) == (8, unit8)
     for role in ("w1", "w2"):
         unit = gg.GemmConfig(**dict(gg.variant(role, 8, **unit8).params))
@@ -1816,7 +1817,8 @@ def test_stream_pair_host_side_names_what_is_wrong():
         set(), {"lean_epilogue"}, {"sm_weights"}, {"trace"}, {"words_first"}, {"trace", "words_first"},
         {"publisher_warp"}, {"words_first", "publisher_warp"}, {"trace", "words_first", "publisher_warp"},
         {"quick_start"}, {"quick_start", "trace"}, {"quick_start", "words_first", "publisher_warp"},
-        {"split_nibbles"}, {"split_nibbles", "trace"}, {"split_nibbles", "quick_start"}]
+        {"split_nibbles"}, {"split_nibbles", "trace"}, {"split_nibbles", "quick_start"},
+        {"split_nibbles", "words_first", "publisher_warp"}]
     split = stream_pair.PairConfig(split_nibbles=True)  # both halves read the split order
     assert split.half("w1").split_nibbles and split.half("w2").split_nibbles
     quick = stream_pair.PairConfig(quick_start=True)  # W1's walk only: W2's starts under W1's last units
@@ -2276,7 +2278,8 @@ def test_quick_start_writes_the_stream_k_bytes(hidden, inter, experts, topk, tok
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{**gg.tile_knobs(1)[1]}, {**gg.tile_knobs(1)[1], "trace": True},
+@pytest.mark.parametrize("knobs", [{**gg.tile_knobs(1)[1], "split_nibbles": False},
+                                   {**gg.tile_knobs(1)[1], "trace": True, "split_nibbles": False},
                                    {"max_stages": gg.UNIT_GRID_8_STAGES}], ids=["stream_k", "traced", "unit_grid"])
 @pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
                                                               (256, 256, 5, 2, 40)])
@@ -2287,10 +2290,10 @@ def test_split_nibbles_write_the_lane_orders_bytes(hidden, inter, experts, topk,
     reference."""
     case = (hidden, inter, experts, topk, tokens, 8)
     seed = hidden + tokens + experts
-    split = _run_case(*case, seed=seed, return_raw=True, relaunches=2, split_nibbles=True, **knobs)
+    split = _run_case(*case, seed=seed, return_raw=True, relaunches=2, **{**knobs, "split_nibbles": True})
     _assert_same_bytes(split, _run_case(*case, seed=seed, return_raw=True, **knobs))
     if not knobs.get("trace"):
-        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, split_nibbles=True, **knobs)
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **{**knobs, "split_nibbles": True})
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

@@ -133,9 +133,11 @@ def all_variants():
             # W1's walk starting quickly (plain, traced, with both of the hand-over's knobs)
             variant(quick_start=True), variant(quick_start=True, trace=True),
             variant(quick_start=True, words_first=True, publisher_warp=True),
-            # both halves on the "split" nibble order (plain, traced, with the quick start)
+            # both halves on the "split" nibble order (plain, traced, with the quick start, with both of the
+            # hand-over's knobs): the pair of tile_knobs's sets, whose tile-8 loops read that order
             variant(split_nibbles=True), variant(split_nibbles=True, trace=True),
-            variant(split_nibbles=True, quick_start=True)]
+            variant(split_nibbles=True, quick_start=True),
+            variant(split_nibbles=True, words_first=True, publisher_warp=True)]
 
 
 def build_pair(arch: str = "sm_90a", swiglu_alpha: float = 1.0, swiglu_clamp: float = 10.0,
