@@ -551,6 +551,7 @@ def test_split_nibbles_knob_and_the_nibble_order_it_needs():
     assert dict(gg.variant("w1", 8, **{**gg.tile_knobs(1)[1], "split_nibbles": True}).params)["split_nibbles"]
     assert "split_nibbles" not in dict(gg.variant("w1", 16, **{**gg.tile_knobs(9)[1], "split_nibbles": True}).params)
     assert "split_nibbles" not in dict(gg.variant("w1", 16, split_nibbles=True).params)  # spills there
+    assert "split_nibbles" not in dict(gg.variant("w2", 8, **{**gg.tile_knobs(1)[1], "step_group": True}).params)
     assert "split_nibbles" not in dict(gg.variant("w1", 8).params)  # the plain variants keep their cache keys
     gen = torch.Generator().manual_seed(5)
     mat = wsm90.repack_matrix(pack_fp4(torch.randint(0, 16, (2, 128, 256), dtype=torch.uint8, generator=gen)),

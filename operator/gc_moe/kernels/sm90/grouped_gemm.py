@@ -3530,10 +3530,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     quick_start = quick_start and stream_k  # a knob of the stand-alone stream-K loops: sets may name it everywhere
     if quick_start:
         cfg = replace(cfg, quick_start=True)
-    # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 (W1 at tile 16 spills 8 bytes with it):
-    # sets may name it everywhere
+    # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 and not with step_group (W1 at tile 16
+    # and the one-group step spill 8-32 bytes with it): sets may name it everywhere
     split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer
-                     and block_n == 8)
+                     and block_n == 8 and not step_group)
     if split_nibbles:
         cfg = replace(cfg, split_nibbles=True)
     if max_stages is not None:  # a cap on the configuration's ring (its deepest one where `stages` is None)
