@@ -226,7 +226,7 @@ for s in $steps; do
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/qtrace.json" ;;
-    split) for r in 1 2; do  # tile 8 on the "split" nibble order (17 fewer instructions per K128 step) against the lane order
+    split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \
                --auto-set lanepair:pair=True,split_nibbles=False --tokens 1,2,4,8 --windows 5 --replays 10 \

@@ -378,7 +378,7 @@ class GemmConfig:
     quick_start: bool = False
     # the warp-specialized unfolded consumer (issue_group's loops: the stream-K tile-8 loops among them) reads codes in
     # weights.sm90's "split" nibble order: five integer instructions per code word instead of the lane order's seven
-    # (16 fewer per K128 step and warp on a loop of 156-161), and its two 16-byte shared loads contiguous over the
+    # (17 fewer per K128 step and warp on a loop of 156-161), and its two 16-byte shared loads contiguous over the
     # warp (the lane order's 32-byte stride costs two wavefronts per quarter warp). The tile-8 consumers sit near their
     # share of the bandwidth per step on the H200 (docs step 62), so a step's instructions are its time there
     split_nibbles: bool = False
@@ -3845,8 +3845,8 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     grids), 32 and 64 are capped (`max_stages`: RING_STAGES, UNIT_GRID_8_STAGES; step 65: a deeper ring only queues
     every request behind the reads). The stream-K loops start quickly (`quick_start`: W1's producer 0.4 us sooner at
     its first copies, the pair 0.5 us faster on average at 1-8 tokens over six runs on three H100s, steps 69 / 71).
-    Tile 8 reads its codes in the "split" nibble order (`split_nibbles`: its consumers 10-16% less busy per K128 step,
-    the pair 0.5 us faster on average at 1-8 tokens in two runs on an H100, step 72)."""
+    Tile 8 reads its codes in the "split" nibble order (`split_nibbles`: its consumers 6-16% less busy per K128 step,
+    the pair 0.16-0.56 us faster on average at 1-8 tokens over four runs on two H100s, step 72)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if capacity <= 8:

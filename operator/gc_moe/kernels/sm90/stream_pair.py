@@ -334,7 +334,8 @@ def launch_pair(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, 
                 capacity: int, buffers: dict, stream):
     """W1 (+ SwiGLU, routing weight, FP8 requant into mid / mid_scale) and then W2 (BF16 rows out[dest_row[r]])
     over grouped rows in one launch; the tensors as `grouped_gemm.launch_w1` / `launch_w2` take them (weights in
-    the "lane" nibble order, "split" with split_nibbles), `buffers` from `pair_buffers` (its SMs: the launch's CTAs, all resident at once)."""
+    the "lane" nibble order, "split" with split_nibbles), `buffers` from `pair_buffers` (its SMs: the launch's CTAs,
+    all resident at once)."""
     from gc_moe.runtime.launch import launch
 
     g, args = pair_launch(kernel, l1, l2, act, act_scale, expert_offsets, routing_weight, mid, mid_scale, dest_row,
