@@ -502,6 +502,17 @@ def test_folded_decodes_of_whole_tiles_equal_the_dequantized_weights(gate_up, de
     assert torch.equal(got, wsm90.dequantize_matrix(mat))
 
 
+class _NamedKernel:
+    name = "k"
+
+
+def _assert_reads_only(cfg, mat, order):
+    """A kernel of `cfg` refuses `mat` (lane order) and takes the same matrix in `order`."""
+    with pytest.raises(ValueError, match=f"'{order}' nibble order"):
+        gg._check_nibble_order(cfg, _NamedKernel, mat)
+    gg._check_nibble_order(cfg, _NamedKernel, wsm90.with_nibble_order(mat, order))
+
+
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_split_decode_of_whole_tiles_equals_the_dequantized_weights(gate_up):
     """Per thread as the split_nibbles kernel does (two 16-byte loads of the split order, decode_fp4x8_split, then the
@@ -556,13 +567,7 @@ def test_split_nibbles_knob_and_the_nibble_order_it_needs():
     gen = torch.Generator().manual_seed(5)
     mat = wsm90.repack_matrix(pack_fp4(torch.randint(0, 16, (2, 128, 256), dtype=torch.uint8, generator=gen)),
                               pack_ue8m0(torch.full((2, 128, 8), 127, dtype=torch.uint8)), gate_up=False)
-
-    class Kernel:
-        name = "k"
-
-    with pytest.raises(ValueError, match="'split' nibble order"):
-        gg._check_nibble_order(cfg, Kernel, mat)
-    gg._check_nibble_order(cfg, Kernel, wsm90.with_nibble_order(mat, "split"))
+    _assert_reads_only(cfg, mat, "split")
     for order in wsm90.NIBBLE_ORDERS:  # every order back to every other, exactly
         back = wsm90.with_nibble_order(wsm90.with_nibble_order(wsm90.with_nibble_order(mat, order), "split"), "lane")
         assert torch.equal(back.codes, mat.codes)
@@ -581,15 +586,9 @@ def test_table_decode_knob_and_the_nibble_order_it_needs():
     assert "table_decode" not in dict(gg.variant("w1", 16, table_decode=True).params)  # no fold: no table
     mat = wsm90.repack_matrix(pack_fp4(torch.zeros(1, 64, 128, dtype=torch.uint8)),
                               pack_ue8m0(torch.full((1, 64, 4), 127, dtype=torch.uint8)), gate_up=False)
-
-    class Kernel:
-        name = "k"
-
-    with pytest.raises(ValueError, match="'table' nibble order"):
-        gg._check_nibble_order(cfg, Kernel, mat)
-    gg._check_nibble_order(cfg, Kernel, wsm90.with_nibble_order(mat, "table"))
+    _assert_reads_only(cfg, mat, "table")
     with pytest.raises(ValueError, match="'lane' nibble order"):
-        gg._check_nibble_order(gg.GemmConfig("w2", 16), Kernel, wsm90.with_nibble_order(mat, "table"))
+        gg._check_nibble_order(gg.GemmConfig("w2", 16), _NamedKernel, wsm90.with_nibble_order(mat, "table"))
     with pytest.raises(ValueError, match="allowed"):
         wsm90.with_nibble_order(mat, "rows")
 
