@@ -6,7 +6,7 @@
 Per token tile N and warpgroups (1 and 4): cycles per step of the chain alone (four m64nNk32 WGMMAs, wait, N/2
 FP32 multiply-adds), of the chain after the table decode, and of the decode alone; then, at 4 warpgroups, where the
 decode-and-chain step falls between the sum of its parts (no overlap between warpgroups) and their maximum (full
-overlap). One CTA, one SM, no global memory: the consumer's own costs, not the pipeline's. Then the split probe:
+overlap); also with the warpgroups' halves taking turns at the tensor cores (`pingpong`, at 2 and 4 warpgroups). One CTA, one SM, no global memory: the consumer's own costs, not the pipeline's. Then the split probe:
 two decoder warpgroups beside four chain warpgroups with no dependency between them, the chains register-A or
 shared-A (the decoders storing E4M3): what a kernel that takes the decode off the chains' warps could reach.
 """
@@ -67,10 +67,11 @@ def table(rows: list[dict]) -> str:
     and maximum (overlap 0: the sum, 1: the maximum)."""
     rows = [r for r in rows if not r.get("split")]  # split_table's
 
-    def get(n, wgs, decode, chain, skew=False, wide=False):
+    def get(n, wgs, decode, chain, skew=False, wide=False, pingpong=False):
         for r in rows:
-            if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False), r.get("wide", False))
-                    == (wgs, decode, chain, skew, wide) and (r["n"] == n or not chain)):
+            if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False), r.get("wide", False),
+                 r.get("pingpong", False)) == (wgs, decode, chain, skew, wide, pingpong)
+                    and (r["n"] == n or not chain)):
                 return r["cycles_per_step"]
         return float("nan")
 
@@ -79,14 +80,16 @@ def table(rows: list[dict]) -> str:
     ns = sorted({r["n"] for r in rows if r["chain"]})
     for wgs in sorted({r["warpgroups"] for r in rows}):
         for n in ns:
-            for skew, wide in ((False, False), (True, False), (False, True)):
+            for skew, wide, pingpong in ((False, False, False), (True, False, False), (False, True, False),
+                                         (False, False, True)):
                 d, c = get(n, wgs, True, False), get(n, wgs, False, True, wide=wide)
-                both = get(n, wgs, True, True, skew, wide)
+                both = get(n, wgs, True, True, skew, wide, pingpong)
                 if math.isnan(both):  # no such variant (skewed: N = 64 and 96 at four warpgroups only; wide: 96)
                     continue
                 total, top = d + c, max(d, c)
                 overlap = (total - both) / (total - top) if total > top else float("nan")
-                lines.append(f"| {n}{' skewed' if skew else ''}{' wide (64 + 32)' if wide else ''} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
+                label = f"{n}{' skewed' if skew else ''}{' wide (64 + 32)' if wide else ''}{' ping-pong' if pingpong else ''}"
+                lines.append(f"| {label} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
                              f"| {top:.0f} | {overlap:.2f} |")
     return "\n".join(lines)
 

@@ -21,7 +21,11 @@ def test_probe_configurations_and_errors():
     # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; the split
     # configurations with each role alone and both
     assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 2 + 3 * len(
-        wp.SPLITS)
+        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N)
+    # pingpong: two halves of an even number of warpgroups, each with decode and chain, without split or wide
+    for kwargs in ({"warpgroups": 3}, {"warpgroups": 6, "split": 2}, {"warpgroups": 4, "n": 96, "wide": True}):
+        with pytest.raises(ValueError, match="pingpong takes turns"):
+            wp.variant(kwargs.pop("n", 64), kwargs.pop("warpgroups"), pingpong=True, **kwargs)
     for n, split in ((64, 0), (96, 1)):  # wide: the N = 96 tile's two chains, without split
         with pytest.raises(ValueError, match="wide is the N = 96"):
             wp.variant(n, 5 if split else 4, split=split, shared_a=bool(split), wide=True)
@@ -68,3 +72,21 @@ def test_split_probe_binaries_hold_what_they_time(tmp_path):
         assert ("st.shared.v4.b32" in ptx and "fence.proxy.async.shared::cta" in ptx) == shared_a
         assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
         assert entry.resources["frame_bytes"] == 0 and len(re.findall(r"\bprmt\.b32\b", ptx)) >= 16
+
+
+def test_pingpong_probe_takes_turns_around_each_chain(tmp_path):
+    """Each step of a ping-pong half: its turn waited for (bar.sync), the chain issued with one group left in flight,
+    the other half's turn handed over (bar.arrive), then the wait for the chain; on both barriers, never spilled."""
+    pytest.importorskip("cutlass")
+    from gc_moe.runtime import jit
+
+    for n, wgs in ((96, 4), (32, 2)):
+        entry = jit.build_variant(wp.variant(n, wgs, pingpong=True), "sm_90a", cache_dir=tmp_path)
+        ptx = entry.ptx_path.read_text()
+        threads = 128 * wgs
+        for barrier in wp.PINGPONG_BARRIERS:
+            assert f"bar.sync {barrier}, {threads};" in ptx and f"bar.arrive {barrier}, {threads};" in ptx
+        step = re.search(r"bar\.sync [12], \d+;(.*?)bar\.arrive [12], \d+;(.*?)wait_group\.sync\.aligned 0;", ptx, re.S)
+        assert step and "wait_group.sync.aligned 1;" in step.group(1), "the chain is issued, not waited, before the hand-over"
+        assert len(re.findall(rf"m64n{n}k32\.f32\.e4m3\.e4m3", step.group(1))) == 4
+        assert entry.resources["frame_bytes"] == 0

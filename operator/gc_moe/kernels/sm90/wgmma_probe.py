@@ -20,6 +20,11 @@ that stays put:
           design that takes the decode off the chains' warps); without it the chains are register-A from fixed
           registers. No barrier between the roles: a measure of what the two share (issue slots, register file,
           shared memory), not a pipeline
+  pingpong  (decode and chain, an even number of warpgroups, no split) the warpgroups in two halves that take turns at
+          the tensor cores, as FlashAttention-3 schedules its two consumers: a half decodes its step, waits for its
+          turn (a named barrier), issues its chain, hands the turn to the other half (bar.arrive) and only then waits
+          for its chain and scales it. The halves cannot fall back into step (the skewed probe's do), so one half's
+          decode runs while the other half's chains hold the tensor cores, if a scheduler can overlap the two at all
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -37,6 +42,8 @@ MAX_CHAIN_FLOATS = 48  # scaled accumulators per thread of a chain warpgroup (it
 # the measured splits (N, decoders, warpgroups, shared_a): two decoders beside four chain warpgroups (the chains'
 # 96 registers hold N = 64 only), and one decoder of all four fragments (the chains get 104: N = 96 fits shared-A)
 SPLITS = ((64, 2, 6, False), (64, 2, 6, True), (64, 1, 5, True), (96, 1, 5, True))
+PINGPONG_BARRIERS = (1, 2)  # named barriers: the turn of half 0 (warpgroups 0..w/2-1), the turn of half 1
+PINGPONG_N = (32, 64, 96)  # the table tiles' chains at 128-256 tokens per rank
 MAX_WARPGROUPS = 6  # a split probe's decoders and chain warpgroups together (four without split)
 OUT_TOTALS = 16 * MAX_WARPGROUPS  # out: per warpgroup (cycles, folded words) as two int64 from 0, its sum (f32) here
 OUT_BYTES = OUT_TOTALS + 4 * MAX_WARPGROUPS
@@ -51,7 +58,8 @@ def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int, int]:
     return 0, a_offset, blocks, blocks + 4 * A_BLOCK_BYTES
 
 
-def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False, wide: bool = False) -> None:
+def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False, wide: bool = False,
+                 pingpong: bool = False) -> None:
     if n not in N_CHOICES:
         raise ValueError(f"wgmma probe: n={n}, allowed {N_CHOICES}")
     if not 1 <= warpgroups <= (MAX_WARPGROUPS if split else 4):
@@ -68,10 +76,14 @@ def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False
         raise ValueError("wgmma probe: shared_a is a knob of the split probe (split > 0)")
     if wide and (n != 96 or split):
         raise ValueError(f"wgmma probe: wide is the N = 96 tile's two chains without split, got n={n}, split={split}")
+    if pingpong and (split or wide or warpgroups % 2):
+        raise ValueError(f"wgmma probe: pingpong takes turns between two halves of the warpgroups (an even count, "
+                         f"no split, no wide), got warpgroups={warpgroups}, split={split}, wide={wide}")
 
 
 def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True,
-                skew: bool = False, split: int = 0, shared_a: bool = False, wide: bool = False):
+                skew: bool = False, split: int = 0, shared_a: bool = False, wide: bool = False,
+                pingpong: bool = False):
     """The runtime's builder: a CompileRequest for one probe configuration (no GPU needed)."""
     import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
@@ -81,9 +93,11 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
     if arch != "sm_90a":
         raise ValueError(f"the wgmma probe is built for sm_90a only, not {arch!r}")
-    check_config(n, warpgroups, split, shared_a, wide)
+    check_config(n, warpgroups, split, shared_a, wide, pingpong)
     if not (decode or chain):
         raise ValueError("wgmma probe: decode and chain both off leaves nothing to measure")
+    if pingpong and not (decode and chain):
+        raise ValueError("wgmma probe: pingpong alternates the decode with the chains; it needs both")
     threads = warpgroups * WARPGROUP_THREADS
     b_offset, a_offset, blocks_offset, smem_bytes = smem_layout(n, warpgroups)
     frags = 4 // split if split else 1  # per decoder warpgroup and step
@@ -126,7 +140,9 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         # the wide tile's tail chain: token rows 64.. (eight 1 KB row groups further)
         tail_descs = [ptx.smem_desc_kmajor_from_lo(desc0 + j * 16 + 8 * 1024 // 16, 1024) for j in range(4)]
         scale = Float32(0.5)
-        if cutlass.const_expr(split == 0):
+        if cutlass.const_expr(pingpong):
+            pingpong_steps(out, smem, cute.arch.make_warp_uniform(wg), t, steps, descs, scale)
+        elif cutlass.const_expr(split == 0):
             fixed = fragment(smem, wg, t, Int32(0))
             acc = cute.make_rmem_tensor((max(n // 2, 1),), Float32)
             for r in cutlass.range_constexpr(n // 2):
@@ -172,6 +188,51 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 cute.arch.setmaxregister_increase(chain_registers)
                 if cutlass.const_expr(chain):
                     chain_steps(out, smem, role_wg, t, steps, descs, scale)
+
+    def turn(barrier_id: int, wait: bool):
+        """Wait for (bar.sync) or hand over (bar.arrive) a turn: half the warpgroups wait while the other half
+        arrives, so each barrier counts all of them."""
+        op = "sync" if wait else "arrive"
+        ptx.asm(f"bar.{op} {barrier_id}, {threads};", [], [])
+
+    @cute.jit
+    def pingpong_steps(out, smem, wg, t, steps, descs, scale):
+        """A half's steps: decode, its turn, the chain issued (not waited), the turn handed over, then the wait and
+        the multiply-adds. Half 1 hands half 0 the first turn; half 0 takes the last hand-over after its loop, so
+        every arrival meets its wait."""
+        half = wg // (warpgroups // 2)
+        acc = cute.make_rmem_tensor((n // 2,), Float32)
+        part = cute.make_rmem_tensor((n // 2,), Float32)
+        for r in cutlass.range_constexpr(n // 2):
+            acc[r] = Float32(0.0)
+            part[r] = Float32(0.0)
+        if half == 1:
+            turn(PINGPONG_BARRIERS[0], False)
+        start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+        for kb in cutlass.range(steps):
+            a_regs = fragment(smem, wg, t, kb & 1)
+            if half == 0:
+                turn(PINGPONG_BARRIERS[0], True)
+            else:
+                turn(PINGPONG_BARRIERS[1], True)
+            ptx.wgmma_fence()
+            issued = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
+            if half == 0:
+                turn(PINGPONG_BARRIERS[1], False)
+            else:
+                turn(PINGPONG_BARRIERS[0], False)
+            done = ptx.wgmma_wait_tied(issued, 0)  # nothing writes a register between the issue and this wait
+            for r in cutlass.range_constexpr(n // 2):
+                part[r] = done[r]
+                acc[r] = acc[r] + done[r] * scale
+        if half == 0:
+            turn(PINGPONG_BARRIERS[0], True)
+        stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(n // 2):
+            total = total + acc[r]
+        if t == 0:
+            record(out, wg, stop - start, Uint32(0), total)
 
     @cute.jit
     def record(out, wg, cycles, sink, total):
@@ -247,14 +308,16 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
 
 def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False, split: int = 0,
-            shared_a: bool = False, wide: bool = False):
+            shared_a: bool = False, wide: bool = False, pingpong: bool = False):
     """The runtime KernelVariant of one probe configuration."""
     from gc_moe.runtime.jit import KernelVariant
 
-    check_config(n, warpgroups, split, shared_a, wide)
+    check_config(n, warpgroups, split, shared_a, wide, pingpong)
     extra = {"skew": True} if skew else {}
     if wide:
         extra["wide"] = True
+    if pingpong:
+        extra["pingpong"] = True
     if split:
         extra.update(split=split, shared_a=shared_a)
     promises = ("prmt.b32",) if decode else ()
@@ -283,4 +346,9 @@ def probe_variants() -> list:
     for n, split, wgs, shared_a in SPLITS:
         out += [variant(n, wgs, split=split, shared_a=shared_a, decode=decode, chain=chain)
                 for decode, chain in ((True, False), (False, True), (True, True))]
+    # the halves taking turns at the tensor cores (FlashAttention-3's schedule) against the plain decode and chain: at
+    # four warpgroups (the operator's table tiles) and at two, where the parts alone are measured too
+    out += [variant(64, 2, decode=True, chain=False)]
+    for n in PINGPONG_N:
+        out += [variant(n, 2, decode=False), variant(n, 2), variant(n, 2, pingpong=True), variant(n, 4, pingpong=True)]
     return out
