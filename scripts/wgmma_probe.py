@@ -67,10 +67,11 @@ def table(rows: list[dict]) -> str:
     and maximum (overlap 0: the sum, 1: the maximum)."""
     rows = [r for r in rows if not r.get("split")]  # split_table's
 
-    def get(n, wgs, decode, chain, skew=False, wide=False, pingpong=False):
+    def get(n, wgs, decode, chain, skew=False, wide=False, pingpong=False, inplace=False):
         for r in rows:
             if ((r["warpgroups"], r["decode"], r["chain"], r.get("skew", False), r.get("wide", False),
-                 r.get("pingpong", False)) == (wgs, decode, chain, skew, wide, pingpong)
+                 r.get("pingpong", False), r.get("inplace", False)) == (wgs, decode, chain, skew, wide, pingpong,
+                                                                        inplace)
                     and (r["n"] == n or not chain)):
                 return r["cycles_per_step"]
         return float("nan")
@@ -80,15 +81,17 @@ def table(rows: list[dict]) -> str:
     ns = sorted({r["n"] for r in rows if r["chain"]})
     for wgs in sorted({r["warpgroups"] for r in rows}):
         for n in ns:
-            for skew, wide, pingpong in ((False, False, False), (True, False, False), (False, True, False),
-                                         (False, False, True)):
+            for skew, wide, pingpong, inplace in ((False, False, False, False), (True, False, False, False),
+                                                  (False, True, False, False), (False, False, True, False),
+                                                  (False, False, False, True), (False, False, True, True)):
                 d, c = get(n, wgs, True, False), get(n, wgs, False, True, wide=wide)
-                both = get(n, wgs, True, True, skew, wide, pingpong)
+                both = get(n, wgs, True, True, skew, wide, pingpong, inplace)
                 if math.isnan(both):  # no such variant (skewed: N = 64 and 96 at four warpgroups only; wide: 96)
                     continue
                 total, top = d + c, max(d, c)
                 overlap = (total - both) / (total - top) if total > top else float("nan")
-                label = f"{n}{' skewed' if skew else ''}{' wide (64 + 32)' if wide else ''}{' ping-pong' if pingpong else ''}"
+                label = (f"{n}{' skewed' if skew else ''}{' wide (64 + 32)' if wide else ''}"
+                         f"{' ping-pong' if pingpong else ''}{' in place' if inplace else ''}")
                 lines.append(f"| {label} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
                              f"| {top:.0f} | {overlap:.2f} |")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ def test_probe_configurations_and_errors():
     # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; the split
     # configurations with each role alone and both
     assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 2 + 3 * len(
-        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N)
+        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N) + 4
     # pingpong: two halves of an even number of warpgroups, each with decode and chain, without split or wide
     for kwargs in ({"warpgroups": 3}, {"warpgroups": 6, "split": 2}, {"warpgroups": 4, "n": 96, "wide": True}):
         with pytest.raises(ValueError, match="pingpong takes turns"):
@@ -80,8 +80,8 @@ def test_pingpong_probe_takes_turns_around_each_chain(tmp_path):
     pytest.importorskip("cutlass")
     from gc_moe.runtime import jit
 
-    for n, wgs in ((96, 4), (32, 2)):
-        entry = jit.build_variant(wp.variant(n, wgs, pingpong=True), "sm_90a", cache_dir=tmp_path)
+    for n, wgs, inplace in ((96, 4, False), (32, 2, False), (96, 4, True)):
+        entry = jit.build_variant(wp.variant(n, wgs, pingpong=True, inplace=inplace), "sm_90a", cache_dir=tmp_path)
         ptx = entry.ptx_path.read_text()
         threads = 128 * wgs
         for barrier in wp.PINGPONG_BARRIERS:

@@ -25,6 +25,8 @@ that stays put:
           turn (a named barrier), issues its chain, hands the turn to the other half (bar.arrive) and only then waits
           for its chain and scales it. The halves cannot fall back into step (the skewed probe's do), so one half's
           decode runs while the other half's chains hold the tensor cores, if a scheduler can overlap the two at all
+  inplace (with chain, not wide or split) the operator's `scale_ratios` form: the sums scaled by the step's factor
+          first (N/2 multiplies), then the chain accumulates into them (no fresh partials, no multiply-adds after it)
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -59,7 +61,7 @@ def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int, int]:
 
 
 def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False, wide: bool = False,
-                 pingpong: bool = False) -> None:
+                 pingpong: bool = False, inplace: bool = False) -> None:
     if n not in N_CHOICES:
         raise ValueError(f"wgmma probe: n={n}, allowed {N_CHOICES}")
     if not 1 <= warpgroups <= (MAX_WARPGROUPS if split else 4):
@@ -79,11 +81,14 @@ def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False
     if pingpong and (split or wide or warpgroups % 2):
         raise ValueError(f"wgmma probe: pingpong takes turns between two halves of the warpgroups (an even count, "
                          f"no split, no wide), got warpgroups={warpgroups}, split={split}, wide={wide}")
+    if inplace and (split or wide):
+        raise ValueError(f"wgmma probe: inplace is a form of the plain or ping-pong chain, got split={split}, "
+                         f"wide={wide}")
 
 
 def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True,
                 skew: bool = False, split: int = 0, shared_a: bool = False, wide: bool = False,
-                pingpong: bool = False):
+                pingpong: bool = False, inplace: bool = False):
     """The runtime's builder: a CompileRequest for one probe configuration (no GPU needed)."""
     import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
@@ -93,7 +98,9 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
     if arch != "sm_90a":
         raise ValueError(f"the wgmma probe is built for sm_90a only, not {arch!r}")
-    check_config(n, warpgroups, split, shared_a, wide, pingpong)
+    check_config(n, warpgroups, split, shared_a, wide, pingpong, inplace)
+    if inplace and not chain:
+        raise ValueError("wgmma probe: inplace is a form of the chain; it needs it")
     if not (decode or chain):
         raise ValueError("wgmma probe: decode and chain both off leaves nothing to measure")
     if pingpong and not (decode and chain):
@@ -162,6 +169,13 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                         part = ptx.wgmma_rs_e4m3_chain(width, a_regs, descs if first == 0 else tail_descs)
                         for r in cutlass.range_constexpr(width // 2):
                             acc[first // 2 + r] = acc[first // 2 + r] + part[r] * scale
+                elif cutlass.const_expr(chain and inplace):  # the sums to the step's scale, the chain into them
+                    for r in cutlass.range_constexpr(n // 2):
+                        acc[r] = acc[r] * scale
+                    ptx.wgmma_fence()
+                    out_acc = ptx.wgmma_rs_e4m3_accumulate([(n, descs)], a_regs, [acc[r] for r in range(n // 2)])
+                    for r in cutlass.range_constexpr(n // 2):
+                        acc[r] = out_acc[r]
                 elif cutlass.const_expr(chain):
                     ptx.wgmma_fence()
                     part = ptx.wgmma_rs_e4m3_chain(n, a_regs, descs)
@@ -189,6 +203,18 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 if cutlass.const_expr(chain):
                     chain_steps(out, smem, role_wg, t, steps, descs, scale)
 
+    def accumulate_issue(a_regs, descs, acc):
+        """inplace: the four K32 WGMMAs accumulating into `acc` (in/out operands), committed, one group left in
+        flight (the wait comes after the hand-over)."""
+        lines = ["{", ".reg .pred sum;", "setp.eq.b32 sum, 0, 0;"]
+        d = ", ".join(f"${r}" for r in range(n // 2))
+        for i in range(len(descs)):
+            a = ", ".join(f"${n // 2 + 4 * i + r}" for r in range(4))
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, "
+                         f"${n // 2 + 16 + i}, sum, 1, 1;")
+        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 1;", "}"]
+        return ptx._asm_tied("\n".join(lines), n // 2, list(a_regs) + list(descs), list(acc))
+
     def turn(barrier_id: int, wait: bool):
         """Wait for (bar.sync) or hand over (bar.arrive) a turn: half the warpgroups wait while the other half
         arrives, so each barrier counts all of them."""
@@ -215,16 +241,25 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 turn(PINGPONG_BARRIERS[0], True)
             else:
                 turn(PINGPONG_BARRIERS[1], True)
+            if cutlass.const_expr(inplace):
+                for r in cutlass.range_constexpr(n // 2):
+                    acc[r] = acc[r] * scale
             ptx.wgmma_fence()
-            issued = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
+            if cutlass.const_expr(inplace):
+                issued = accumulate_issue(a_regs, descs, [acc[r] for r in range(n // 2)])
+            else:
+                issued = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
             if half == 0:
                 turn(PINGPONG_BARRIERS[1], False)
             else:
                 turn(PINGPONG_BARRIERS[0], False)
             done = ptx.wgmma_wait_tied(issued, 0)  # nothing writes a register between the issue and this wait
             for r in cutlass.range_constexpr(n // 2):
-                part[r] = done[r]
-                acc[r] = acc[r] + done[r] * scale
+                if cutlass.const_expr(inplace):
+                    acc[r] = done[r]
+                else:
+                    part[r] = done[r]
+                    acc[r] = acc[r] + done[r] * scale
         if half == 0:
             turn(PINGPONG_BARRIERS[0], True)
         stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
@@ -308,16 +343,18 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
 
 def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False, split: int = 0,
-            shared_a: bool = False, wide: bool = False, pingpong: bool = False):
+            shared_a: bool = False, wide: bool = False, pingpong: bool = False, inplace: bool = False):
     """The runtime KernelVariant of one probe configuration."""
     from gc_moe.runtime.jit import KernelVariant
 
-    check_config(n, warpgroups, split, shared_a, wide, pingpong)
+    check_config(n, warpgroups, split, shared_a, wide, pingpong, inplace)
     extra = {"skew": True} if skew else {}
     if wide:
         extra["wide"] = True
     if pingpong:
         extra["pingpong"] = True
+    if inplace:
+        extra["inplace"] = True
     if split:
         extra.update(split=split, shared_a=shared_a)
     promises = ("prmt.b32",) if decode else ()
@@ -351,4 +388,6 @@ def probe_variants() -> list:
     out += [variant(64, 2, decode=True, chain=False)]
     for n in PINGPONG_N:
         out += [variant(n, 2, decode=False), variant(n, 2), variant(n, 2, pingpong=True), variant(n, 4, pingpong=True)]
+    # the operator's scale_ratios form (sums scaled, then the chain into them), plain and taking turns
+    out += [variant(n, 4, inplace=True, pingpong=pp) for n in (64, 96) for pp in (False, True)]
     return out
