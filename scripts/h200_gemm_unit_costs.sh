@@ -73,9 +73,6 @@
 #           lane order, each kernel alone too, and `ws_auto_pair` against the pair kernel on the lane order
 #           (`lanepair`); then the traced loops at 6 stages without and with it (`strace2`: the time per K128 step and
 #           its waits; docs step 72)
-#   pingpong  32-256 tokens, twice: `pp` (tile_knobs with the consumers' halves taking turns at the tensor cores,
-#           GemmConfig.pingpong: where the ratio loop runs, the wide tile) and `pp2` (with the ratio loop at tiles 32 /
-#           64 too, and its turns) against ws_auto and `ratio` (the ratio loop without turns); docs step 73
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -139,14 +136,13 @@ for s in $steps; do
              --auto-set sn:split_nibbles=True,pdl=True --auto-set pairs:pair=True,split_nibbles=True \
              --auto-set lane:split_nibbles=False,pdl=True --auto-set lanepair:pair=True,split_nibbles=False \
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
-             --auto-set pp:pingpong=True --auto-set pp2:pingpong=True,scale_ratios=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio \
-                 or transposed or early_rows or step_group or tagged or quick_start or split_nibbles or pingpong" ;;
+                 or transposed or early_rows or step_group or tagged or quick_start or split_nibbles" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -160,11 +156,6 @@ for s in $steps; do
                 --auto-set trs:transposed_stores=True,scale_ratios=True,snake_walk=True --auto-set snake:snake_walk=True \
                 --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/combos$r.json"
             done ;;
-    pingpong) for r in 1 2; do  # the consumers' halves taking turns at the tensor cores (docs step 73)
-                run pingpong$r 240 python $BENCH --check --time --auto-ctas --auto-set pp:pingpong=True \
-                  --auto-set ratio:scale_ratios=True --auto-set pp2:pingpong=True,scale_ratios=True \
-                  --tokens 32,64,128,256 --windows 5 --replays 10 --json "$OUT/pingpong$r.json"
-              done ;;
     group) run group 240 python $BENCH --check --time --auto-ctas --pdl --per-role --read-ref \
              --auto-set sg:step_group=True --auto-set sg_pdl:step_group=True,pdl=True \
              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/group.json" ;;
@@ -280,7 +271,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, pingpong)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

@@ -710,35 +710,10 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
                 assert (plain.consumer_registers, plain.producer_registers) == (112, 32)
     assert gg.SCALE_RATIO_FLOOR * 2.0 ** 19 < 1e-13  # a clamped block's largest change (|products| < 2^19)
     built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("transposed_stores", False),
-              dict(v.params).get("early_rows", False)) for v in gg.all_variants()
-             if dict(v.params).get("scale_ratios") and not dict(v.params).get("pingpong")]
+              dict(v.params).get("early_rows", False)) for v in gg.all_variants() if dict(v.params).get("scale_ratios")]
     # at tiles 32 / 64 / 96, and tile_knobs's wide tile with the transposed stores (and W2's early rows beside it)
     assert sorted(built) == sorted([(role, bn, False, False) for role in ("w1", "w2") for bn in (32, 64, 96)]
                                    + [("w1", 96, True, False), ("w2", 96, True, False), ("w2", 96, False, True)])
-
-
-def test_pingpong_knob_needs_the_ratio_loop_and_keeps_its_layout():
-    """pingpong schedules the scale-ratio loop's chains in turns: refused without scale_ratios (and dropped by
-    `variant` where the ratios do not apply, so sets may name it everywhere); the stage ring, registers, arguments and
-    arrivals stay the ratio loop's; built at tiles 64 / 96 and at tile_knobs's wide tile."""
-    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    with pytest.raises(ValueError, match="pingpong is a schedule of the scale-ratio loop"):
-        gg.GemmConfig("w1", 64, persistent=True, pingpong=True, **tab)
-    assert "pingpong" not in dict(gg.variant("w2", 64, persistent=True, pingpong=True, **tab).params)
-    assert "pingpong" not in dict(gg.variant("w1", 8, **{**gg.tile_knobs(1)[1], "pingpong": True}).params)
-    assert "pingpong" not in dict(gg.variant("w1", 16, **{**gg.tile_knobs(16)[1], "pingpong": True}).params)
-    for role in ("w1", "w2"):
-        for bn in (64, 96):
-            knobs = {**tab, "persistent": True, "scale_ratios": True}
-            cfg = gg.GemmConfig(**dict(gg.variant(role, bn, pingpong=True, **knobs).params))
-            plain = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
-            assert cfg.pingpong and cfg.name == plain.name.replace("_ratio", "_ratio_pp")
-            assert (cfg.stages, cfg.smem_bytes, cfg.params, cfg.full_arrivals, cfg.consumer_registers) == (
-                plain.stages, plain.smem_bytes, plain.params, plain.full_arrivals, plain.consumer_registers)
-    built = sorted((dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("transposed_stores", False))
-                   for v in gg.all_variants() if dict(v.params).get("pingpong"))
-    assert built == sorted([(role, bn, False) for role in ("w1", "w2") for bn in (64, 96)]
-                           + [(role, 96, True) for role in ("w1", "w2")])
 
 
 def test_transposed_stores_knob_limits_and_region():
@@ -774,7 +749,7 @@ def test_transposed_stores_knob_limits_and_region():
         region = bn * 128 if role == "w1" else gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES
         assert cfg.smem_bytes == cfg.transpose_offset + region <= cfg.smem_limit
     built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("persistent", False))
-             for v in gg.all_variants() if dict(v.params).get("transposed_stores") and not dict(v.params).get("pingpong")]
+             for v in gg.all_variants() if dict(v.params).get("transposed_stores")]
     # tile_knobs's sets, and at the persistent tiles the unit grid too (the GPU test compares both walks)
     assert sorted(built) == sorted([(role, bn, bn >= 32) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96)
                                     if (role, bn) != ("w1", 24)]
@@ -1044,8 +1019,6 @@ def built(tmp_path_factory):
 
 
 def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built):
-    from gc_moe.kernels.sm90 import ptx as ptx_mod  # needs the DSL, as the fixture does
-
     # default, folded-scale, ring-consumer sets and the cp.async pipeline below bn 64 (at bn 64 it is the default),
     # the compact ring consumer at bn 8 (both roles), W1 and W2 with K split in 2-4 at bn 8 / 16, the table decode
     # (with bn 16 at two CTAs per SM, and bn 24 there), its fitted N at bn 16 / 24 / 32 / 64, the stream-K loops at
@@ -1058,10 +1031,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
-    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), the ratio loops taking
-    # turns at tiles 64 / 96 and at tile_knobs's wide tile
+    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1117,10 +1089,6 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         loops = bn // 8 if cfg.fit_n else 1  # fit_n: the consumer once per N
         if cfg.step_group:  # an even count's first step drained at once; then each step waits for the one before it
             assert waits == ["1", "0", "1", "1", "1", "0"], variant.describe()
-        elif cfg.pingpong:  # each step's chains issued with the group in flight, waited for after the hand-over
-            assert waits == ["1", "0"] * loops, variant.describe()
-            for barrier in ptx_mod.TURN_BARRIERS:
-                assert f"bar.sync {barrier}, 512;" in ptx and f"bar.arrive {barrier}, 512;" in ptx
         elif cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
             groups = 4 // cfg.wgmmas_per_group
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
@@ -1150,9 +1118,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
     # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, the transposed stores at
     # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's early combine rows at the
-    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid), the ratio loops taking
-    # turns at bn 64 / 96 and at tile_knobs's wide tile
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4 + 6
+    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -1194,10 +1161,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
-    # on the split nibble order (stream-K, traced, the unit grid), the ratio loops taking turns (bn 64 / 96, the wide
-    # tile's set)
+    # on the split nibble order (stream-K, traced, the unit grid)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 6)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2443,26 +2409,6 @@ def test_scale_ratios_match_the_float32_reference_and_the_plain_sums(hidden, int
     assert torch.isfinite(out.float()).all()
     assert _cos_diff(out.float(), plain.float())[0] >= 0.9995
     assert float((out.float() - plain.float()).abs().max()) <= 0.03 * float(plain.float().abs().max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
-@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 150), (512, 384, 12, 4, 45),
-                                                              (256, 128, 10, 6, 21), (6144, 2048, 10, 8, 90)])
-@pytest.mark.parametrize("block_n", [64, 96])
-def test_pingpong_writes_the_ratio_loops_bytes(hidden, inter, experts, topk, tokens, block_n, sms):
-    """pingpong reorders the consumers' chains between the warpgroups, not any arithmetic: the same bytes as the
-    scale-ratio loop (W1's E4M3 rows and scales, W2's BF16 rows) and within the float32 reference's bounds, with K steps
-    from 1 (W2 at inter 128) to 48 (GLM-5.2's W1), units of one step to many per CTA (3 SMs), fitted N from 8 to the
-    wide tile's two chains, the turns handed over inside each unit."""
-    knobs = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True, "persistent": True,
-             "scale_ratios": True}
-    case = (hidden, inter, experts, topk, tokens, block_n)
-    seed = tokens + 5 * block_n + hidden
-    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, sms=sms, pingpong=True, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, sms=sms, pingpong=True, **knobs),
-                       _run_case(*case, seed=seed, return_raw=True, sms=sms, **knobs))
 
 
 @pytest.mark.gpu

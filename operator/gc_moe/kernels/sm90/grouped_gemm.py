@@ -334,14 +334,6 @@ class GemmConfig:
     # and publish them with one plain arrival each on the stage's full barrier. At the wide tile this frees the 48
     # registers of the fresh chains, so its two chains go out under one wait (docs step 57)
     scale_ratios: bool = False
-    # scale_ratios: the four consumer warpgroups in two halves (0-1, 2-3) take turns at the tensor cores, as
-    # FlashAttention-3 schedules its consumers: a half decodes and rescales its step, waits for its turn (a named
-    # barrier), issues its chains with the group left in flight, hands the turn to the other half (bar.arrive) and only
-    # then waits for them. The halves cannot fall into step, so one half's decode runs under the other's chains
-    # (docs step 73; the warpgroups of the plain loop share every stage's barrier and decode together). Per unit the
-    # first half's first step waits for no turn and the second half's last step hands none over, so every arrival
-    # meets its wait inside the unit (no arrival can be counted into another unit's turn)
-    pingpong: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
     # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
@@ -507,9 +499,6 @@ class GemmConfig:
         if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
             raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
                              f"<= producer threads, {self.producer_threads} here): pass persistent=True")
-        if self.pingpong and not self.scale_ratios:
-            raise ValueError("pingpong is a schedule of the scale-ratio loop (the persistent grid's sums accumulated "
-                             "in place): pass scale_ratios=True")
         if self.transposed_stores and not (self.lean_epilogue and not self.stream_k and not self.ring_consumer
                                            and not self.fused_role2):
             raise ValueError("transposed_stores is a knob of the lean epilogue (lean_epilogue=True, not stream-K, not "
@@ -761,7 +750,6 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
-            s += "_pp" if self.pingpong else ""
         if self.transposed_stores:
             s += "_tst"
         if self.early_rows:
@@ -993,7 +981,6 @@ def _make_kernel(cfg: GemmConfig):
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
-    PINGPONG = cfg.pingpong  # the consumers' halves take turns at the tensor cores (`take_turn`)
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
@@ -1813,27 +1800,16 @@ def _make_kernel(cfg: GemmConfig):
         a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage, phase = ring_position(base)
-        half = Int32(0)
-        if cutlass.const_expr(PINGPONG):
-            half = cute.arch.make_warp_uniform(wg // 2)
         for kb in cutlass.range(k_blocks):
             sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             n_main = min(n, WIDE_MAIN_N)
             if cutlass.const_expr(RATIOS):  # the sums to this step's scale, then its products straight into them
                 rescale(sbase + x_off + BN * 4, acc, n)
-                if cutlass.const_expr(PINGPONG):  # the unit's first turn is the first half's, without a wait
-                    if half + kb != 0:
-                        take_turn(half, True)
                 ptx.wgmma_fence()
                 chains = [(n_main, descs)]
                 if cutlass.const_expr(n > WIDE_MAIN_N):  # the wide tile's rows past 64 under the same wait
                     chains.append((n - WIDE_MAIN_N, wide_tail_descs(desc_lo)))
-                out = ptx.wgmma_rs_e4m3_accumulate(chains, a_regs, [acc[r] for r in range(n // 2)],
-                                                   1 if PINGPONG else 0)
-                if cutlass.const_expr(PINGPONG):  # the other half's turn, then the wait (no register written before it)
-                    if half == 0 or kb + 1 < k_blocks:  # the unit's last hand-over would meet no wait: none
-                        take_turn(1 - half, False)
-                    out = ptx.wgmma_wait_tied(out, 0)
+                out = ptx.wgmma_rs_e4m3_accumulate(chains, a_regs, [acc[r] for r in range(n // 2)])
                 for r in cutlass.range_constexpr(n // 2):
                     acc[r] = out[r]
                 if kb == k_blocks - 1:  # the last step's scale, read before the stage is released
@@ -1850,22 +1826,6 @@ def _make_kernel(cfg: GemmConfig):
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
-
-    @cute.jit
-    def take_turn(half, wait):
-        """pingpong: wait for half `half`'s turn (bar.sync) or hand it over (bar.arrive); each turn barrier counts
-        all consumer threads, one half waiting and the other arriving. `half` is warp-uniform: both branches are the
-        same barrier instruction with the barrier's number as an immediate."""
-        if cutlass.const_expr(wait):
-            if half == 0:
-                ptx.named_barrier_sync(ptx.TURN_BARRIERS[0], THREADS)
-            else:
-                ptx.named_barrier_sync(ptx.TURN_BARRIERS[1], THREADS)
-        else:
-            if half == 0:
-                ptx.named_barrier_arrive(ptx.TURN_BARRIERS[0], THREADS)
-            else:
-                ptx.named_barrier_arrive(ptx.TURN_BARRIERS[1], THREADS)
 
     @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
@@ -3460,7 +3420,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False, pingpong: bool = False):
+               split_nibbles: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3476,7 +3436,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, split_nibbles=split_nibbles, pingpong=pingpong)
+                     quick_start=quick_start, split_nibbles=split_nibbles)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3493,8 +3453,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            pingpong: bool = False):
+            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3559,10 +3518,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if ratio_registers and not scale_ratios:  # the knob did not apply: the plain tile's split of the registers
         consumer_registers = max(CONSUMER_REGISTER_CHOICES)
         cfg = replace(cfg, consumer_registers=consumer_registers)
-    pingpong = pingpong and scale_ratios  # a schedule of the ratio loop: sets may name it everywhere
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
-        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, pingpong=pingpong,
-                      stages=stages)
+        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
     # a knob of the stream-K loop at one CTA per SM: sets may name it everywhere
     step_group = step_group and stream_k and cfg.ctas_per_sm == 1
     if step_group:
@@ -3633,8 +3590,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["snake_walk"] = True
     if scale_ratios:
         params["scale_ratios"] = True
-    if pingpong:
-        params["pingpong"] = True
     if transposed_stores:
         params["transposed_stores"] = True
     if early_rows:
@@ -3763,16 +3718,10 @@ def all_variants():
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, snake_walk=True)
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
-              # and their sums kept in units of the step's activation scale (in-place chains), also with the consumers'
-              # halves taking turns at the tensor cores at tiles 64 and 96
+              # and their sums kept in units of the step's activation scale (in-place chains)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, scale_ratios=True)
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
-              + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
-                         persistent=True, scale_ratios=True, pingpong=True)
-                 for role in ("w1", "w2") for bn in (64,) + TABLE_WIDE_BLOCK_N]
-              + [variant(role, bn, **{**tile_knobs(bn)[1], "pingpong": True}) for role in ("w1", "w2")
-                 for bn in TABLE_WIDE_BLOCK_N]
               # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
               + [variant(role, bn, **{**tile_knobs(bn)[1], "transposed_stores": True})
                  for role in ("w1", "w2") for bn in (16, 24, 32, 64) + TABLE_WIDE_BLOCK_N if (role, bn) != ("w1", 24)]

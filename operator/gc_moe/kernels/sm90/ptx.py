@@ -381,14 +381,8 @@ def named_barrier_sync(barrier_id: int, threads: int) -> None:
     asm(f"bar.sync {barrier_id}, {threads};", [], [])
 
 
-def named_barrier_arrive(barrier_id: int, threads: int) -> None:
-    """bar.arrive on barrier `barrier_id` among `threads` threads: counts this warp in without waiting."""
-    asm(f"bar.arrive {barrier_id}, {threads};", [], [])
-
-
 GEMM_BARRIER = 2  # named barrier of a GEMM's threads when side threads share the CTA (0: the CTA, 1: consumers)
 PRODUCER_WARP_BARRIER = 3  # named barrier of a warp-specialized GEMM's single producer warp (its 32 threads)
-TURN_BARRIERS = (4, 5)  # grouped_gemm's pingpong: the turn of the consumers' first half, of their second half
 
 
 def gemm_barrier(cfg) -> None:
@@ -514,13 +508,11 @@ def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pend
     return _asm_tied("\n".join(lines), per, list(a_regs) + list(descs), list(acc))
 
 
-def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list, pending: int = 0) -> list:
+def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list) -> list:
     """Register-A `m64n{n}k32` E4M3 WGMMAs that all accumulate into `acc` (in/out operands, scale-d 1), one chain
     per (n, descs) of `chains` on the same A fragment, chain i on the next n_i / 2 floats of acc; one commit, one
     wait. The scale-ratio consumer (grouped_gemm's `scale_ratios`): its sums are rescaled before the step, so the
-    step's products go straight into them, and the wide tile's two chains need no second wait. pending: the groups
-    left in flight after the commit (1: the caller waits later, `wgmma_wait_tied`, writing no register of the chain
-    before it)."""
+    step's products go straight into them, and the wide tile's two chains need no second wait."""
     per = sum(n // 2 for n, _ in chains)
     count = sum(len(descs) for _, descs in chains)
     lines = ["{", ".reg .pred sum;", "setp.eq.b32 sum, 0, 0;"]
@@ -533,7 +525,7 @@ def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list, pending: int
             desc_at += 1
         first += n // 2
     assert desc_at == per + len(a_regs) + count and len(acc) == per
-    lines += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {pending};", "}"]
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     return _asm_tied("\n".join(lines), per, list(a_regs) + [d for _, descs in chains for d in descs], list(acc))
 
 
