@@ -86,7 +86,7 @@ def test_pingpong_probe_takes_turns_around_each_chain(tmp_path):
         threads = 128 * wgs
         for barrier in wp.PINGPONG_BARRIERS:
             assert f"bar.sync {barrier}, {threads};" in ptx and f"bar.arrive {barrier}, {threads};" in ptx
-        step = re.search(r"bar\.sync [12], \d+;(.*?)bar\.arrive [12], \d+;(.*?)wait_group\.sync\.aligned 0;", ptx, re.S)
+        step = re.search(r"bar\.sync [12], \d+;(.*?)bar\.arrive [12], \d+;(.*?)wait_group\.sync\.aligned 0;", ptx, re.DOTALL)
         assert step and "wait_group.sync.aligned 1;" in step.group(1), "the chain is issued, not waited, before the hand-over"
         assert len(re.findall(rf"m64n{n}k32\.f32\.e4m3\.e4m3", step.group(1))) == 4
         assert entry.resources["frame_bytes"] == 0
