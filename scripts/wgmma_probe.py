@@ -6,7 +6,9 @@
 Per token tile N and warpgroups (1 and 4): cycles per step of the chain alone (four m64nNk32 WGMMAs, wait, N/2
 FP32 multiply-adds), of the chain after the table decode, and of the decode alone; then, at 4 warpgroups, where the
 decode-and-chain step falls between the sum of its parts (no overlap between warpgroups) and their maximum (full
-overlap); also with the warpgroups' halves taking turns at the tensor cores (`pingpong`, at 2 and 4 warpgroups). One CTA, one SM, no global memory: the consumer's own costs, not the pipeline's. Then the split probe:
+overlap); also with the warpgroups' halves taking turns at the tensor cores (`pingpong`, at 2 and 4 warpgroups) and
+in the operator's in-place form (`inplace`). One CTA, one SM, no global memory: the consumer's own costs, not the
+pipeline's. Then the split probe:
 two decoder warpgroups beside four chain warpgroups with no dependency between them, the chains register-A or
 shared-A (the decoders storing E4M3): what a kernel that takes the decode off the chains' warps could reach.
 """

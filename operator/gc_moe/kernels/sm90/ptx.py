@@ -508,11 +508,13 @@ def wgmma_rs_e4m3_chain_issue(n: int, a_regs: list, descs: list, acc: list, pend
     return _asm_tied("\n".join(lines), per, list(a_regs) + list(descs), list(acc))
 
 
-def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list) -> list:
+def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list, pending: int = 0) -> list:
     """Register-A `m64n{n}k32` E4M3 WGMMAs that all accumulate into `acc` (in/out operands, scale-d 1), one chain
     per (n, descs) of `chains` on the same A fragment, chain i on the next n_i / 2 floats of acc; one commit, one
     wait. The scale-ratio consumer (grouped_gemm's `scale_ratios`): its sums are rescaled before the step, so the
-    step's products go straight into them, and the wide tile's two chains need no second wait."""
+    step's products go straight into them, and the wide tile's two chains need no second wait. pending: the groups
+    left in flight after the commit (a caller that waits later, `wgmma_wait_tied`, writes no register of the chain
+    before that wait)."""
     per = sum(n // 2 for n, _ in chains)
     count = sum(len(descs) for _, descs in chains)
     lines = ["{", ".reg .pred sum;", "setp.eq.b32 sum, 0, 0;"]
@@ -525,7 +527,7 @@ def wgmma_rs_e4m3_accumulate(chains: list, a_regs: list, acc: list) -> list:
             desc_at += 1
         first += n // 2
     assert desc_at == per + len(a_regs) + count and len(acc) == per
-    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    lines += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {pending};", "}"]
     return _asm_tied("\n".join(lines), per, list(a_regs) + [d for _, descs in chains for d in descs], list(acc))
 
 

@@ -203,18 +203,6 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 if cutlass.const_expr(chain):
                     chain_steps(out, smem, role_wg, t, steps, descs, scale)
 
-    def accumulate_issue(a_regs, descs, acc):
-        """inplace: the four K32 WGMMAs accumulating into `acc` (in/out operands), committed, one group left in
-        flight (the wait comes after the hand-over)."""
-        lines = ["{", ".reg .pred sum;", "setp.eq.b32 sum, 0, 0;"]
-        d = ", ".join(f"${r}" for r in range(n // 2))
-        for i in range(len(descs)):
-            a = ", ".join(f"${n // 2 + 4 * i + r}" for r in range(4))
-            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, "
-                         f"${n // 2 + 16 + i}, sum, 1, 1;")
-        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 1;", "}"]
-        return ptx._asm_tied("\n".join(lines), n // 2, list(a_regs) + list(descs), list(acc))
-
     def turn(barrier_id: int, wait: bool):
         """Wait for (bar.sync) or hand over (bar.arrive) a turn: half the warpgroups wait while the other half
         arrives, so each barrier counts all of them."""
@@ -246,7 +234,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                     acc[r] = acc[r] * scale
             ptx.wgmma_fence()
             if cutlass.const_expr(inplace):
-                issued = accumulate_issue(a_regs, descs, [acc[r] for r in range(n // 2)])
+                issued = ptx.wgmma_rs_e4m3_accumulate([(n, descs)], a_regs, [acc[r] for r in range(n // 2)], 1)
             else:
                 issued = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
             if half == 0:
