@@ -946,8 +946,8 @@ def main() -> int:
         tag, auto_knobs[tag], auto_pdl[tag] = parse_auto_set(spec)
         pair_only = {k: auto_knobs[tag].pop(k) for k in PAIR_ONLY_KNOBS if k in auto_knobs[tag]}
         if pair_only.pop("pair", False):  # the pseudo-knob pair: the pair kernel where the rule picks stream-K
-            auto_pair[tag] = {k: auto_knobs[tag][k]
-                              for k in ("lean_epilogue", "words_first", "quick_start", "split_nibbles")
+            # (its nibble order follows the set's tile-8 loops: below, where the pair kernels are loaded)
+            auto_pair[tag] = {k: auto_knobs[tag][k] for k in ("lean_epilogue", "words_first", "quick_start")
                               if k in auto_knobs[tag]}
             auto_pair[tag].update(pair_only)
         kernel_sets[tag] = None

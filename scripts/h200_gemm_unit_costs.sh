@@ -133,7 +133,6 @@ for s in $steps; do
              --extra-set skt4:stream_k=True,ctas_per_sm=1,trace=True,stages=4 \
              --auto-set pw:quick_start=False,pdl=True --auto-set pairq:pair=True,quick_start=True \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
-             --auto-set sn:split_nibbles=True,pdl=True --auto-set pairs:pair=True,split_nibbles=True \
              --auto-set lane:split_nibbles=False,pdl=True --auto-set lanepair:pair=True,split_nibbles=False \
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
              --tokens 1,2,4,8,16,32,64,128,256
