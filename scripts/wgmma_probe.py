@@ -67,7 +67,7 @@ def measure(variants, steps: int, repeats: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Per N and warpgroups: chain alone, decode + chain, and at 4 warpgroups where that lies between the parts' sum
     and maximum (overlap 0: the sum, 1: the maximum)."""
-    rows = [r for r in rows if not r.get("split")]  # split_table's
+    rows = [r for r in rows if not r.get("split") and not r.get("sync")]  # split_table's, sync_table's
 
     def get(n, wgs, decode, chain, skew=False, wide=False, pingpong=False, inplace=False):
         for r in rows:
@@ -96,6 +96,25 @@ def table(rows: list[dict]) -> str:
                          f"{' ping-pong' if pingpong else ''}{' in place' if inplace else ''}")
                 lines.append(f"| {label} | {wgs} | {d:.0f} | {c:.0f} | {both:.0f} | {total:.0f} "
                              f"| {top:.0f} | {overlap:.2f} |")
+    return "\n".join(lines)
+
+
+def sync_table(rows: list[dict]) -> str:
+    """The operator's per-step synchronization around the decode-and-chain step at four warpgroups: cycles per step
+    plain, with the stage wait and arrival, and with those and the proxy fence; the differences are what each costs."""
+    def get(n, sync):
+        for r in rows:
+            if (r["n"], r["warpgroups"], r.get("sync", ""), r["decode"], r["chain"]) == (n, 4, sync, True, True) \
+                    and not (r.get("split") or r.get("skew") or r.get("wide") or r.get("pingpong")
+                             or r.get("inplace")):
+                return r["cycles_per_step"]
+        return float("nan")
+
+    lines = ["| N | plain | + wait and arrival | + proxy fence | wait cost | fence cost |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in sorted({r["n"] for r in rows if r.get("sync")}):
+        plain, wait, fence = get(n, ""), get(n, "wait"), get(n, "fence")
+        lines.append(f"| {n} | {plain:.0f} | {wait:.0f} | {fence:.0f} | {wait - plain:.0f} | {fence - wait:.0f} |")
     return "\n".join(lines)
 
 
@@ -147,6 +166,8 @@ def main() -> None:
     print(table(rows))
     if any(r.get("split") for r in rows):
         print(split_table(rows))
+    if any(r.get("sync") for r in rows):
+        print(sync_table(rows))
     if args.json:
         import torch
 

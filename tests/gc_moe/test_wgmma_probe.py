@@ -21,7 +21,11 @@ def test_probe_configurations_and_errors():
     # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; the split
     # configurations with each role alone and both
     assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 2 + 3 * len(
-        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N) + 4
+        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N) + 4 + 2 * len(wp.SYNC_N)
+    # sync: the plain decode-and-chain step only
+    for kwargs in ({"sync": "membar"}, {"sync": "wait", "wide": True, "n": 96}, {"sync": "fence", "pingpong": True}):
+        with pytest.raises(ValueError, match="wgmma probe: sync"):
+            wp.variant(kwargs.pop("n", 64), 4, **kwargs)
     # pingpong: two halves of an even number of warpgroups, each with decode and chain, without split or wide
     for kwargs in ({"warpgroups": 3}, {"warpgroups": 6, "split": 2}, {"warpgroups": 4, "n": 96, "wide": True}):
         with pytest.raises(ValueError, match="pingpong takes turns"):
@@ -89,4 +93,22 @@ def test_pingpong_probe_takes_turns_around_each_chain(tmp_path):
         step = re.search(r"bar\.sync [12], \d+;(.*?)bar\.arrive [12], \d+;(.*?)wait_group\.sync\.aligned 0;", ptx, re.DOTALL)
         assert step and "wait_group.sync.aligned 1;" in step.group(1), "the chain is issued, not waited, before the hand-over"
         assert len(re.findall(rf"m64n{n}k32\.f32\.e4m3\.e4m3", step.group(1))) == 4
+        assert entry.resources["frame_bytes"] == 0
+
+
+def test_sync_probe_waits_and_fences_every_step(tmp_path):
+    """The sync probe's loop: an mbarrier wait at each step's start, the proxy fence after it only with "fence", and a
+    lane-0 arrival after the chain; the step's work as in the plain probe, never spilled."""
+    pytest.importorskip("cutlass")
+    from gc_moe.runtime import jit
+
+    for n, sync in ((32, "wait"), (96, "fence")):
+        entry = jit.build_variant(wp.variant(n, 4, sync=sync), "sm_90a", cache_dir=tmp_path)
+        ptx = entry.ptx_path.read_text()
+        loop = re.search(r"mbarrier\.try_wait\.parity\.shared::cta\.b64(.*?)mbarrier\.arrive\.shared::cta\.b64", ptx,
+                         re.DOTALL)
+        assert loop, "a wait, then the step, then the arrival"
+        assert ("fence.proxy.async.shared::cta" in loop.group(1)) == (sync == "fence")
+        assert len(re.findall(rf"m64n{n}k32\.f32\.e4m3\.e4m3", loop.group(1))) == 4
+        assert len(re.findall(r"\bprmt\.b32\b", loop.group(1))) >= 16
         assert entry.resources["frame_bytes"] == 0

@@ -27,6 +27,11 @@ that stays put:
           decode runs while the other half's chains hold the tensor cores, if a scheduler can overlap the two at all
   inplace (with chain, not wide or split) the operator's `scale_ratios` form: the sums scaled by the step's factor
           first (N/2 multiplies), then the chain accumulates into them (no fresh partials, no multiply-adds after it)
+  sync    (decode and chain, no split, skew, wide or ping-pong) the operator's per-step synchronization around the
+          same work: "wait" puts an mbarrier wait before each step and a lane-0 arrival after it (each warp its own
+          barrier, so the wait never blocks: what the instructions cost, not a dependency), "fence" adds the
+          consumers' `fence.proxy.async` after the wait (the token tile came through cp.async). What moving the
+          fence out of the consumers' loop could give back
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -46,22 +51,25 @@ MAX_CHAIN_FLOATS = 48  # scaled accumulators per thread of a chain warpgroup (it
 SPLITS = ((64, 2, 6, False), (64, 2, 6, True), (64, 1, 5, True), (96, 1, 5, True))
 PINGPONG_BARRIERS = (1, 2)  # named barriers: the turn of half 0 (warpgroups 0..w/2-1), the turn of half 1
 PINGPONG_N = (32, 64, 96)  # the table tiles' chains at 128-256 tokens per rank
+SYNC_CHOICES = ("", "wait", "fence")  # sync: none, the stage wait and arrival, those and the proxy fence
+SYNC_N = (32, 64, 96)
 MAX_WARPGROUPS = 6  # a split probe's decoders and chain warpgroups together (four without split)
 OUT_TOTALS = 16 * MAX_WARPGROUPS  # out: per warpgroup (cycles, folded words) as two int64 from 0, its sum (f32) here
 OUT_BYTES = OUT_TOTALS + 4 * MAX_WARPGROUPS
+SYNC_BARRIER_BYTES = 8 * 4 * MAX_WARPGROUPS  # sync: one mbarrier per warp, after the decoded A blocks
 
 
 def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int, int]:
-    """(token tile offset, weight tiles offset, decoded A blocks offset, total bytes): the token tile first (1 KB
+    """(token tile offset, weight tiles offset, decoded A blocks offset, their end): the token tile first (1 KB
     aligned), then per warpgroup two weight tiles and two scale tiles, then (1 KB aligned) the four decoded m64 row
-    blocks of a split probe with shared_a."""
+    blocks of a split probe with shared_a. The sync probe's barriers follow (SYNC_BARRIER_BYTES)."""
     a_offset = n * 128
     blocks = -(-(a_offset + warpgroups * 2 * (A_TILE_BYTES + SCALE_TILE_BYTES)) // 1024) * 1024
     return 0, a_offset, blocks, blocks + 4 * A_BLOCK_BYTES
 
 
 def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False, wide: bool = False,
-                 pingpong: bool = False, inplace: bool = False) -> None:
+                 pingpong: bool = False, inplace: bool = False, sync: str = "") -> None:
     if n not in N_CHOICES:
         raise ValueError(f"wgmma probe: n={n}, allowed {N_CHOICES}")
     if not 1 <= warpgroups <= (MAX_WARPGROUPS if split else 4):
@@ -84,11 +92,16 @@ def check_config(n: int, warpgroups: int, split: int = 0, shared_a: bool = False
     if inplace and (split or wide):
         raise ValueError(f"wgmma probe: inplace is a form of the plain or ping-pong chain, got split={split}, "
                          f"wide={wide}")
+    if sync not in SYNC_CHOICES:
+        raise ValueError(f"wgmma probe: sync={sync!r}, allowed {SYNC_CHOICES}")
+    if sync and (split or wide or pingpong):
+        raise ValueError(f"wgmma probe: sync wraps the plain loop's steps, got split={split}, wide={wide}, "
+                         f"pingpong={pingpong}")
 
 
 def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: bool = True, chain: bool = True,
                 skew: bool = False, split: int = 0, shared_a: bool = False, wide: bool = False,
-                pingpong: bool = False, inplace: bool = False):
+                pingpong: bool = False, inplace: bool = False, sync: str = ""):
     """The runtime's builder: a CompileRequest for one probe configuration (no GPU needed)."""
     import cutlass
     from cutlass import Float32, Int32, Int64, Uint32, cute
@@ -98,7 +111,9 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
     if arch != "sm_90a":
         raise ValueError(f"the wgmma probe is built for sm_90a only, not {arch!r}")
-    check_config(n, warpgroups, split, shared_a, wide, pingpong, inplace)
+    check_config(n, warpgroups, split, shared_a, wide, pingpong, inplace, sync)
+    if sync and (skew or not (decode and chain)):
+        raise ValueError("wgmma probe: sync wraps the decode-and-chain step (both on, not skewed)")
     if inplace and not chain:
         raise ValueError("wgmma probe: inplace is a form of the chain; it needs it")
     if not (decode or chain):
@@ -106,7 +121,8 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
     if pingpong and not (decode and chain):
         raise ValueError("wgmma probe: pingpong alternates the decode with the chains; it needs both")
     threads = warpgroups * WARPGROUP_THREADS
-    b_offset, a_offset, blocks_offset, smem_bytes = smem_layout(n, warpgroups)
+    b_offset, a_offset, blocks_offset, barriers_offset = smem_layout(n, warpgroups)
+    smem_bytes = barriers_offset + SYNC_BARRIER_BYTES
     frags = 4 // split if split else 1  # per decoder warpgroup and step
     mblocks = 4 // (warpgroups - split) if split else 1  # per chain warpgroup and step
     # the CTA's register pool is what the launch gave it (65536 / threads per thread, rounded down to 8), not the
@@ -140,6 +156,12 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         for i in cutlass.range(tid, warpgroups * 2 * SCALE_TILE_BYTES // 4, threads):
             ptx.sts_s32(smem + a_offset + warpgroups * 2 * A_TILE_BYTES + i * 4,
                         (i * Int32(40503)) & Int32(0x07070707))
+        warp_bar = smem + barriers_offset + (tid // 32) * 8
+        if cutlass.const_expr(sync != ""):  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if tid % 32 == 0:
+                ptx.mbarrier_init(warp_bar, 1)
+                ptx.fence_mbarrier_init()
+                ptx.mbarrier_arrive(warp_bar)  # phase 0 completes: step 0's wait passes
         cute.arch.barrier()
         ptx.fence_proxy_async_shared()  # the token tile was written by the generic proxy
         desc0 = ptx.smem_desc_kmajor_lo(smem + b_offset, 128)
@@ -160,6 +182,10 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                     ptx.spin_cycles(SKEW_CYCLES)
             start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
             for kb in cutlass.range(steps):
+                if cutlass.const_expr(sync != ""):
+                    ptx.mbarrier_wait(warp_bar, kb & 1)  # complete already: its own lane 0 arrived last step
+                    if cutlass.const_expr(sync == "fence"):
+                        ptx.fence_proxy_async_shared()
                 a_regs = fixed
                 if cutlass.const_expr(decode):
                     a_regs = fragment(smem, wg, t, kb & 1)
@@ -184,6 +210,10 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 else:
                     for j in cutlass.range_constexpr(4):
                         sink = sink ^ a_regs[4 * j] ^ a_regs[4 * j + 1] ^ a_regs[4 * j + 2] ^ a_regs[4 * j + 3]
+                if cutlass.const_expr(sync != ""):  # the step's stage goes back, as the operator's consumers do
+                    ptx.warp_sync()
+                    if t % 32 == 0:
+                        ptx.mbarrier_arrive(warp_bar)
             stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
             total = Float32(0.0)
             for r in cutlass.range_constexpr(n // 2):
@@ -331,11 +361,11 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
 
 
 def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, skew: bool = False, split: int = 0,
-            shared_a: bool = False, wide: bool = False, pingpong: bool = False, inplace: bool = False):
+            shared_a: bool = False, wide: bool = False, pingpong: bool = False, inplace: bool = False, sync: str = ""):
     """The runtime KernelVariant of one probe configuration."""
     from gc_moe.runtime.jit import KernelVariant
 
-    check_config(n, warpgroups, split, shared_a, wide, pingpong, inplace)
+    check_config(n, warpgroups, split, shared_a, wide, pingpong, inplace, sync)
     extra = {"skew": True} if skew else {}
     if wide:
         extra["wide"] = True
@@ -343,6 +373,8 @@ def variant(n: int, warpgroups: int, decode: bool = True, chain: bool = True, sk
         extra["pingpong"] = True
     if inplace:
         extra["inplace"] = True
+    if sync:
+        extra["sync"] = sync
     if split:
         extra.update(split=split, shared_a=shared_a)
     promises = ("prmt.b32",) if decode else ()
@@ -378,4 +410,6 @@ def probe_variants() -> list:
         out += [variant(n, 2, decode=False), variant(n, 2), variant(n, 2, pingpong=True), variant(n, 4, pingpong=True)]
     # the operator's scale_ratios form (sums scaled, then the chain into them), plain and taking turns
     out += [variant(n, 4, inplace=True, pingpong=pp) for n in (64, 96) for pp in (False, True)]
+    # the operator's per-step stage wait and arrival around the plain step, without and with the proxy fence
+    out += [variant(n, 4, sync=sync) for n in SYNC_N for sync in SYNC_CHOICES[1:]]
     return out
