@@ -101,7 +101,8 @@ def table(rows: list[dict]) -> str:
 
 def sync_table(rows: list[dict]) -> str:
     """The operator's per-step synchronization around the decode-and-chain step at four warpgroups: cycles per step
-    plain, with the stage wait and arrival, and with those and the proxy fence; the differences are what each costs."""
+    plain, with the arrival alone, with the stage wait and arrival, with those and the proxy fence, and with the wait
+    issued under the chain ("early"); the differences are what each costs."""
     def get(n, sync):
         for r in rows:
             if (r["n"], r["warpgroups"], r.get("sync", ""), r["decode"], r["chain"]) == (n, 4, sync, True, True) \
@@ -110,11 +111,13 @@ def sync_table(rows: list[dict]) -> str:
                 return r["cycles_per_step"]
         return float("nan")
 
-    lines = ["| N | plain | + wait and arrival | + proxy fence | wait cost | fence cost |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| N | plain | + arrival | + wait and arrival | + proxy fence | wait under the chain, arrival "
+             "| arrival cost | wait cost | fence cost | early wait cost |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n in sorted({r["n"] for r in rows if r.get("sync")}):
-        plain, wait, fence = get(n, ""), get(n, "wait"), get(n, "fence")
-        lines.append(f"| {n} | {plain:.0f} | {wait:.0f} | {fence:.0f} | {wait - plain:.0f} | {fence - wait:.0f} |")
+        plain, arrive, wait, fence, early = (get(n, s) for s in ("", "arrive", "wait", "fence", "early"))
+        lines.append(f"| {n} | {plain:.0f} | {arrive:.0f} | {wait:.0f} | {fence:.0f} | {early:.0f} | {arrive - plain:.0f} "
+                     f"| {wait - arrive:.0f} | {fence - wait:.0f} | {early - arrive:.0f} |")
     return "\n".join(lines)
 
 

@@ -31,7 +31,10 @@ that stays put:
           same work: "wait" puts an mbarrier wait before each step and a lane-0 arrival after it (each warp its own
           barrier, so the wait never blocks: what the instructions cost, not a dependency), "fence" adds the
           consumers' `fence.proxy.async` after the wait (the token tile came through cp.async). What moving the
-          fence out of the consumers' loop could give back
+          fence out of the consumers' loop could give back. "arrive": the arrival alone (no wait). "early": the wait
+          for the next step's barrier issued while the step's chain runs (before the chain's wait; each warp two
+          barriers that alternate by step, so that barrier is complete by then): whether the wait's latency hides
+          under the tensor core
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -51,12 +54,13 @@ MAX_CHAIN_FLOATS = 48  # scaled accumulators per thread of a chain warpgroup (it
 SPLITS = ((64, 2, 6, False), (64, 2, 6, True), (64, 1, 5, True), (96, 1, 5, True))
 PINGPONG_BARRIERS = (1, 2)  # named barriers: the turn of half 0 (warpgroups 0..w/2-1), the turn of half 1
 PINGPONG_N = (32, 64, 96)  # the table tiles' chains at 128-256 tokens per rank
-SYNC_CHOICES = ("", "wait", "fence")  # sync: none, the stage wait and arrival, those and the proxy fence
+# sync: none, the stage wait and arrival, those and the proxy fence, the arrival alone, the wait under the chain
+SYNC_CHOICES = ("", "wait", "fence", "arrive", "early")
 SYNC_N = (32, 64, 96)
 MAX_WARPGROUPS = 6  # a split probe's decoders and chain warpgroups together (four without split)
 OUT_TOTALS = 16 * MAX_WARPGROUPS  # out: per warpgroup (cycles, folded words) as two int64 from 0, its sum (f32) here
 OUT_BYTES = OUT_TOTALS + 4 * MAX_WARPGROUPS
-SYNC_BARRIER_BYTES = 8 * 4 * MAX_WARPGROUPS  # sync: one mbarrier per warp, after the decoded A blocks
+SYNC_BARRIER_BYTES = 16 * 4 * MAX_WARPGROUPS  # sync: two mbarriers per warp, after the decoded A blocks
 
 
 def smem_layout(n: int, warpgroups: int) -> tuple[int, int, int, int]:
@@ -156,12 +160,14 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         for i in cutlass.range(tid, warpgroups * 2 * SCALE_TILE_BYTES // 4, threads):
             ptx.sts_s32(smem + a_offset + warpgroups * 2 * A_TILE_BYTES + i * 4,
                         (i * Int32(40503)) & Int32(0x07070707))
-        warp_bar = smem + barriers_offset + (tid // 32) * 8
+        warp_bar = smem + barriers_offset + (tid // 32) * 16
         if cutlass.const_expr(sync != ""):  # noqa: SIM102 (a compile-time branch around a run-time one)
             if tid % 32 == 0:
-                ptx.mbarrier_init(warp_bar, 1)
+                for b in cutlass.range_constexpr(2):
+                    ptx.mbarrier_init(warp_bar + 8 * b, 1)
                 ptx.fence_mbarrier_init()
-                ptx.mbarrier_arrive(warp_bar)  # phase 0 completes: step 0's wait passes
+                for b in cutlass.range_constexpr(2):
+                    ptx.mbarrier_arrive(warp_bar + 8 * b)  # phase 0 completes: the first waits pass
         cute.arch.barrier()
         ptx.fence_proxy_async_shared()  # the token tile was written by the generic proxy
         desc0 = ptx.smem_desc_kmajor_lo(smem + b_offset, 128)
@@ -171,6 +177,8 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
         scale = Float32(0.5)
         if cutlass.const_expr(pingpong):
             pingpong_steps(out, smem, cute.arch.make_warp_uniform(wg), t, steps, descs, scale)
+        elif cutlass.const_expr(sync == "early"):
+            early_wait_steps(out, smem, wg, t, steps, descs, scale, warp_bar)
         elif cutlass.const_expr(split == 0):
             fixed = fragment(smem, wg, t, Int32(0))
             acc = cute.make_rmem_tensor((max(n // 2, 1),), Float32)
@@ -182,7 +190,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                     ptx.spin_cycles(SKEW_CYCLES)
             start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
             for kb in cutlass.range(steps):
-                if cutlass.const_expr(sync != ""):
+                if cutlass.const_expr(sync in ("wait", "fence")):
                     ptx.mbarrier_wait(warp_bar, kb & 1)  # complete already: its own lane 0 arrived last step
                     if cutlass.const_expr(sync == "fence"):
                         ptx.fence_proxy_async_shared()
@@ -232,6 +240,36 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 cute.arch.setmaxregister_increase(chain_registers)
                 if cutlass.const_expr(chain):
                     chain_steps(out, smem, role_wg, t, steps, descs, scale)
+
+    @cute.jit
+    def early_wait_steps(out, smem, wg, t, steps, descs, scale, warp_bar):
+        """sync "early": step kb's chain issued, then the wait for step kb + 1's barrier (kb + 1 mod 2, completed by
+        step kb - 1's arrival), then the chain's wait, the multiply-adds and step kb's arrival on barrier kb mod 2."""
+        acc = cute.make_rmem_tensor((n // 2,), Float32)
+        part = cute.make_rmem_tensor((n // 2,), Float32)
+        for r in cutlass.range_constexpr(n // 2):
+            acc[r] = Float32(0.0)
+            part[r] = Float32(0.0)
+        ptx.mbarrier_wait(warp_bar, Int32(0))
+        start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+        for kb in cutlass.range(steps):
+            a_regs = fragment(smem, wg, t, kb & 1)
+            ptx.wgmma_fence()
+            issued = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [part[r] for r in range(n // 2)], 1)
+            ptx.mbarrier_wait(warp_bar + ((kb + 1) & 1) * 8, ((kb + 1) >> 1) & 1)
+            done = ptx.wgmma_wait_tied(issued, 0)
+            for r in cutlass.range_constexpr(n // 2):
+                part[r] = done[r]
+                acc[r] = acc[r] + done[r] * scale
+            ptx.warp_sync()
+            if t % 32 == 0:
+                ptx.mbarrier_arrive(warp_bar + (kb & 1) * 8)
+        stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(n // 2):
+            total = total + acc[r]
+        if t == 0:
+            record(out, wg, stop - start, Uint32(0), total)
 
     def turn(barrier_id: int, wait: bool):
         """Wait for (bar.sync) or hand over (bar.arrive) a turn: half the warpgroups wait while the other half
