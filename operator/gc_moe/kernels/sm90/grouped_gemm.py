@@ -334,14 +334,6 @@ class GemmConfig:
     # and publish them with one plain arrival each on the stage's full barrier. At the wide tile this frees the 48
     # registers of the fresh chains, so its two chains go out under one wait (docs step 57)
     scale_ratios: bool = False
-    # persistent: the proxy fence on the writer's side. The token rows come through cp.async (the generic proxy)
-    # and the WGMMAs read them through the async proxy, so every consumer warp fenced after each stage wait
-    # (MEMBAR.ALL.CTA, FENCE.VIEW.ASYNC.S and four LDS that ptxas adds: 6 of the table loop's ~150 instructions per
-    # step). With writer_fence each producer thread commits a stage's copies as a group, and writer_fence_lag(stages)
-    # steps later waits for that group (`cp.async.wait_group`), fences and arrives on the stage's full barrier (a
-    # plain arrival in place of cp.async's); a unit's last stages are published at its end. The lag keeps the
-    # producer's copies that many stages ahead; at most STAGES - 1 keeps the ring free of deadlock (docs step 74)
-    writer_fence: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
     # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
@@ -504,9 +496,6 @@ class GemmConfig:
                              "no ring consumer, no K split, no compact grid, token tiles fastest)")
         if self.snake_walk and not self.persistent:
             raise ValueError("snake_walk is an order of the persistent grid's walk: pass persistent=True")
-        if self.writer_fence and not self.persistent:
-            raise ValueError("writer_fence is a knob of the persistent grid's producer and waited consumers: pass "
-                             "persistent=True")
         if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
             raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
                              f"<= producer threads, {self.producer_threads} here): pass persistent=True")
@@ -761,7 +750,6 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
-            s += "_wfence" if self.writer_fence else ""
         if self.transposed_stores:
             s += "_tst"
         if self.early_rows:
@@ -837,14 +825,6 @@ def decode_fp4x8_split(w, u32=int):
     bytes each of value / 64. Row g's bits already sit where E4M3 wants them (one mask); row g + 8's bits 0..1 and
     5 move up by two, its bit 6 down by two (two shifts, a mask, a mask-and-or)."""
     return w & u32(0x9C9C9C9C), ((w & u32(0x23232323)) << 2) | ((w >> 2) & u32(0x10101010))  # no carry past bit 31
-
-
-def writer_fence_lag(stages: int) -> int:
-    """writer_fence: how many steps after a stage's copies its producer thread waits for them and publishes it. Two
-    stages short of the ring: the consumers find the stage published a step before they need it while the
-    producer's copies run that many steps ahead (at most stages - 1, or the producer would wait for a slot that only
-    the stage it has not published frees)."""
-    return max(1, stages - 2)
 
 
 def stream_ctas(ctas: int, work: int) -> int:
@@ -1001,8 +981,6 @@ def _make_kernel(cfg: GemmConfig):
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
-    WRITER_FENCE = cfg.writer_fence  # the producer fences its cp.async rows and arrives WRITER_LAG steps later
-    WRITER_LAG = writer_fence_lag(STAGES) if cfg.writer_fence else 0
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
@@ -1340,36 +1318,15 @@ def _make_kernel(cfg: GemmConfig):
                     if pidx + PT * r < BN:
                         ptx.cp_async_4_zfill(sbase + cfg.xs_offset + (pidx + PT * r) * 4,
                                              x_src[r] + Int64(kb * 4), x_bytes[r])
-            if cutlass.const_expr(WRITER_FENCE):
-                ptx.cp_async_commit()
-                if kb >= WRITER_LAG:  # the stage WRITER_LAG steps back: its group has landed once this returns
-                    publish_rows(smem, step - WRITER_LAG, WRITER_LAG)
-            else:
-                ptx.cp_async_mbarrier_arrive_noinc(full)
+            ptx.cp_async_mbarrier_arrive_noinc(full)
             if cutlass.const_expr(trace_seg is not None and W1 and base is not None and not PAIR):  # noqa: SIM102
                 if pidx == 0 and base == 0 and kb == 0:  # the CTA's first copies are out: the tail's last slot
                     ptx.stamp_times(trace_seg + Int64(16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3)))
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if pidx == 0:
                 ptx.stg_s64(trace_seg + Int64(72), Int64(waited))
-        if cutlass.const_expr(WRITER_FENCE):  # the unit's last stages: one wait for all their groups, one fence
-            last = k_steps - WRITER_LAG
-            if last < early:
-                last = early
-            ptx.cp_async_wait(0)
-            ptx.fence_proxy_async_shared()
-            for kb in cutlass.range(last, k_steps, unroll=1):
-                ptx.mbarrier_arrive(smem + cfg.barrier_offset + ((base + kb) % STAGES) * 8)
         if cutlass.const_expr(base is None):
             ptx.cp_async_wait_all()  # the warp leaves only once its last copies have landed
-
-    @cute.jit
-    def publish_rows(smem, step, pending):
-        """writer_fence: once this thread's cp.async groups but the last `pending` have landed, fence the proxies (the
-        WGMMAs read the rows through the async proxy) and arrive on step `step`'s full barrier (release)."""
-        ptx.cp_async_wait(pending)
-        ptx.fence_proxy_async_shared()
-        ptx.mbarrier_arrive(smem + cfg.barrier_offset + (step % STAGES) * 8)
 
     @cute.jit
     def produce_fused(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ready, base):
@@ -1827,8 +1784,7 @@ def _make_kernel(cfg: GemmConfig):
         """A waited table consumer's step: wait for stage `stage` to be full, decode its A fragment; returns (the stage's
         base, the fragment, its token tile's descriptors' low word, the four K32 descriptors of the first 64 rows)."""
         ptx.mbarrier_wait(smem + cfg.barrier_offset + stage * 8, phase, suspend_ns=SUSPEND)
-        if cutlass.const_expr(not WRITER_FENCE):  # with it each producer thread fenced before it arrived
-            ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         sbase = smem + stage * cfg.stage_bytes
         a_regs = table_fragment(sbase, a_off, s_off)
         desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
@@ -3464,7 +3420,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False, writer_fence: bool = False):
+               split_nibbles: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3480,7 +3436,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, split_nibbles=split_nibbles, writer_fence=writer_fence)
+                     quick_start=quick_start, split_nibbles=split_nibbles)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3497,8 +3453,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            writer_fence: bool = False):
+            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3563,10 +3518,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if ratio_registers and not scale_ratios:  # the knob did not apply: the plain tile's split of the registers
         consumer_registers = max(CONSUMER_REGISTER_CHOICES)
         cfg = replace(cfg, consumer_registers=consumer_registers)
-    writer_fence = writer_fence and persistent  # likewise
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
-        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages,
-                      writer_fence=writer_fence)
+        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
     # a knob of the stream-K loop at one CTA per SM: sets may name it everywhere
     step_group = step_group and stream_k and cfg.ctas_per_sm == 1
     if step_group:
@@ -3637,8 +3590,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["snake_walk"] = True
     if scale_ratios:
         params["scale_ratios"] = True
-    if writer_fence:
-        params["writer_fence"] = True
     if transposed_stores:
         params["transposed_stores"] = True
     if early_rows:
@@ -3770,9 +3721,6 @@ def all_variants():
               # and their sums kept in units of the step's activation scale (in-place chains)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, scale_ratios=True)
-                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
-              # tile_knobs's persistent tiles with the proxy fence on the writer's side
-              + [variant(role, bn, **{**tile_knobs(bn)[1], "writer_fence": True})
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
               # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
               + [variant(role, bn, **{**tile_knobs(bn)[1], "transposed_stores": True})
