@@ -111,9 +111,9 @@ def sync_table(rows: list[dict]) -> str:
                 return r["cycles_per_step"]
         return float("nan")
 
-    lines = ["| N | plain | + arrival | + wait and arrival | + proxy fence | wait under the chain, arrival "
-             "| arrival cost | wait cost | fence cost | early wait cost |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    header = ("| N | plain | + arrival | + wait and arrival | + proxy fence | wait under the chain, arrival "
+              "| arrival cost | wait cost | fence cost | early wait cost |")
+    lines = [header, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n in sorted({r["n"] for r in rows if r.get("sync")}):
         plain, arrive, wait, fence, early = (get(n, s) for s in ("", "arrive", "wait", "fence", "early"))
         lines.append(f"| {n} | {plain:.0f} | {arrive:.0f} | {wait:.0f} | {fence:.0f} | {early:.0f} | {arrive - plain:.0f} "
