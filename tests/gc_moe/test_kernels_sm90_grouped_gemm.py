@@ -651,7 +651,7 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert sorted((p["role"], p["block_n"], p["block_n"] in (32, 64) and p["stages"] == gg.RING_STAGES[p["block_n"]])
                   for p in built
                   if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")
-                  and not p.get("early_rows")) == sorted(
+                  and not p.get("early_rows") and not p.get("early_wait")) == sorted(
         [(role, bn, False) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96)]
         + [(role, bn, True) for role in ("w1", "w2") for bn in (32, 64)])
 
