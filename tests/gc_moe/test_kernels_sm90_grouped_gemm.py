@@ -651,7 +651,7 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert sorted((p["role"], p["block_n"], p["block_n"] in (32, 64) and p["stages"] == gg.RING_STAGES[p["block_n"]])
                   for p in built
                   if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")
-                  and not p.get("early_rows") and not p.get("early_wait")) == sorted(
+                  and not p.get("early_rows")) == sorted(
         [(role, bn, False) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96)]
         + [(role, bn, True) for role in ("w1", "w2") for bn in (32, 64)])
 
@@ -710,58 +710,10 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
                 assert (plain.consumer_registers, plain.producer_registers) == (112, 32)
     assert gg.SCALE_RATIO_FLOOR * 2.0 ** 19 < 1e-13  # a clamped block's largest change (|products| < 2^19)
     built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("transposed_stores", False),
-              dict(v.params).get("early_rows", False)) for v in gg.all_variants()
-             if dict(v.params).get("scale_ratios") and not dict(v.params).get("early_wait")]
+              dict(v.params).get("early_rows", False)) for v in gg.all_variants() if dict(v.params).get("scale_ratios")]
     # at tiles 32 / 64 / 96, and tile_knobs's wide tile with the transposed stores (and W2's early rows beside it)
     assert sorted(built) == sorted([(role, bn, False, False) for role in ("w1", "w2") for bn in (32, 64, 96)]
                                    + [("w1", 96, True, False), ("w2", 96, True, False), ("w2", 96, False, True)])
-
-
-def test_early_wait_knob_limits_and_layout():
-    """early_wait is a knob of the persistent grid: refused elsewhere (and dropped by `variant`, so sets may name it
-    everywhere); the ring, arguments, registers and arrivals stay the plain tile's."""
-    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    with pytest.raises(ValueError, match="early_wait is a knob of the persistent grid"):
-        gg.GemmConfig("w1", 64, early_wait=True, **tab)
-    for role, bn in (("w1", 8), ("w2", 16), ("w1", 24)):
-        assert "early_wait" not in dict(gg.variant(role, bn, **{**gg.tile_knobs(bn)[1], "early_wait": True}).params)
-    for role in ("w1", "w2"):
-        for bn in (32, 64, 96):
-            knobs = gg.tile_knobs(bn)[1]
-            cfg = gg.GemmConfig(**dict(gg.variant(role, bn, early_wait=True, **knobs).params))
-            plain = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
-            tag = "_ratio" if knobs.get("scale_ratios") else "_pers"
-            assert cfg.early_wait and cfg.name == plain.name.replace(tag, tag + "_ew", 1)
-            assert (cfg.stages, cfg.smem_bytes, cfg.params, cfg.full_arrivals, cfg.consumer_registers) == (
-                plain.stages, plain.smem_bytes, plain.params, plain.full_arrivals, plain.consumer_registers)
-    built = sorted((dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
-                   if dict(v.params).get("early_wait"))
-    assert built == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
-
-
-def test_early_wait_puts_the_next_stage_wait_under_the_chain(built):
-    """With early_wait each step of the waited loops issues its chain with one group left in flight, then waits for
-    the next stage's full barrier and fences, and only then waits for the chain and releases its stage; the plain
-    persistent tiles wait for the stage before the decode and for the chain at once."""
-    seen = 0
-    for variant, entry in built.items():
-        params = dict(variant.params)
-        if not (params.get("persistent") and params.get("early_wait")):
-            continue
-        ptx = _entry_body(entry)
-        steps = re.findall(r"wgmma\.wait_group\.sync\.aligned 1;(.*?)wgmma\.wait_group\.sync\.aligned 0;(.*?)"
-                           r"(mbarrier\.arrive\.shared::cta\.b64|wgmma\.mma_async)", ptx, re.DOTALL)
-        assert steps, variant.describe()
-        # the steps in the loops: the next stage's wait and fence between the issue and the chain's wait; the last
-        # step of each N (after its loop) has none
-        with_wait = [s for s in steps if "mbarrier.try_wait.parity" in s[0]]
-        assert len(with_wait) == len(steps) // 2, variant.describe()
-        for between, after, then in steps:
-            assert then.startswith("mbarrier.arrive"), variant.describe()
-            if "mbarrier.try_wait.parity" in between:
-                assert between.index("mbarrier.try_wait.parity") < between.index("fence.proxy.async.shared::cta")
-        seen += 1
-    assert seen == 6
 
 
 def test_transposed_stores_knob_limits_and_region():
@@ -797,8 +749,7 @@ def test_transposed_stores_knob_limits_and_region():
         region = bn * 128 if role == "w1" else gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES
         assert cfg.smem_bytes == cfg.transpose_offset + region <= cfg.smem_limit
     built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("persistent", False))
-             for v in gg.all_variants()
-             if dict(v.params).get("transposed_stores") and not dict(v.params).get("early_wait")]
+             for v in gg.all_variants() if dict(v.params).get("transposed_stores")]
     # tile_knobs's sets, and at the persistent tiles the unit grid too (the GPU test compares both walks)
     assert sorted(built) == sorted([(role, bn, bn >= 32) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96)
                                     if (role, bn) != ("w1", 24)]
@@ -1080,10 +1031,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
-    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's persistent
-    # tiles 32 / 64 / 96 waiting for the next stage under each step's chain
+    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1100,11 +1050,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
                          ptx)
         # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), with
         # step_group four times (an even count's first step, the first step, two per trip of its loop), the
-        # pipelined table consumer three times (the first step, then two per trip of its loop), early_wait twice (the
-        # loop's step, then the last one after it); the wide tile's N = 64 chain once per loop that has it
+        # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
+        # N = 64 chain once per loop that has it
         def steps_at(n, cfg=cfg):
-            return ((4 if cfg.step_group else 2) if cfg.pipelined else 3 if cfg.table_pipelined
-                    else 2 if cfg.early_wait else 1)
+            return (4 if cfg.step_group else 2) if cfg.pipelined else 3 if cfg.table_pipelined else 1
 
         steps = steps_at(top)
         main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
@@ -1143,9 +1092,6 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         elif cfg.pipelined:  # every group waits for the one before it (1 in flight), a last wait drains
             groups = 4 // cfg.wgmmas_per_group
             assert waits == ["1"] * (2 * groups) + ["0"], variant.describe()
-        elif cfg.early_wait:  # each step's chain in flight over the next stage's wait, then waited for (the last step
-            # after the loop)
-            assert waits == ["1", "0"] * (2 * loops), variant.describe()
         elif cfg.table_pipelined:  # each step's chain waits for the step before it, a last wait drains
             assert waits == (["1"] * 3 + ["0"]) * loops, variant.describe()
         else:  # the wide tile's two-chain loops wait twice per step (with scale_ratios once: one commit for both)
@@ -1172,9 +1118,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
     # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, the transposed stores at
     # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's early combine rows at the
-    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid), tile_knobs's persistent
-    # tiles with the early wait
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4 + 6
+    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -1186,7 +1131,6 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
         chains = 3 if cfg.table_pipelined else 1  # see the test above
         if wide:
             chains = 1 + (bn - gg.WIDE_MAIN_N) // 8 if cfg.fit_n else 1
-        chains *= 2 if cfg.early_wait else 1  # the loop's step, then the last one after it
         assert len(mma) == 4 * chains, variant.describe()
         assert all(len({acc for acc, _ in mma[i:i + 4]}) == 1 for i in range(0, len(mma), 4)), variant.describe()
         assert len(mma[0][0].split(",")) == top // 2
@@ -1217,9 +1161,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
-    # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's persistent tiles with the early wait
+    # on the split nibble order (stream-K, traced, the unit grid)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 6)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2465,25 +2409,6 @@ def test_scale_ratios_match_the_float32_reference_and_the_plain_sums(hidden, int
     assert torch.isfinite(out.float()).all()
     assert _cos_diff(out.float(), plain.float())[0] >= 0.9995
     assert float((out.float() - plain.float()).abs().max()) <= 0.03 * float(plain.float().abs().max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
-@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 150), (512, 384, 12, 4, 45),
-                                                              (256, 128, 10, 6, 21), (6144, 2048, 10, 8, 90)])
-@pytest.mark.parametrize("block_n", [32, 64, 96])
-def test_early_wait_writes_the_persistent_tiles_bytes(hidden, inter, experts, topk, tokens, block_n, sms):
-    """early_wait moves the next stage's wait under the chain, not any arithmetic: tile_knobs's persistent tiles (32,
-    64, the wide tile with its scale ratios) write the same bytes with and without it (W1's E4M3 rows and scales, W2's
-    BF16 rows) and match the float32 reference, with K steps from 1 (W2 at inter 128: only the step after the loop) to
-    48 (GLM-5.2's W1), units of one step to many per CTA (3 SMs: the next unit's first stage waited for at its start)."""
-    knobs = gg.tile_knobs(block_n)[1]
-    case = (hidden, inter, experts, topk, tokens, block_n)
-    seed = tokens + 13 * block_n + hidden
-    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, sms=sms, early_wait=True, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, sms=sms, early_wait=True, **knobs),
-                       _run_case(*case, seed=seed, return_raw=True, sms=sms, **knobs))
 
 
 @pytest.mark.gpu

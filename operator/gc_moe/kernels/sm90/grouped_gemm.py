@@ -334,13 +334,6 @@ class GemmConfig:
     # and publish them with one plain arrival each on the stage's full barrier. At the wide tile this frees the 48
     # registers of the fresh chains, so its two chains go out under one wait (docs step 57)
     scale_ratios: bool = False
-    # persistent: the waited table loop waits for the next step's full barrier while the step's chain runs (the
-    # chain issued with one group left in flight, the next stage's wait and proxy fence, then the chain's wait),
-    # not after the step's arrival. In the probe the wait and arrival cost 52-74 cycles per K128 step at four
-    # warpgroups though the barrier was complete (6-7% of the step; docs step 74): the wait's round trip to the
-    # barrier, on the path to the next decode's loads. Under the chain it has the tensor core's time to return in.
-    # Not the wide tile's two-chain loops without scale_ratios (two waits per step: unchanged)
-    early_wait: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
     # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
@@ -503,8 +496,6 @@ class GemmConfig:
                              "no ring consumer, no K split, no compact grid, token tiles fastest)")
         if self.snake_walk and not self.persistent:
             raise ValueError("snake_walk is an order of the persistent grid's walk: pass persistent=True")
-        if self.early_wait and not self.persistent:
-            raise ValueError("early_wait is a knob of the persistent grid's waited table loop: pass persistent=True")
         if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
             raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
                              f"<= producer threads, {self.producer_threads} here): pass persistent=True")
@@ -759,7 +750,6 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
-            s += "_ew" if self.early_wait else ""
         if self.transposed_stores:
             s += "_tst"
         if self.early_rows:
@@ -991,7 +981,6 @@ def _make_kernel(cfg: GemmConfig):
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
-    EARLY_WAIT = cfg.early_wait  # the waited table loop waits for the next stage under the step's chain
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
@@ -1791,19 +1780,11 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(full + STAGES * 8)
 
     @cute.jit
-    def stage_ready(smem, stage, phase):
-        """Wait for stage `stage` to be full, then fence the proxies (its token tile came through cp.async, the
-        generic proxy; the WGMMAs read it through the async one)."""
+    def waited_fragment(smem, stage, phase, a_off, s_off, desc0):
+        """A waited table consumer's step: wait for stage `stage` to be full, decode its A fragment; returns (the stage's
+        base, the fragment, its token tile's descriptors' low word, the four K32 descriptors of the first 64 rows)."""
         ptx.mbarrier_wait(smem + cfg.barrier_offset + stage * 8, phase, suspend_ns=SUSPEND)
-        ptx.fence_proxy_async_shared()
-
-    @cute.jit
-    def waited_fragment(smem, stage, phase, a_off, s_off, desc0, wait=True):
-        """A waited table consumer's step: wait for stage `stage` to be full (wait=False: the caller did), decode its A
-        fragment; returns (the stage's base, the fragment, its token tile's descriptors' low word, the four K32
-        descriptors of the first 64 rows)."""
-        if cutlass.const_expr(wait):
-            stage_ready(smem, stage, phase)
+        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         sbase = smem + stage * cfg.stage_bytes
         a_regs = table_fragment(sbase, a_off, s_off)
         desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
@@ -1819,9 +1800,6 @@ def _make_kernel(cfg: GemmConfig):
         a_off, s_off, x_off = table_offsets(wg, t, warp, g, q)
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
         stage, phase = ring_position(base)
-        if cutlass.const_expr(EARLY_WAIT and (RATIOS or n <= WIDE_MAIN_N)):
-            early_waited_steps(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, t, acc, n)
-            return
         for kb in cutlass.range(k_blocks):
             sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0)
             n_main = min(n, WIDE_MAIN_N)
@@ -1848,57 +1826,6 @@ def _make_kernel(cfg: GemmConfig):
             if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
-
-    @cute.jit
-    def early_waited_steps(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, t, acc, n):
-        """early_wait: the waited loop with one chain per step (the ratio loop, or N <= 64), the wait for step kb + 1's
-        stage under step kb's chain; the last step, which has none to wait for, runs after the loop (no branch in it)."""
-        chain_regs = cute.make_rmem_tensor((n // 2,), Float32)  # the chain's registers, tied across its wait
-        for r in cutlass.range_constexpr(n // 2):
-            chain_regs[r] = Float32(0.0)
-        stage_ready(smem, stage, phase)
-        for _kb in cutlass.range(k_blocks - 1):
-            stage, phase = early_waited_step(smem, stage, phase, a_off, s_off, x_off, desc0, t, acc, n, chain_regs,
-                                             False)
-        early_waited_step(smem, stage, phase, a_off, s_off, x_off, desc0, t, acc, n, chain_regs, True)
-
-    @cute.jit
-    def early_waited_step(smem, stage, phase, a_off, s_off, x_off, desc0, t, acc, n, chain_regs, last: bool):
-        """One step of early_waited_steps on stage `stage` (full and fenced already): decode, issue the chain with one
-        group left in flight, wait for the following stage unless `last`, wait for the chain, scale, release the
-        stage. Returns the following stage's (stage, phase)."""
-        # the stage's empty barrier, named before the chain: computed after the next stage's wait, ptxas rebuilt it
-        # from the shared window's base in vector registers (8 more instructions per step)
-        release = smem + cfg.barrier_offset + (STAGES + cute.arch.make_warp_uniform(stage)) * 8
-        sbase, a_regs, desc_lo, descs = waited_fragment(smem, stage, phase, a_off, s_off, desc0, wait=False)
-        following, following_phase = next_stage(stage, phase)
-        if cutlass.const_expr(RATIOS):  # the sums to this step's scale, then its products straight into them
-            rescale(sbase + x_off + BN * 4, acc, n)
-            ptx.wgmma_fence()
-            chains = [(min(n, WIDE_MAIN_N), descs)]
-            if cutlass.const_expr(n > WIDE_MAIN_N):  # the wide tile's rows past 64 under the same wait
-                chains.append((n - WIDE_MAIN_N, wide_tail_descs(desc_lo)))
-            out = ptx.wgmma_rs_e4m3_accumulate(chains, a_regs, [acc[r] for r in range(n // 2)], 1)
-            if cutlass.const_expr(not last):
-                stage_ready(smem, following, following_phase)
-            out = ptx.wgmma_wait_tied(out, 0)  # nothing since the issue wrote a register of the chain
-            for r in cutlass.range_constexpr(n // 2):
-                acc[r] = out[r]
-            if cutlass.const_expr(last):  # the last step's scale, read before the stage is released
-                rescale(sbase + x_off, acc, n)
-        else:
-            ptx.wgmma_fence()
-            issued = ptx.wgmma_rs_e4m3_chain_issue(n, a_regs, descs, [chain_regs[r] for r in range(n // 2)], 1)
-            if cutlass.const_expr(not last):
-                stage_ready(smem, following, following_phase)
-            done = ptx.wgmma_wait_tied(issued, 0)
-            for r in cutlass.range_constexpr(n // 2):
-                chain_regs[r] = done[r]
-            finish_step(sbase + x_off, chain_regs, acc, n)
-        ptx.warp_sync()
-        if t % 32 == 0:
-            ptx.mbarrier_arrive(release)
-        return following, following_phase
 
     @cute.jit
     def table_issue(smem, stage, a_off, s_off, desc0, buf, n):
@@ -3493,7 +3420,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False, early_wait: bool = False):
+               split_nibbles: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3509,7 +3436,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, split_nibbles=split_nibbles, early_wait=early_wait)
+                     quick_start=quick_start, split_nibbles=split_nibbles)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3526,8 +3453,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            early_wait: bool = False):
+            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3592,10 +3518,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if ratio_registers and not scale_ratios:  # the knob did not apply: the plain tile's split of the registers
         consumer_registers = max(CONSUMER_REGISTER_CHOICES)
         cfg = replace(cfg, consumer_registers=consumer_registers)
-    early_wait = early_wait and persistent  # likewise
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
-        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages,
-                      early_wait=early_wait)
+        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
     # a knob of the stream-K loop at one CTA per SM: sets may name it everywhere
     step_group = step_group and stream_k and cfg.ctas_per_sm == 1
     if step_group:
@@ -3666,8 +3590,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["snake_walk"] = True
     if scale_ratios:
         params["scale_ratios"] = True
-    if early_wait:
-        params["early_wait"] = True
     if transposed_stores:
         params["transposed_stores"] = True
     if early_rows:
@@ -3799,9 +3721,6 @@ def all_variants():
               # and their sums kept in units of the step's activation scale (in-place chains)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, scale_ratios=True)
-                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
-              # tile_knobs's persistent tiles waiting for the next stage under each step's chain
-              + [variant(role, bn, **{**tile_knobs(bn)[1], "early_wait": True})
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
               # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
               + [variant(role, bn, **{**tile_knobs(bn)[1], "transposed_stores": True})
