@@ -118,6 +118,12 @@ def sync_table(rows: list[dict]) -> str:
         plain, arrive, wait, fence, early = (get(n, s) for s in ("", "arrive", "wait", "fence", "early"))
         lines.append(f"| {n} | {plain:.0f} | {arrive:.0f} | {wait:.0f} | {fence:.0f} | {early:.0f} | {arrive - plain:.0f} "
                      f"| {wait - arrive:.0f} | {fence - wait:.0f} | {early - arrive:.0f} |")
+    lines += ["", "Every lane arriving (barriers counting 32) against lane 0 after a warp sync:", "",
+              "| N | plain | + arrival, lane 0 | + arrival, every lane | + wait, lane 0 | + wait, every lane |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in sorted({r["n"] for r in rows if r.get("sync") in ("arrive_all", "wait_all")}):
+        cells = " | ".join(f"{get(n, s):.0f}" for s in ("", "arrive", "arrive_all", "wait", "wait_all"))
+        lines.append(f"| {n} | {cells} |")
     return "\n".join(lines)
 
 

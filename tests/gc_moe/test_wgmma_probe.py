@@ -21,7 +21,7 @@ def test_probe_configurations_and_errors():
     # per warpgroup count: the decode alone, and at each N the chain with and without it; two skewed; the split
     # configurations with each role alone and both
     assert len(variants) == len({v.describe() for v in variants}) == 2 * (1 + 2 * len(wp.N_CHOICES)) + 2 + 2 + 3 * len(
-        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N) + 4 + 4 * len(wp.SYNC_N)
+        wp.SPLITS) + 1 + 4 * len(wp.PINGPONG_N) + 4 + 6 * len(wp.SYNC_N)
     # sync: the plain decode-and-chain step only
     for kwargs in ({"sync": "membar"}, {"sync": "wait", "wide": True, "n": 96}, {"sync": "fence", "pingpong": True}):
         with pytest.raises(ValueError, match="wgmma probe: sync"):
@@ -94,13 +94,6 @@ def test_pingpong_probe_takes_turns_around_each_chain(tmp_path):
         assert step and "wait_group.sync.aligned 1;" in step.group(1), "the chain is issued, not waited, before the hand-over"
         assert len(re.findall(rf"m64n{n}k32\.f32\.e4m3\.e4m3", step.group(1))) == 4
         assert entry.resources["frame_bytes"] == 0
-    # early: the chain issued (one group left in flight), the next step's wait, then the chain's wait and the arrival
-    entry = jit.build_variant(wp.variant(64, 4, sync="early"), "sm_90a", cache_dir=tmp_path)
-    ptx = entry.ptx_path.read_text()
-    step = re.search(r"m64n64k32\.f32\.e4m3\.e4m3(.*?)wait_group\.sync\.aligned 1;(.*?)mbarrier\.try_wait\.parity"
-                     r"(.*?)wait_group\.sync\.aligned 0;(.*?)mbarrier\.arrive\.shared::cta\.b64", ptx, re.DOTALL)
-    assert step and "fence.proxy.async" not in step.group(3)
-    assert entry.resources["frame_bytes"] == 0
 
 
 def test_sync_probe_waits_and_fences_every_step(tmp_path):
@@ -126,3 +119,8 @@ def test_sync_probe_waits_and_fences_every_step(tmp_path):
                      r"(.*?)wait_group\.sync\.aligned 0;(.*?)mbarrier\.arrive\.shared::cta\.b64", ptx, re.DOTALL)
     assert step and "fence.proxy.async" not in step.group(3)
     assert entry.resources["frame_bytes"] == 0
+    # every lane: no warp sync before the arrival, the barriers counting 32
+    entry = jit.build_variant(wp.variant(32, 4, sync="wait_all"), "sm_90a", cache_dir=tmp_path)
+    ptx = entry.ptx_path.read_text()
+    assert re.search(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 32;", ptx) and "bar.warp.sync" not in ptx
+    assert "mbarrier.try_wait.parity" in ptx and entry.resources["frame_bytes"] == 0

@@ -34,7 +34,8 @@ that stays put:
           fence out of the consumers' loop could give back. "arrive": the arrival alone (no wait). "early": the wait
           for the next step's barrier issued while the step's chain runs (before the chain's wait; each warp two
           barriers that alternate by step, so that barrier is complete by then): whether the wait's latency hides
-          under the tensor core
+          under the tensor core. "arrive_all" / "wait_all": "arrive" / "wait" with every lane arriving on a barrier
+          that counts 32 (no warp sync, no predicate)
 Thread 0 of each warpgroup stores the %clock64 cycles of its steps. Cycles per step for decode alone, chain alone
 and both, at 1 and 4 warpgroups, say whether a scheduler overlaps one warpgroup's decode with another's chain
 (docs/sm90-grouped-gemm.md, step 49). The bytes it computes are not checked: it measures, it is not an operator.
@@ -55,7 +56,8 @@ SPLITS = ((64, 2, 6, False), (64, 2, 6, True), (64, 1, 5, True), (96, 1, 5, True
 PINGPONG_BARRIERS = (1, 2)  # named barriers: the turn of half 0 (warpgroups 0..w/2-1), the turn of half 1
 PINGPONG_N = (32, 64, 96)  # the table tiles' chains at 128-256 tokens per rank
 # sync: none, the stage wait and arrival, those and the proxy fence, the arrival alone, the wait under the chain
-SYNC_CHOICES = ("", "wait", "fence", "arrive", "early")
+SYNC_CHOICES = ("", "wait", "fence", "arrive", "early", "arrive_all", "wait_all")
+SYNC_EVERY_LANE = ("arrive_all", "wait_all")  # each lane arrives (the barriers count 32)
 SYNC_N = (32, 64, 96)
 MAX_WARPGROUPS = 6  # a split probe's decoders and chain warpgroups together (four without split)
 OUT_TOTALS = 16 * MAX_WARPGROUPS  # out: per warpgroup (cycles, folded words) as two int64 from 0, its sum (f32) here
@@ -162,12 +164,13 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                         (i * Int32(40503)) & Int32(0x07070707))
         warp_bar = smem + barriers_offset + (tid // 32) * 16
         if cutlass.const_expr(sync != ""):  # noqa: SIM102 (a compile-time branch around a run-time one)
+            lanes = 32 if sync in SYNC_EVERY_LANE else 1
             if tid % 32 == 0:
                 for b in cutlass.range_constexpr(2):
-                    ptx.mbarrier_init(warp_bar + 8 * b, 1)
+                    ptx.mbarrier_init(warp_bar + 8 * b, lanes)
                 ptx.fence_mbarrier_init()
                 for b in cutlass.range_constexpr(2):
-                    ptx.mbarrier_arrive(warp_bar + 8 * b)  # phase 0 completes: the first waits pass
+                    ptx.mbarrier_arrive_count(warp_bar + 8 * b, lanes)  # phase 0 completes: the first waits pass
         cute.arch.barrier()
         ptx.fence_proxy_async_shared()  # the token tile was written by the generic proxy
         desc0 = ptx.smem_desc_kmajor_lo(smem + b_offset, 128)
@@ -190,8 +193,8 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                     ptx.spin_cycles(SKEW_CYCLES)
             start = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
             for kb in cutlass.range(steps):
-                if cutlass.const_expr(sync in ("wait", "fence")):
-                    ptx.mbarrier_wait(warp_bar, kb & 1)  # complete already: its own lane 0 arrived last step
+                if cutlass.const_expr(sync in ("wait", "fence", "wait_all")):
+                    ptx.mbarrier_wait(warp_bar, kb & 1)  # complete already: its own lane(s) arrived last step
                     if cutlass.const_expr(sync == "fence"):
                         ptx.fence_proxy_async_shared()
                 a_regs = fixed
@@ -218,7 +221,9 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                 else:
                     for j in cutlass.range_constexpr(4):
                         sink = sink ^ a_regs[4 * j] ^ a_regs[4 * j + 1] ^ a_regs[4 * j + 2] ^ a_regs[4 * j + 3]
-                if cutlass.const_expr(sync != ""):  # the step's stage goes back, as the operator's consumers do
+                if cutlass.const_expr(sync in SYNC_EVERY_LANE):  # every lane arrives: no warp sync, no predicate
+                    ptx.mbarrier_arrive(warp_bar)
+                elif cutlass.const_expr(sync != ""):  # the step's stage goes back, as the operator's consumers do
                     ptx.warp_sync()
                     if t % 32 == 0:
                         ptx.mbarrier_arrive(warp_bar)
