@@ -163,7 +163,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
             ptx.sts_s32(smem + a_offset + warpgroups * 2 * A_TILE_BYTES + i * 4,
                         (i * Int32(40503)) & Int32(0x07070707))
         warp_bar = smem + barriers_offset + (tid // 32) * 16
-        if cutlass.const_expr(sync != ""):  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if cutlass.const_expr(sync != ""):
             lanes = 32 if sync in SYNC_EVERY_LANE else 1
             if tid % 32 == 0:
                 for b in cutlass.range_constexpr(2):
@@ -269,12 +269,7 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
             ptx.warp_sync()
             if t % 32 == 0:
                 ptx.mbarrier_arrive(warp_bar + (kb & 1) * 8)
-        stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
-        total = Float32(0.0)
-        for r in cutlass.range_constexpr(n // 2):
-            total = total + acc[r]
-        if t == 0:
-            record(out, wg, stop - start, Uint32(0), total)
+        record_steps(out, wg, t, start, acc)
 
     def turn(barrier_id: int, wait: bool):
         """Wait for (bar.sync) or hand over (bar.arrive) a turn: half the warpgroups wait while the other half
@@ -323,6 +318,11 @@ def build_probe(arch: str = "sm_90a", n: int = 64, warpgroups: int = 4, decode: 
                     acc[r] = acc[r] + done[r] * scale
         if half == 0:
             turn(PINGPONG_BARRIERS[0], True)
+        record_steps(out, wg, t, start, acc)
+
+    @cute.jit
+    def record_steps(out, wg, t, start, acc):
+        """The cycles since `start` and the sum of the n / 2 accumulators, stored by the warpgroup's thread 0."""
         stop = ptx.asm("mov.u64 $0, %clock64;", [Int64], [])
         total = Float32(0.0)
         for r in cutlass.range_constexpr(n // 2):
