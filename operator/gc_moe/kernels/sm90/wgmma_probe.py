@@ -453,6 +453,7 @@ def probe_variants() -> list:
         out += [variant(n, 2, decode=False), variant(n, 2), variant(n, 2, pingpong=True), variant(n, 4, pingpong=True)]
     # the operator's scale_ratios form (sums scaled, then the chain into them), plain and taking turns
     out += [variant(n, 4, inplace=True, pingpong=pp) for n in (64, 96) for pp in (False, True)]
-    # the operator's per-step stage wait and arrival around the plain step, without and with the proxy fence
+    # the operator's per-step synchronization around the plain step: the arrival (lane 0 after a warp sync, or every
+    # lane), the stage wait, the proxy fence, the wait under the chain
     out += [variant(n, 4, sync=sync) for n in SYNC_N for sync in SYNC_CHOICES[1:]]
     return out
