@@ -76,8 +76,6 @@
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
-#   lrelease  16-256 tokens, twice: tile_knobs's persistent tiles (32, 64, the wide tile) with every consumer thread
-#           arriving on the stages' empty barriers (GemmConfig.lane_release) against ws_auto_pdl (docs step 75)
 #   probe   one SM's consumer work in parts (kernels/sm90/wgmma_probe.py: the table decode alone, the chain alone and
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
@@ -138,14 +136,12 @@ for s in $steps; do
              --auto-set lane:split_nibbles=False,pdl=True --auto-set lanepair:pair=True,split_nibbles=False \
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
              --tokens 1,2,4,8,16,32,64,128,256
-           run build-lrelease 600 python $BENCH --build-only --auto-ctas --pdl --auto-set lr:lane_release=True,pdl=True \
-             --tokens 16,32,64,128,256
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
     tests) run tests 300 python -m pytest -q -m gpu tests/gc_moe/test_kernels_sm90_grouped_gemm.py \
              -k "lean or programmatic or traced or wide or stream_pair or handover or persistent or snake or ratio \
-                 or transposed or early_rows or step_group or tagged or quick_start or split_nibbles or lane_release" ;;
+                 or transposed or early_rows or step_group or tagged or quick_start or split_nibbles" ;;
     # shellcheck disable=SC2086
     shapes) run shapes 420 python $BENCH --check --time --auto-ctas --per-role $AUTO \
              $SHAPES --models $MODELS --tokens 64,128,256 --windows 5 --replays 10 --json "$OUT/unit-costs.json" ;;
@@ -239,11 +235,6 @@ for s in $steps; do
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/strace2.json" ;;
-    lrelease) for r in 1 2; do  # the persistent tiles releasing their stages from every consumer thread (docs step 75)
-                run lrelease$r 240 python $BENCH --check --time --auto-ctas --pdl \
-                  --auto-set lr:lane_release=True,pdl=True --tokens 16,32,64,128,256 --windows 5 --replays 10 \
-                  --read-ref --json "$OUT/lrelease$r.json"
-              done ;;
     cold) run cold 200 python $BENCH --check --time --per-role --trace --trace-warm \
             --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
             --tokens 1,8 --windows 3 --replays 10 --json "$OUT/cold.json" ;;
@@ -279,8 +270,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold,"\
-            "lrelease)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then

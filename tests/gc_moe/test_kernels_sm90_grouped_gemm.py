@@ -651,7 +651,7 @@ def test_persistent_knob_grid_arguments_and_word_slots():
     assert sorted((p["role"], p["block_n"], p["block_n"] in (32, 64) and p["stages"] == gg.RING_STAGES[p["block_n"]])
                   for p in built
                   if not p.get("snake_walk") and not p.get("scale_ratios") and not p.get("transposed_stores")
-                  and not p.get("early_rows") and not p.get("lane_release")) == sorted(
+                  and not p.get("early_rows")) == sorted(
         [(role, bn, False) for role in ("w1", "w2") for bn in (8, 16, 32, 64, 96)]
         + [(role, bn, True) for role in ("w1", "w2") for bn in (32, 64)])
 
@@ -710,56 +710,10 @@ def test_scale_ratios_knob_limits_stage_layout_arrivals_and_registers():
                 assert (plain.consumer_registers, plain.producer_registers) == (112, 32)
     assert gg.SCALE_RATIO_FLOOR * 2.0 ** 19 < 1e-13  # a clamped block's largest change (|products| < 2^19)
     built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("transposed_stores", False),
-              dict(v.params).get("early_rows", False)) for v in gg.all_variants()
-             if dict(v.params).get("scale_ratios") and not dict(v.params).get("lane_release")]
+              dict(v.params).get("early_rows", False)) for v in gg.all_variants() if dict(v.params).get("scale_ratios")]
     # at tiles 32 / 64 / 96, and tile_knobs's wide tile with the transposed stores (and W2's early rows beside it)
     assert sorted(built) == sorted([(role, bn, False, False) for role in ("w1", "w2") for bn in (32, 64, 96)]
                                    + [("w1", 96, True, False), ("w2", 96, True, False), ("w2", 96, False, True)])
-
-
-def test_lane_release_knob_limits_and_layout():
-    """lane_release is a knob of the persistent grid: refused elsewhere (and dropped by `variant`, so sets may name it
-    everywhere); the ring, arguments, registers and full-barrier arrivals stay the plain tile's."""
-    tab = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
-    with pytest.raises(ValueError, match="lane_release is a knob of the persistent grid"):
-        gg.GemmConfig("w1", 64, lane_release=True, **tab)
-    for role, bn in (("w1", 8), ("w2", 16), ("w1", 24)):
-        assert "lane_release" not in dict(gg.variant(role, bn, **{**gg.tile_knobs(bn)[1], "lane_release": True}).params)
-    for role in ("w1", "w2"):
-        for bn in (32, 64, 96):
-            knobs = gg.tile_knobs(bn)[1]
-            cfg = gg.GemmConfig(**dict(gg.variant(role, bn, lane_release=True, **knobs).params))
-            plain = gg.GemmConfig(**dict(gg.variant(role, bn, **knobs).params))
-            tag = "_ratio" if knobs.get("scale_ratios") else "_pers"
-            assert cfg.lane_release and cfg.name == plain.name.replace(tag, tag + "_lr", 1)
-            assert (cfg.stages, cfg.smem_bytes, cfg.params, cfg.full_arrivals, cfg.consumer_registers) == (
-                plain.stages, plain.smem_bytes, plain.params, plain.full_arrivals, plain.consumer_registers)
-    built = sorted((dict(v.params)["role"], dict(v.params)["block_n"]) for v in gg.all_variants()
-                   if dict(v.params).get("lane_release"))
-    assert built == sorted((role, bn) for role in ("w1", "w2") for bn in (32, 64, 96))
-
-
-def test_lane_release_arrives_from_every_consumer_thread(built):
-    """With lane_release the empty barriers count every consumer thread and the waited loops arrive without a warp
-    sync (the plain tiles: one arrival per consumer warp, after `bar.warp.sync`)."""
-    seen = 0
-    for variant, entry in built.items():
-        params = dict(variant.params)
-        if not (params.get("persistent") and params["block_n"] in (32, 64, 96)):
-            continue
-        cfg = gg.GemmConfig(**params)
-        ptx = _entry_body(entry)
-        counts = {int(c) for c in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\+?\d*\], (\d+);", ptx)}
-        # a step's chain wait, its scaling, then the release: no warp sync between them with lane_release
-        steps = re.findall(r"wgmma\.wait_group\.sync\.aligned 0;(.*?)mbarrier\.arrive\.shared::cta\.b64", ptx, re.DOTALL)
-        assert steps, variant.describe()
-        if cfg.lane_release:  # (the lean epilogue's word slots keep one arrival per consumer warp)
-            assert gg.THREADS in counts, variant.describe()
-            assert not any("bar.warp.sync" in s for s in steps), variant.describe()
-            seen += 1
-        else:
-            assert gg.THREADS // 32 in counts and gg.THREADS not in counts, variant.describe()
-    assert seen == 6
 
 
 def test_transposed_stores_knob_limits_and_region():
@@ -795,8 +749,7 @@ def test_transposed_stores_knob_limits_and_region():
         region = bn * 128 if role == "w1" else gg.THREADS // 32 * gg.TRANSPOSE_WARP_BYTES
         assert cfg.smem_bytes == cfg.transpose_offset + region <= cfg.smem_limit
     built = [(dict(v.params)["role"], dict(v.params)["block_n"], dict(v.params).get("persistent", False))
-             for v in gg.all_variants()
-             if dict(v.params).get("transposed_stores") and not dict(v.params).get("lane_release")]
+             for v in gg.all_variants() if dict(v.params).get("transposed_stores")]
     # tile_knobs's sets, and at the persistent tiles the unit grid too (the GPU test compares both walks)
     assert sorted(built) == sorted([(role, bn, bn >= 32) for role in ("w1", "w2") for bn in (16, 24, 32, 64, 96)
                                     if (role, bn) != ("w1", 24)]
@@ -1078,10 +1031,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
-    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's persistent
-    # tiles 32 / 64 / 96 with every consumer thread releasing its stages
+    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1166,9 +1118,8 @@ def test_folded_variants_chain_four_k32_wgmmas_into_one_accumulator(built):
     # the lean epilogue at bn 16 / 24 / 32 / 64, the wide tile 96 (with and without it), the persistent grids at
     # bn 8 / 16 / 32 / 64 / 96, their snake walk and their scale ratios at bn 32 / 64 / 96, the transposed stores at
     # bn 16 / 24 / 32 / 64 / 96 (W1 not at 24; and as the unit grid at 32 / 64 / 96), W2's early combine rows at the
-    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid), tile_knobs's persistent
-    # tiles with every consumer thread releasing its stages
-    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4 + 6
+    # same tiles, tile_knobs's capped rings at bn 32 / 64 (persistent and as the unit grid)
+    assert len(folded) == 4 * len(gg.BLOCK_N_CHOICES) + 2 + 2 + 8 + 8 + 4 + 10 + 6 + 6 + 9 + 6 + 5 + 4 + 4
     for variant, entry in folded.items():
         bn = dict(variant.params)["block_n"]
         cfg = gg.GemmConfig(**dict(variant.params))
@@ -1210,9 +1161,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
-    # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's persistent tiles releasing per thread
+    # on the split nibble order (stream-K, traced, the unit grid)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 6)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1240,11 +1191,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
             else 0
         assert ptx.count(f"bar.sync {ptx_mod.PRODUCER_WARP_BARRIER}, 32;") == producer_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
-        # (a persistent lean grid first sets up its two word slots' empty barriers, one arrival per consumer warp;
-        # lane_release: the stages' empty barriers count every consumer thread)
-        empty = str(gg.THREADS if cfg.lane_release else gg.THREADS // 32)
+        # (a persistent lean grid first sets up its two word slots' empty barriers, one arrival per consumer warp)
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == (
-            ["16", "16"] if cfg.persistent and cfg.lean_epilogue else []) + [str(cfg.full_arrivals), empty] * cfg.stages
+            ["16", "16"] if cfg.persistent and cfg.lean_epilogue else []) + [str(cfg.full_arrivals), "16"] * cfg.stages
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
         assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
@@ -2460,25 +2409,6 @@ def test_scale_ratios_match_the_float32_reference_and_the_plain_sums(hidden, int
     assert torch.isfinite(out.float()).all()
     assert _cos_diff(out.float(), plain.float())[0] >= 0.9995
     assert float((out.float() - plain.float()).abs().max()) <= 0.03 * float(plain.float().abs().max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sms", [None, 3], ids=["all_sms", "3_sms"])
-@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 150), (512, 384, 12, 4, 45),
-                                                              (256, 128, 10, 6, 21), (6144, 2048, 10, 8, 90)])
-@pytest.mark.parametrize("block_n", [32, 64, 96])
-def test_lane_release_writes_the_persistent_tiles_bytes(hidden, inter, experts, topk, tokens, block_n, sms):
-    """lane_release changes who arrives on the empty barriers, not any arithmetic: tile_knobs's persistent tiles (32,
-    64, the wide tile with its scale ratios) write the same bytes with and without it (W1's E4M3 rows and scales, W2's
-    BF16 rows) and match the float32 reference, with K steps from 1 to 48 and units of one step to many per CTA (3
-    SMs: the ring's stages reused across units)."""
-    knobs = gg.tile_knobs(block_n)[1]
-    case = (hidden, inter, experts, topk, tokens, block_n)
-    seed = tokens + 17 * block_n + hidden
-    got_mid, ref_mid, got, ref = _run_case(*case, seed=seed, sms=sms, lane_release=True, **knobs)
-    _assert_matches_reference(got_mid, ref_mid, got, ref)
-    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, sms=sms, lane_release=True, **knobs),
-                       _run_case(*case, seed=seed, return_raw=True, sms=sms, **knobs))
 
 
 @pytest.mark.gpu

@@ -334,10 +334,6 @@ class GemmConfig:
     # and publish them with one plain arrival each on the stage's full barrier. At the wide tile this frees the 48
     # registers of the fresh chains, so its two chains go out under one wait (docs step 57)
     scale_ratios: bool = False
-    # persistent: every consumer thread arrives on a stage's empty barrier (which then counts every consumer thread)
-    # instead of lane 0 of each warp after a `bar.warp.sync`. In the probe that arrival cost 15-36 cycles per K128
-    # step at four warpgroups and the every-lane one none (docs step 75)
-    lane_release: bool = False
     # stream_pair: a warp beside the producer releases W1's hand-over words. After a unit's epilogue the consumers'
     # thread 0 only stores the count of finished units to shared memory (release, CTA scope); the publisher warp walks the CTA's W1 segments as the consumers do
     # and releases each finished unit's word (`publish_walk`). The GPU-scope release (MEMBAR.ALL.GPU, ERRBAR in the
@@ -500,8 +496,6 @@ class GemmConfig:
                              "no ring consumer, no K split, no compact grid, token tiles fastest)")
         if self.snake_walk and not self.persistent:
             raise ValueError("snake_walk is an order of the persistent grid's walk: pass persistent=True")
-        if self.lane_release and not self.persistent:
-            raise ValueError("lane_release is a knob of the persistent grid's waited table loop: pass persistent=True")
         if self.scale_ratios and not (self.persistent and self.block_n <= self.producer_threads):
             raise ValueError("scale_ratios is a knob of the persistent grid with a producer thread per token (block_n "
                              f"<= producer threads, {self.producer_threads} here): pass persistent=True")
@@ -756,7 +750,6 @@ class GemmConfig:
             s += "_lean"
         if self.persistent:
             s += "_pers" + ("_snake" if self.snake_walk else "") + ("_ratio" if self.scale_ratios else "")
-            s += "_lr" if self.lane_release else ""
         if self.transposed_stores:
             s += "_tst"
         if self.early_rows:
@@ -988,7 +981,6 @@ def _make_kernel(cfg: GemmConfig):
     PERSIST = cfg.persistent  # the table decode's persistent grid (`persistent_body`)
     SNAKE = cfg.snake_walk  # its walk: experts by decreasing rows, rounds in alternating direction
     RATIOS = cfg.scale_ratios  # its sums in units of the step's activation scale (in-place chains)
-    LANE_RELEASE = cfg.lane_release  # every consumer thread arrives on the empty barriers (they count all of them)
     TRANSPOSED = cfg.transposed_stores  # the lean epilogue's outputs through shared memory, 16-byte stores
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
@@ -1830,12 +1822,9 @@ def _make_kernel(cfg: GemmConfig):
                     ptx.wgmma_fence()  # the FMAs above read registers the tail chain may write
                     part = ptx.wgmma_rs_e4m3_chain(n - WIDE_MAIN_N, a_regs, wide_tail_descs(desc_lo))
                     finish_step(sbase + x_off, part, acc, n - WIDE_MAIN_N, WIDE_MAIN_N)
-            if cutlass.const_expr(LANE_RELEASE):  # each thread once its own reads of the stage are done
+            ptx.warp_sync()
+            if t % 32 == 0:
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
-            else:
-                ptx.warp_sync()
-                if t % 32 == 0:
-                    ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
 
     @cute.jit
@@ -1952,8 +1941,7 @@ def _make_kernel(cfg: GemmConfig):
         if tid == 0:
             for st in cutlass.range_constexpr(STAGES):
                 ptx.mbarrier_init(smem + cfg.barrier_offset + st * 8, FULL_ARRIVALS)
-                ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8,
-                                  THREADS if cutlass.const_expr(LANE_RELEASE) else THREADS // 32)
+                ptx.mbarrier_init(smem + cfg.barrier_offset + (STAGES + st) * 8, THREADS // 32)
             if cutlass.const_expr(PUBLISHER):  # the units the consumers finished so far (thread 0 counts them)
                 ptx.sts_s32(smem + cfg.publish_offset, Int32(0))
             ptx.fence_mbarrier_init()
@@ -3432,7 +3420,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False, lane_release: bool = False):
+               split_nibbles: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3448,7 +3436,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, split_nibbles=split_nibbles, lane_release=lane_release)
+                     quick_start=quick_start, split_nibbles=split_nibbles)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3465,8 +3453,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            lane_release: bool = False):
+            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3531,10 +3518,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     if ratio_registers and not scale_ratios:  # the knob did not apply: the plain tile's split of the registers
         consumer_registers = max(CONSUMER_REGISTER_CHOICES)
         cfg = replace(cfg, consumer_registers=consumer_registers)
-    lane_release = lane_release and persistent  # likewise
     if persistent:  # the deepest ring again (two slots of staged words may take a stage)
-        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages,
-                      lane_release=lane_release)
+        cfg = replace(cfg, persistent=True, snake_walk=snake_walk, scale_ratios=scale_ratios, stages=stages)
     # a knob of the stream-K loop at one CTA per SM: sets may name it everywhere
     step_group = step_group and stream_k and cfg.ctas_per_sm == 1
     if step_group:
@@ -3605,8 +3590,6 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["snake_walk"] = True
     if scale_ratios:
         params["scale_ratios"] = True
-    if lane_release:
-        params["lane_release"] = True
     if transposed_stores:
         params["transposed_stores"] = True
     if early_rows:
@@ -3738,9 +3721,6 @@ def all_variants():
               # and their sums kept in units of the step's activation scale (in-place chains)
               + [variant(role, bn, fold_scales=True, table_decode=True, fit_n=True, lean_epilogue=True,
                          persistent=True, scale_ratios=True)
-                 for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
-              # tile_knobs's persistent tiles with every consumer thread releasing its stages
-              + [variant(role, bn, **{**tile_knobs(bn)[1], "lane_release": True})
                  for role in ("w1", "w2") for bn in (32, 64) + TABLE_WIDE_BLOCK_N]
               # the epilogues' outputs through shared memory, at tile_knobs's tiles from 16 rows
               + [variant(role, bn, **{**tile_knobs(bn)[1], "transposed_stores": True})
