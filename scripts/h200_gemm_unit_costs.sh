@@ -73,6 +73,9 @@
 #           lane order, each kernel alone too, and `ws_auto_pair` against the pair kernel on the lane order
 #           (`lanepair`); then the traced loops at 6 stages without and with it (`strace2`: the time per K128 step and
 #           its waits; docs step 72)
+#   ring8   1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) at 12 and 8 stages, with and without the
+#           stream-K pieces published without a fence (tagged_pieces), against ws_auto_pdl (6 stages): the H200's
+#           tile-8 choice (docs step 77)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -92,6 +95,8 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
+# tile 8 at 12 / 8 stages, with and without tagged pieces (W2 programmatic), for the `ring8` step
+RING8_SETS="--auto-set s12:max_stages=12,pdl=True --auto-set s12tg:max_stages=12,tagged_pieces=True,pdl=True --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg_pdl:tagged_pieces=True,pdl=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -136,6 +141,7 @@ for s in $steps; do
              --auto-set lane:split_nibbles=False,pdl=True --auto-set lanepair:pair=True,split_nibbles=False \
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
              --tokens 1,2,4,8,16,32,64,128,256
+           run build-ring8 600 python $BENCH --build-only --auto-ctas --pdl $RING8_SETS --tokens 1,2,4,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -225,6 +231,11 @@ for s in $steps; do
              --extra-set skt6:stream_k=True,ctas_per_sm=1,trace=True,stages=6 \
              --extra-set skq6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True \
              --tokens 1,8 --windows 3 --replays 10 --json "$OUT/qtrace.json" ;;
+    # shellcheck disable=SC2086
+    ring8) for r in 1 2; do  # the H200's tile-8 ring and pieces (docs step 77)
+             run ring8-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $RING8_SETS \
+               --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/ring8-$r.json"
+           done ;;
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \
@@ -270,7 +281,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8)"; exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
