@@ -96,7 +96,8 @@ source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
 # tile 8 at 12 / 8 stages, with and without tagged pieces (W2 programmatic), for the `ring8` step
-RING8_SETS="--auto-set s12:max_stages=12,pdl=True --auto-set s12tg:max_stages=12,tagged_pieces=True,pdl=True --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg_pdl:tagged_pieces=True,pdl=True"
+RING8_SETS="--auto-set s12:max_stages=12,pdl=True --auto-set s12tg:max_stages=12,tagged_pieces=True,pdl=True"
+RING8_SETS="$RING8_SETS --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg_pdl:tagged_pieces=True,pdl=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -281,7 +282,8 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8)"; exit 2 ;;
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8)"
+       exit 2 ;;
   esac
 done
 if [ -f "$OUT/unit-costs.json" ]; then
