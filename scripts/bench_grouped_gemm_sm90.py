@@ -562,11 +562,25 @@ def trace_summary(words, segments, role: str = "") -> dict:
         "empty_wait_per_step_us": round(empty_wait_us / max(loop_steps, 1), 3),
         "switch_wait_us": med_max(gaps), **{f"epilogue_{k}_us": med_max(v) for k, v in epi.items()},
         "end_spread_us": round((max(ends) - min(ends)) / 1e3, 2),
+        # {epilogues a CTA ran (whole or owner): [CTAs, their mean end after the median CTA's end, us]}: stream-K
+        # shares the steps equally, not the epilogues, and the CTAs with one more end late (docs step 77)
+        "end_by_epilogues_us": end_by_epilogues(segments, [c for c, _ in rows], ends),
         # per working CTA: the SM it ran on, its start and end (us after the first start) and its steps, to see
         # whether the late ends sit on the same SMs (or GPCs) from launch to launch
         "ctas_by_sm": [[r[tail + 2][1], round((r[0][0] - t0) / 1e3, 2), round((end - t0) / 1e3, 2),
                         sum(steps for steps, _ in segments[c])] for (c, r), end in zip(rows, ends)],
     }
+
+
+def end_by_epilogues(segments, ctas, ends) -> dict:
+    """{epilogues of kind whole or owner in a CTA's segments: [CTAs, mean end - the median CTA's end in us]}."""
+    import statistics
+
+    median_end = statistics.median(ends)
+    groups = {}
+    for c, end in zip(ctas, ends):
+        groups.setdefault(sum(kind != "piece" for _, kind in segments[c]), []).append((end - median_end) / 1e3)
+    return {n: [len(v), round(statistics.fmean(v), 2)] for n, v in sorted(groups.items())}
 
 
 def after_read_flush(pt, stream, flush, runs: int, roles=("w1", "w2"), replay: bool = False, warm: bool = False):

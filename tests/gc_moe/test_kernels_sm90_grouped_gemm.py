@@ -918,6 +918,17 @@ def test_trace_summary_splits_w1s_first_stage_at_its_first_copies():
     assert "first_issue_us" not in bench.trace_summary(w.view(-1), segments, "w2")
 
 
+def test_end_by_epilogues_groups_the_ctas_by_the_epilogues_they_ran():
+    """The trace summary's end by epilogues: CTAs grouped by their whole and owner segments (pieces do not count),
+    each group's mean end after the median CTA's end, in us."""
+    bench = _load_script("bench_grouped_gemm_sm90")
+    segments = [[(3, "piece"), (8, "whole"), (2, "owner")], [(6, "piece"), (5, "owner")],
+                [(1, "piece"), (8, "whole"), (2, "owner")], [(7, "piece"), (4, "owner")], []]
+    ends_ns = [12_000, 9_000, 13_000, 10_000]  # median 11 us
+    got = bench.end_by_epilogues(segments, [0, 1, 2, 3], ends_ns)
+    assert got == {1: [2, -1.5], 2: [2, 1.5]}
+
+
 def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
     """quick_start's divisions (grouped_gemm.divide_by_magic, the steps of ptx.divide_by_magic): floor(n / d) for
     every divisor of a grid (1..256 CTAs) and the numerators a walk forms (CTA x work up to 2^31 - 1, the edges
