@@ -929,6 +929,26 @@ def test_end_by_epilogues_groups_the_ctas_by_the_epilogues_they_ran():
     assert got == {1: [2, -1.5], 2: [2, 1.5]}
 
 
+def test_trace_end_by_epilogues_reads_a_traced_row_with_the_walks_segments():
+    """scripts/trace_end_by_epilogues.py: a traced row's per-CTA ends grouped by the epilogues of the walk the kernel
+    ran (grouped_gemm.stream_segments), averaged over the launches; a row whose traced steps are not that walk's is
+    refused."""
+    script = _load_script("trace_end_by_epilogues")
+    bench = _load_script("bench_grouped_gemm_sm90")
+    row = {"tag": "t", "model": "m", "tokens": 1, "block_n": 8, "tiles": {"8": 1}, "hidden": 1280, "inter": 256}
+    segments = gg.stream_segments(2, 10, 3)  # W1: 2 units (2 x 256 rows / 256) of 10 steps over 3 CTAs
+    assert [sum(kind != "piece" for _, kind in s) for s in segments] == [1, 1, 0]
+    ends = [[11.0, 11.6, 10.0], [14.0, 15.2, 12.0]]  # two launches, us: medians 11 and 14
+    row["trace"] = {"w1": {"ctas_by_sm_runs": [[[c, 0.0, end[c], sum(n for n, _ in segments[c])] for c in range(3)]
+                                               for end in ends]}}
+    got = script.late_groups(gg, bench, row, "w1")
+    assert got == {"groups": {0: [1, -1.5], 1: [2, 0.45]}, "last_us": 0.9}
+    assert script.late_groups(gg, bench, row, "w2") is None
+    row["trace"]["w1"]["ctas_by_sm_runs"][0][0][3] += 1
+    with pytest.raises(SystemExit, match="not the walk's"):
+        script.late_groups(gg, bench, row, "w1")
+
+
 def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
     """quick_start's divisions (grouped_gemm.divide_by_magic, the steps of ptx.divide_by_magic): floor(n / d) for
     every divisor of a grid (1..256 CTAs) and the numerators a walk forms (CTA x work up to 2^31 - 1, the edges
