@@ -573,7 +573,8 @@ def trace_summary(words, segments, role: str = "") -> dict:
 
 
 def end_by_epilogues(segments, ctas, ends) -> dict:
-    """{epilogues of kind whole or owner in a CTA's segments: [CTAs, mean end - the median CTA's end in us]}."""
+    """{epilogues of kind whole or owner in a CTA's segments: [CTAs, mean end - the median CTA's end in us]}, from
+    the CTAs' `ends` in ns (the trace's global timer)."""
     import statistics
 
     median_end = statistics.median(ends)
