@@ -742,25 +742,27 @@ def parse_shape(spec: str) -> tuple[str, dict]:
 
 def parse_auto_set(spec: str) -> tuple[str, dict, bool]:
     """--auto-set 'tag:knob=value,...' -> (tag, the knobs it adds to tile_knobs's, whether its stream-K W2 launches
-    programmatically: the pseudo-knob pdl). The pseudo-knobs wide and two_cta stay in the knobs: `tile_rule` reads
+    programmatically: the pseudo-knob pdl). The pseudo-knobs wide, two_cta and card stay in the knobs: `tile_rule` reads
     them."""
     (tag, extra), = parse_extra_set(spec, {}).items()
     return tag, extra, bool(extra.pop("pdl", False))
 
 
-def tile_rule(gg, extra: dict):
+def tile_rule(gg, extra: dict, card: str = "h100"):
     """grouped_gemm.tile_knobs as an --auto-set asks for it (wide=True: the wide tile for 65-96 rows; two_cta=False:
-    tile 32 for 9-32 rows), and the knobs the set adds (without the pseudo-knobs)."""
+    tile 32 for 9-32 rows; card='h100': another card's rule than the run's `card`), and the knobs the set adds
+    (without the pseudo-knobs)."""
     wide = bool(extra.get("wide", True))  # tile_knobs's default: the wide tile for 65-96 rows
     two_cta = bool(extra.get("two_cta", True))  # and tiles 16 / 24 at two CTAs per SM
-    return (lambda capacity, *a: gg.tile_knobs(capacity, *a, wide_tile=wide, two_cta_tiles=two_cta)), {
-        k: v for k, v in extra.items() if k not in ("wide", "two_cta")}
+    card = extra.get("card", card)
+    return (lambda capacity, *a: gg.tile_knobs(capacity, *a, wide_tile=wide, two_cta_tiles=two_cta, card=card)), {
+        k: v for k, v in extra.items() if k not in ("wide", "two_cta", "card")}
 
 
-def auto_set_variants(gg, extra: dict, knobs: dict | None = None) -> dict:
-    """{token tile: its [W1, W2] variants} of grouped_gemm.tile_knobs's sets with `extra` added (not where the rule
-    asks for no knobs: the default set) on top of the run's `knobs`."""
-    rule, extra = tile_rule(gg, extra)
+def auto_set_variants(gg, extra: dict, knobs: dict | None = None, card: str = "h100") -> dict:
+    """{token tile: its [W1, W2] variants} of grouped_gemm.tile_knobs's sets on `card` with `extra` added (not where
+    the rule asks for no knobs: the default set) on top of the run's `knobs`."""
+    rule, extra = tile_rule(gg, extra, card)
     out = {}
     for bn in sorted({rule(rows)[0] for rows in range(97)}):
         tile_set = rule(bn)[1]
@@ -846,7 +848,8 @@ def main() -> int:
     ap.add_argument("--auto-set", action="append", default=[], metavar="TAG:KNOB=VALUE,...",
                     help="with --auto-ctas: also a set like ws_auto (tile_knobs per point) with these knobs added where "
                          "they apply (e.g. lean:lean_epilogue=True; pdl=True launches its stream-K W2 programmatically; "
-                         "pair=True runs the stream-K pair kernel where the rule picks stream-K)")
+                         "pair=True runs the stream-K pair kernel where the rule picks stream-K; card='h100' follows "
+                         "that card's rule instead of the run's GPU's: grouped_gemm.card_of)")
     ap.add_argument("--shape", action="append", default=[], metavar="NAME=BASE:hidden=H,inter=I",
                     help="a model slice for --models: BASE's with other sizes (e.g. half K, to split a kernel's time "
                          "into per-unit and per-step parts)")
@@ -916,9 +919,10 @@ def main() -> int:
             (_, extra), = parse_extra_set(spec, {}).items()
             extra.pop("pdl", None)
             sets.append(extra)
-        auto_variants = [v for spec in args.auto_set  # (the pair kernels are built below in any case)
+        auto_variants = [v for spec in args.auto_set for card in gg.CARDS  # (pair kernels: built below in any case)
                          for pair in auto_set_variants(gg, {k: x for k, x in parse_auto_set(spec)[1].items()
-                                                            if k not in PAIR_ONLY_KNOBS}).values() for v in pair]
+                                                            if k not in PAIR_ONLY_KNOBS}, card=card).values()
+                         for v in pair]
         from gc_moe.kernels.sm90 import stream_pair, stream_read
 
         seen = set()
@@ -938,6 +942,8 @@ def main() -> int:
 
     device = torch.device("cuda")
     torch.zeros(1, device=device)  # make the primary context current before the driver-level kernel loads
+    card = gg.card_of(torch.cuda.get_device_name(device))  # whose measurements tile_knobs follows
+    print(f"# tile_knobs card: {card} ({torch.cuda.get_device_name(device)})", flush=True)
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
     knobs = {"stages": args.stages, **({"l2_evict_first": True} if args.l2_hint else {}),
@@ -994,7 +1000,7 @@ def main() -> int:
             if tag not in kernel_sets:
                 continue
             auto_tiles[tag] = {bn: {(role, bn): jit.load_kernel(v, "sm_90a") for role, v in zip(("w1", "w2"), pair)}
-                               for bn, pair in auto_set_variants(gg, extra, knobs).items()}
+                               for bn, pair in auto_set_variants(gg, extra, knobs, card).items()}
     pair_kernels = {}  # set tag -> the pair kernel it runs (at every point, or an --auto-set's stream-K points)
     sm_table = None  # pair_w's per-SM weights (--sm-weights)
     if args.pair or auto_pair:
@@ -1020,7 +1026,7 @@ def main() -> int:
                 kernel_sets["pair_w"] = "pair"
         for tag, pair_knobs in auto_pair.items():
             # the pair reads the codes in the order of the set's tile-8 loops (its weights are theirs)
-            tile8 = {**tile_rule(gg, auto_knobs[tag])[0](1)[1], **auto_knobs[tag]}
+            tile8 = {**tile_rule(gg, auto_knobs[tag], card)[0](1)[1], **auto_knobs[tag]}
             pair_knobs = {**pair_knobs, "split_nibbles": bool(tile8.get("split_nibbles"))}
             pair_kernels[tag] = jit.load_kernel(stream_pair.variant(**pair_knobs), "sm_90a")
     occupancy_report({k: v for k, v in kernel_sets.items() if v != "pair"})
@@ -1083,7 +1089,7 @@ def main() -> int:
                     sms = torch.cuda.get_device_properties(device).multi_processor_count
                     w1_units = pt.token_tiles()[8] * (2 * model["inter"] // 256)
                     auto_tag = "ws_auto" if tag == "ws_auto_pdl" else tag
-                    rule, _ = tile_rule(gg, auto_knobs[auto_tag])
+                    rule, _ = tile_rule(gg, auto_knobs[auto_tag], card)
                     max_bn, tile_set = rule(pt.capacity, w1_units, sms)
                     set_kernels = auto_tiles[auto_tag][max_bn] if tile_set else kernels  # no knobs: the default set
                     row_note = {"knobs": {**tile_set, **auto_knobs[auto_tag]} if tile_set else {}}

@@ -73,9 +73,9 @@
 #           lane order, each kernel alone too, and `ws_auto_pair` against the pair kernel on the lane order
 #           (`lanepair`); then the traced loops at 6 stages without and with it (`strace2`: the time per K128 step and
 #           its waits; docs step 72)
-#   ring8   1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) at 12 and 8 stages, with and without the
-#           stream-K pieces published without a fence (tagged_pieces), against ws_auto_pdl (6 stages): the H200's
-#           tile-8 choice (docs step 77)
+#   ring8   1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) on each card's rule (`h100r`: 6 stages, fenced
+#           pieces; `h200r`: 12 stages, the pieces published without a fence) beside the run's card's (ws_auto_pdl),
+#           and at 12 stages fenced, 8 and 6 tagged: the H200's tile-8 choice (docs steps 77-78)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -95,9 +95,11 @@ export GC_MOE_CACHE_DIR=${GC_MOE_CACHE_DIR:-$PWD/.cubin-cache} GC_MOE_WAIT_TIMEO
 source scripts/steps.sh
 steps=${*:-trace pair tests ncu shapes}
 BENCH=scripts/bench_grouped_gemm_sm90.py
-# tile 8 at 12 / 8 stages, with and without tagged pieces (W2 programmatic), for the `ring8` step
-RING8_SETS="--auto-set s12:max_stages=12,pdl=True --auto-set s12tg:max_stages=12,tagged_pieces=True,pdl=True"
-RING8_SETS="$RING8_SETS --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg_pdl:tagged_pieces=True,pdl=True"
+# tile 8 for the `ring8` step (W2 programmatic): each card's rule (tile_knobs card=, TILE8_STREAM_K: the H100's 6
+# stages and fenced pieces, the H200's 12 and tagged) beside the run's own (ws_auto_pdl), 12 stages fenced, 8 and 6 tagged
+RING8_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h200r:card='h200',pdl=True"
+RING8_SETS="$RING8_SETS --auto-set s12:max_stages=12,tagged_pieces=False,pdl=True"
+RING8_SETS="$RING8_SETS --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg6:max_stages=6,tagged_pieces=True,pdl=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"

@@ -227,6 +227,26 @@ def test_tile_knobs_follow_the_measured_points():
         assert gg.variant(role, 96, **gg.tile_knobs(80, wide_tile=True)[1]) in gg.all_variants()
 
 
+def test_tile_knobs_per_card():
+    # step 78: on the H200 tile 8's stream-K ring of 12 and the pieces without a fence; every other choice is shared
+    assert [gg.card_of(n) for n in ("NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H20")] == [
+        "h200", "h200", "h100", "h100"]
+    h200 = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 12, "tagged_pieces": True, "quick_start": True,
+            "split_nibbles": True}
+    assert gg.tile_knobs(1, card="h200") == (8, h200) and gg.tile_knobs(8, 712, 132, card="h200") == (8, h200)
+    assert gg.tile_knobs(1, card="h100") == gg.tile_knobs(1) and gg.tile_knobs(1)[1]["max_stages"] == 6
+    for cap, units in ((4, 713), (9, None), (17, None), (25, None), (33, None), (80, None), (200, None)):
+        assert gg.tile_knobs(cap, units, 132, card="h200") == gg.tile_knobs(cap, units, 132), cap
+    with pytest.raises(ValueError, match=r"card 'b300': allowed one of \('h100', 'h200'\)"):
+        gg.tile_knobs(1, card="b300")
+    for role in ("w1", "w2"):
+        for knobs in ({}, {"trace": True}):  # CI builds it, plain and traced
+            v = gg.variant(role, 8, **h200, **knobs)
+            assert v in gg.all_variants()
+            cfg = gg.GemmConfig(**dict(v.params))
+            assert cfg.stages == 12 and cfg.tagged_pieces and cfg.quick_start and cfg.split_nibbles
+
+
 def test_wide_tile_is_the_one_cta_table_decodes_only():
     """Tile 96 runs the table decode's waited consumer at one CTA per SM (a chain of 64 rows and one of the rest from
     one decoded fragment); every other configuration refuses it and says what is allowed."""
@@ -816,6 +836,25 @@ def _load_script(name: str):
     return module
 
 
+def test_bench_auto_sets_follow_the_runs_card_or_the_one_they_name():
+    """The bench's tile_knobs sets (ws_auto and --auto-set) follow the GPU's card (grouped_gemm.card_of) unless a
+    set names one (the pseudo-knob card); --build-only builds every card's."""
+    bench = _load_script("bench_grouped_gemm_sm90")
+    tag, extra, pdl = bench.parse_auto_set("h100r:card='h100',pdl=True")
+    assert (tag, extra, pdl) == ("h100r", {"card": "h100"}, True)
+    rule, added = bench.tile_rule(gg, extra, "h200")
+    assert rule(1) == gg.tile_knobs(1, card="h100") and added == {}
+    rule, _ = bench.tile_rule(gg, {}, "h200")
+    assert rule(1) == gg.tile_knobs(1, card="h200") and rule(1)[1]["max_stages"] == 12
+    w1_h200, w2_h200 = bench.auto_set_variants(gg, {}, card="h200")[8]
+    w1_h100, _ = bench.auto_set_variants(gg, {}, card="h100")[8]
+    assert dict(w1_h200.params)["stages"] == 12 and dict(w2_h200.params)["tagged_pieces"] is True
+    assert dict(w1_h100.params)["stages"] == 6 and "tagged_pieces" not in dict(w1_h100.params)
+    # the other tiles are the same on both cards
+    assert {bn: p for bn, p in bench.auto_set_variants(gg, {}, card="h200").items() if bn != 8} == {
+        bn: p for bn, p in bench.auto_set_variants(gg, {}, card="h100").items() if bn != 8}
+
+
 def test_sass_loop_check_counts_local_accesses_inside_mma_loops_only():
     """The bench's `loop L/S` column (the SASS rule: no LDL / STL in the main loop): local accesses count only inside
     a backward branch's body that issues QGMMA; the epilogue's and a per-lane copy loop's (BRA.U.ANY) do not."""
@@ -1062,9 +1101,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the stream-K loops with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 /
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
-    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid)
+    # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
+    # tile-8 loops (plain, traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1192,9 +1232,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
-    # on the split nibble order (stream-K, traced, the unit grid)
+    # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2241,7 +2281,8 @@ def test_tagged_pieces_knob_where_it_applies():
         assert "tagged_pieces" not in dict(gg.variant("w1", bn, tagged_pieces=True, **knobs).params), (bn, knobs)
     built = sorted((dict(v.params)["role"], dict(v.params).get("lean_epilogue", False),
                     dict(v.params).get("trace", False), dict(v.params).get("step_group", False))
-                   for v in gg.all_variants() if dict(v.params).get("tagged_pieces"))
+                   for v in gg.all_variants() if dict(v.params).get("tagged_pieces")
+                   and not dict(v.params).get("quick_start"))  # (tile_knobs's H200 set: its own test)
     assert built == sorted((role, *knobs) for role in ("w1", "w2")
                            for knobs in ((False, False, False), (True, False, False), (False, True, False),
                                          (False, False, True)))
@@ -2305,6 +2346,26 @@ def test_quick_start_writes_the_stream_k_bytes(hidden, inter, experts, topk, tok
     _assert_same_bytes(quick, _run_case(*case, seed=seed, return_raw=True, **common))
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **{**common, "quick_start": True})
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trace", [False, True], ids=["plain", "traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
+                                                              (5120, 512, 5, 2, 1)])
+def test_h200_tile8_set_writes_the_h100_sets_bytes(hidden, inter, experts, topk, tokens, trace):
+    """tile_knobs's tile-8 loops on the H200 (a ring of 12, the pieces published without a fence) walk the same
+    partition and add the same partials in the same order as the H100's (6 stages, fenced pieces), so W1 and W2
+    write the same bytes, relaunched on the same buffers. And the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    h200 = {**gg.tile_knobs(1, card="h200")[1], **({"trace": True} if trace else {})}
+    h100 = {**gg.tile_knobs(1, card="h100")[1], **({"trace": True} if trace else {})}
+    seed = hidden + tokens + experts + 11
+    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, relaunches=2,
+                                 programmatic_pairs=0 if trace else 2, **h200),
+                       _run_case(*case, seed=seed, return_raw=True, **h100))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **h200)
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

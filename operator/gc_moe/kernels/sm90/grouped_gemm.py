@@ -178,6 +178,13 @@ TRACE_SLOTS = 3 + TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + TRACE_TAIL_SLOTS
 # loops at 6 stages were 4-11 us faster at 1-8 tokens than at 12 (5 as fast, 4 and 8 slower), tile 32 at 5 3.5% faster
 # than at 10, tile 64 at 6 1-2.5% than at 8; tile 96 lost with fewer, the two-CTA tiles 16 / 24 were mixed (step 65)
 RING_STAGES = {8: 6, 32: 5, 64: 6}
+# the cards tile_knobs knows (`card_of`): its rule is the H100's where a choice was measured on both and differed
+CARDS = ("h100", "h200")
+# tile 8's stream-K loops per card beyond RING_STAGES[8]: on the H200 (4.45 TB/s, 1.4x the H100's bandwidth per SM)
+# the ring of 12 keeps the reads going through the CTAs' mid-range epilogues (~6 us of reads in flight, 6 stages ~3),
+# and the pieces published without a fence do not pause the producer behind the SM's own reads (step 78)
+TILE8_STREAM_K = {"h100": {"max_stages": RING_STAGES[8]},
+                  "h200": {"max_stages": 12, "tagged_pieces": True}}
 # and tile 8's unit grid (two CTAs per SM, 6 stages each by default) where tile_knobs takes it: at 4 stages each
 # 2-5 us faster at 8-32 tokens but DeepSeek-V4.1-Flash T=32 (+1 us; tile_knobs runs tile 16 there), at 3 mixed
 UNIT_GRID_8_STAGES = 4
@@ -3741,6 +3748,9 @@ def all_variants():
                  for role in ("w1", "w2") for cap in (1, 9, 17, 25, 33, 65)]
               + [variant(role, bn, **{**tile_knobs(bn)[1], "persistent": False})
                  for role in ("w1", "w2") for bn in (32, 64)]
+              # the H200's tile-8 loops (TILE8_STREAM_K), plain and traced
+              + [variant(role, 8, **{**tile_knobs(1, card="h200")[1], **knobs}) for role in ("w1", "w2")
+                 for knobs in ({}, {"trace": True})]
               + [variant(role, 8, max_stages=UNIT_GRID_8_STAGES, split_nibbles=split) for role in ("w1", "w2")
                  for split in (False, True)]  # tile_knobs's unit grid (split) and its lane baseline
               # the stream-K pieces published without a fence (plain, lean, traced, with step_group)
@@ -3817,8 +3827,14 @@ def _check_nibble_order(cfg: GemmConfig, kernel, mat) -> None:
                          f"weights.sm90.with_nibble_order(mat, {want!r})")
 
 
+def card_of(device_name: str) -> str:
+    """The tile_knobs card of a CUDA device name ('NVIDIA H200' -> 'h200'); 'h100' for every other Hopper part
+    (the rule measured on the H100 is the conservative one: shallower rings)."""
+    return "h200" if "h200" in device_name.lower() else "h100"
+
+
 def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = None,
-               wide_tile: bool = True, two_cta_tiles: bool = True) -> tuple[int, dict]:
+               wide_tile: bool = True, two_cta_tiles: bool = True, card: str = "h100") -> tuple[int, dict]:
     """(token tile, knobs) of the stand-alone W1 / W2 for a call whose busiest expert has `capacity` rows, as
     measured fastest on the H200 (docs/sm90-grouped-gemm.md, steps 12-16, 24): up to 8 rows tile 8 as stream-K
     loops at one CTA per SM (`stream_k`: every SM gets the same K128 steps; against the grid of units at two CTAs per
@@ -3846,13 +3862,17 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     every request behind the reads). The stream-K loops start quickly (`quick_start`: W1's producer 0.4 us sooner at
     its first copies, the pair 0.5 us faster on average at 1-8 tokens over six runs on three H100s, steps 69 / 71).
     Tile 8 reads its codes in the "split" nibble order (`split_nibbles`: its consumers 6-16% less busy per K128 step,
-    the pair 0.16-0.56 us faster on average at 1-8 tokens over four runs on two H100s, step 72)."""
+    the pair 0.16-0.56 us faster on average at 1-8 tokens over four runs on two H100s, step 72). card (`card_of`):
+    the card whose measurements set tile 8's stream-K ring and pieces (TILE8_STREAM_K: on the H200 12 stages and the
+    pieces published without a fence, step 78)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
+    if card not in CARDS:
+        raise ValueError(f"card {card!r}: allowed one of {CARDS} (grouped_gemm.card_of names a device's)")
     if capacity <= 8:
         if w1_units is not None and sms and w1_units > STREAM_K_MAX_WAVES * sms:
             return 8, {"max_stages": UNIT_GRID_8_STAGES, "split_nibbles": True}
-        return 8, {"stream_k": True, "ctas_per_sm": 1, "max_stages": RING_STAGES[8], "quick_start": True,
+        return 8, {"stream_k": True, "ctas_per_sm": 1, **TILE8_STREAM_K[card], "quick_start": True,
                    "split_nibbles": True}
     table = {"fold_scales": True, "table_decode": True, "fit_n": True, "lean_epilogue": True}
     persistent = {**table, "persistent": True}
