@@ -70,3 +70,23 @@ def test_same_bytes_read_column_only_when_the_run_timed_it(table_script):
     assert header.split(" | ")[4] == "read us" and "| 1.0 | 4.2 / 3.5 | 9.0 |" in one and "| 1.0 | - | 11.0 |" in two
     cells = [len(ln.split("|")) for ln in text.splitlines() if ln.startswith("|")]
     assert len(set(cells)) == 1  # every row has the header's columns
+
+
+def test_registers_come_from_the_cache_alone_with_no_dsl_to_build(table_script, tmp_path, monkeypatch):
+    """Where the kernels ran there is no CuTe DSL: the registers column reads the cache's entries and says which
+    kernel it lacks instead of trying to build it."""
+    from gc_moe.kernels.sm90 import grouped_gemm as gg
+    from gc_moe.runtime import jit
+    from gc_moe.runtime.jit import CacheEntry, LaunchShape
+
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "dsl_available", lambda: False)
+    w1, w2 = gg.variant("w1", 8), gg.variant("w2", 8)
+    entry = CacheEntry(w1, "sm_90a", jit.lookup_key(w1, "sm_90a"), "k", "aa", "aa", LaunchShape(block=(32, 1, 1)),
+                       [], {"registers": 80, "frame_bytes": 0}, {}, tmp_path)
+    path = tmp_path / "entries" / "sm_90a" / w1.name / f"{entry.key}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(entry.to_json()))
+    (tmp_path / "objects").mkdir()
+    (tmp_path / "objects" / "aa.cubin").write_bytes(b"\0")
+    assert table_script.resources([w1, w2]) == "80 / 0, not in the cubin cache"
