@@ -6,8 +6,9 @@ registers and stack bytes (spills) of the kernels that ran, read from the cubin 
   python scripts/gemm_issue_table.py table.json --sets ws_auto,ws_auto_pair          # the fastest of these per point
 
 Per point the row is the fastest (cold time) of the named sets present; its kernels are found again from the row's
-knobs (the pair kernel where the row says stream_pair, else W1 and W2 at the row's token tile and knobs), so the
-cache must hold them (built offline like the run's; no GPU needed).
+knobs (the pair kernel where the row says stream_pair, else W1 and W2 at the row's token tile and knobs) in the cubin
+cache (GC_MOE_CACHE_DIR) the run used; the script only reads it (no CuTe DSL, no GPU needed), and a kernel missing
+from it is named in its cell.
 """
 
 from __future__ import annotations
