@@ -7,8 +7,8 @@ registers and stack bytes (spills) of the kernels that ran, read from the cubin 
 
 Per point the row is the fastest (cold time) of the named sets present; its kernels are found again from the row's
 knobs (the pair kernel where the row says stream_pair, else W1 and W2 at the row's token tile and knobs) in the cubin
-cache (GC_MOE_CACHE_DIR) the run used; the script only reads it (no CuTe DSL, no GPU needed), and a kernel missing
-from it is named in its cell.
+cache (GC_MOE_CACHE_DIR) the run used, built there only where the CuTe DSL is installed (no GPU needed); a kernel
+the cache lacks on a machine without the DSL is named in its cell.
 """
 
 from __future__ import annotations
@@ -44,12 +44,11 @@ def resources(variants) -> str:
 
     out = []
     for v in variants:
-        # read the cache only: the table also runs where the kernels ran, which has no CuTe DSL to build with
-        entry = jit.find_entry(v, "sm_90a")
-        if entry is None:
+        try:  # the cache's entry; built only where the CuTe DSL is installed (the GPU machine has none)
+            res = jit.get_entry(v, "sm_90a").resources
+        except jit.KernelNotBuiltError:
             out.append("not in the cubin cache")
             continue
-        res = entry.resources
         raised = dict(v.params).get("consumer_registers")  # setmaxnreg in the K loop: the launch's count is lower
         out.append(f"{res.get('registers', '?')}{f' (consumers {raised})' if raised else ''} / "
                    f"{res.get('frame_bytes', '?')}")
