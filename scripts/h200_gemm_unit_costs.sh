@@ -76,6 +76,11 @@
 #   ring8   1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) on each card's rule (`h100r`: 6 stages, fenced
 #           pieces; `h200r`: 12 stages, the pieces published without a fence) beside the run's card's (ws_auto_pdl),
 #           and at 12 stages fenced, 8 and 6 tagged: the H200's tile-8 choice (docs steps 77-78)
+#   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) with the ring's bases held warp-uniform and the
+#           consumers' waits trying first (`lr`, GemmConfig.lean_ring: 130 instructions per K128 step and warp instead of
+#           140) against ws_auto_pdl, and the same on the other card's rule (`h100r` / `h100lr`, `h200r` / `h200lr`);
+#           then the traced loops with and without it on the card's rule (`ltrace`: the consumers' time per step and
+#           their waits; docs step 79)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -100,6 +105,13 @@ BENCH=scripts/bench_grouped_gemm_sm90.py
 RING8_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h200r:card='h200',pdl=True"
 RING8_SETS="$RING8_SETS --auto-set s12:max_stages=12,tagged_pieces=False,pdl=True"
 RING8_SETS="$RING8_SETS --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg6:max_stages=6,tagged_pieces=True,pdl=True"
+# the `lean` step: lean_ring on both cards' tile-8 rules; its traced loops (the H200's and the H100's ring and pieces)
+LEAN_SETS="--auto-set lr:lean_ring=True,pdl=True --auto-set h100r:card='h100',pdl=True"
+LEAN_SETS="$LEAN_SETS --auto-set h100lr:card='h100',lean_ring=True,pdl=True --auto-set h200r:card='h200',pdl=True"
+LEAN_SETS="$LEAN_SETS --auto-set h200lr:card='h200',lean_ring=True,pdl=True"
+H2T="stream_k=True,ctas_per_sm=1,trace=True,quick_start=True,split_nibbles=True,max_stages=12,tagged_pieces=True"
+H1T="stream_k=True,ctas_per_sm=1,trace=True,quick_start=True,split_nibbles=True,max_stages=6"
+LEAN_TRACE="--extra-set h2t:$H2T --extra-set h2lt:$H2T,lean_ring=True --extra-set h1t:$H1T --extra-set h1lt:$H1T,lean_ring=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -145,6 +157,8 @@ for s in $steps; do
              --extra-set sks6:stream_k=True,ctas_per_sm=1,trace=True,stages=6,quick_start=True,split_nibbles=True \
              --tokens 1,2,4,8,16,32,64,128,256
            run build-ring8 600 python $BENCH --build-only --auto-ctas --pdl $RING8_SETS --tokens 1,2,4,8
+           run build-lean 600 python $BENCH --build-only --auto-ctas --pdl $LEAN_SETS --tokens 1,2,4,8
+           run build-ltrace 600 python $BENCH --build-only $LEAN_TRACE --tokens 1,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -239,6 +253,12 @@ for s in $steps; do
              run ring8-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $RING8_SETS \
                --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/ring8-$r.json"
            done ;;
+    lean) for r in 1 2; do  # the ring's bases warp-uniform, the waits trying first (docs step 79)
+            run lean-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $LEAN_SETS \
+              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/lean-$r.json"
+          done
+          run ltrace 200 python $BENCH --check --time --per-role --trace $LEAN_TRACE \
+            --tokens 1,8 --windows 3 --replays 10 --json "$OUT/ltrace.json" ;;
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \
@@ -284,7 +304,7 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8)"
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8, lean)"
        exit 2 ;;
   esac
 done

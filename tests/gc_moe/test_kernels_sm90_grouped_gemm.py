@@ -134,7 +134,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                      dict(v.params).get("quick_start", False), dict(v.params).get("trace", False),
                      dict(v.params).get("handover", False)) for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
-                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces"))
+                    and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
+                    and not dict(v.params).get("lean_ring"))  # (lean_ring: its own test)
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                              for trace, handover in ((False, False), (True, False), (False, True))]
                             + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
@@ -1016,6 +1017,25 @@ def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
     assert dict(gg.variant("w1", 8, stream_k=True, quick_start=True).params)["quick_start"] is True
 
 
+def test_lean_ring_is_a_knob_of_the_stand_alone_stream_k_loops():
+    """lean_ring (the ring's bases warp-uniform, the consumers' waits trying first): a stream_k knob that names its
+    kernels, dropped by `variant` where it does not apply; all_variants builds it on each card's tile-8 set."""
+    with pytest.raises(ValueError, match="lean_ring is a knob of the stand-alone stream_k W1 / W2"):
+        gg.GemmConfig("w1", 8, lean_ring=True)
+    with pytest.raises(ValueError, match="lean_ring is a knob of the stand-alone stream_k W1 / W2"):
+        gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, stream_pair=True, lean_ring=True)
+    lean = gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1, lean_ring=True)
+    assert lean.name == gg.GemmConfig("w2", 8, stream_k=True, ctas_per_sm=1).name.replace("_sk_", "_sk_lring_")
+    assert "lean_ring" not in dict(gg.variant("w1", 16, lean_ring=True).params)
+    assert "lean_ring" not in dict(gg.variant("w1", 64, fold_scales=True, table_decode=True, lean_ring=True).params)
+    assert dict(gg.variant("w1", 8, stream_k=True, lean_ring=True).params)["lean_ring"] is True
+    assert "lean_ring" not in gg.tile_knobs(1, card="h200")[1]  # opt-in until measured on the H200 (docs step 79)
+    built = sorted((dict(v.params)["role"], dict(v.params)["stages"], dict(v.params).get("tagged_pieces", False),
+                    dict(v.params).get("trace", False)) for v in gg.all_variants() if dict(v.params).get("lean_ring"))
+    assert built == sorted((role, *knobs) for role in ("w1", "w2")
+                           for knobs in ((gg.RING_STAGES[8], False, False), (12, True, False), (12, True, True)))
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1102,9 +1122,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
     # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
-    # tile-8 loops (plain, traced)
+    # tile-8 loops (plain, traced), each card's tile-8 loops with lean_ring (and the H200's traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1232,9 +1252,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # traced) and with tagged pieces (plain, lean, traced, step_group), tile_knobs's capped rings at bn 8 / 32 / 64
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
-    # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced)
+    # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced),
+    # each card's tile-8 loops with lean_ring (and the H200's traced)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2366,6 +2387,26 @@ def test_h200_tile8_set_writes_the_h100_sets_bytes(hidden, inter, experts, topk,
                        _run_case(*case, seed=seed, return_raw=True, **h100))
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **h200)
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("card,trace", [("h200", False), ("h100", False), ("h200", True)],
+                         ids=["h200", "h100", "h200_traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
+                                                              (5120, 512, 5, 2, 1)])
+def test_lean_ring_writes_the_same_bytes(hidden, inter, experts, topk, tokens, card, trace):
+    """The stream-K loops with their ring's bases held warp-uniform and their waits trying first (`lean_ring`) run
+    the same steps on the same stages, so W1 and W2 write the same bytes as without, relaunched on the same buffers
+    (each card's tile-8 set, the traced loop). And the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {**gg.tile_knobs(1, card=card)[1], **({"trace": True} if trace else {})}
+    seed = hidden + tokens + experts + 23
+    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, relaunches=2,
+                                 programmatic_pairs=0 if trace else 2, **knobs, lean_ring=True),
+                       _run_case(*case, seed=seed, return_raw=True, **knobs))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **knobs, lean_ring=True)
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

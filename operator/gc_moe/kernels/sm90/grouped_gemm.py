@@ -389,6 +389,12 @@ class GemmConfig:
     # warp (the lane order's 32-byte stride costs two wavefronts per quarter warp). The tile-8 consumers sit near their
     # share of the bandwidth per step on the H200 (docs step 62), so a step's instructions are its time there
     split_nibbles: bool = False
+    # the stream_k W1 / W2: the shared-memory base and the consumers' stage-ring bases (barriers, token-tile
+    # descriptor) marked warp-uniform once, and the consumers' full-stage waits trying once before their polls'
+    # counter. Without it ptxas rebuilt the base from the CTA's cluster id and the ring's bases from it in every K128
+    # step: 140 -> 130 instructions per step and warp on the tile-8 loop whose consumers set the pace on the H200 at
+    # 8 tokens (docs step 79)
+    lean_ring: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -465,6 +471,8 @@ class GemmConfig:
         if self.tagged_pieces and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tagged_pieces is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the "
                              "pair kernel's halves, not handover: their words keep the fenced publication)")
+        if self.lean_ring and not (self.stream_k and not self.stream_pair):
+            raise ValueError("lean_ring is a knob of the stand-alone stream_k W1 / W2 (not the pair kernel's halves)")
         if self.quick_start and not (self.stream_k and not self.sm_weights):
             raise ValueError("quick_start is a knob of the stream_k W1 / W2 (the pair kernel's too, not with "
                              "sm_weights): pass stream_k=True")
@@ -753,6 +761,7 @@ class GemmConfig:
             s += "_tag" if self.tagged_pieces else ""
             s += f"_e{self.w2_early_stages}" if self.w2_early_stages is not None else ""
             s += "_quick" if self.quick_start else ""
+            s += "_lring" if self.lean_ring else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -992,6 +1001,7 @@ def _make_kernel(cfg: GemmConfig):
     EARLY_ROWS = cfg.early_rows  # the lean W2's combine rows all loaded before its value stores
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
     QUICK = cfg.quick_start  # stream_k: the walk's first unit without divisions or a serial lookup
+    LEAN_RING = cfg.lean_ring  # stream_k: the ring's bases warp-uniform, the consumers' waits trying first
     W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -1630,6 +1640,8 @@ def _make_kernel(cfg: GemmConfig):
         for r in cutlass.range_constexpr(BN // 2):
             tsum[r] = Float32(0.0)
         bar0 = smem + cfg.barrier_offset
+        if cutlass.const_expr(LEAN_RING):
+            bar0 = cute.arch.make_warp_uniform(bar0)
         a_off = wg * TILE_BYTES + t * 32
         if cutlass.const_expr(NIBBLES_SPLIT):
             # wg x 4096 + 16 t as 16 x (the consumer thread's index) + a uniform part: without that ptxas rebuilt
@@ -1638,6 +1650,8 @@ def _make_kernel(cfg: GemmConfig):
         s_off = cfg.scale_offset + wg * TILE_SCALE_BYTES + (16 * warp + g) * 4
         x_off = cfg.xs_offset + 2 * q * 4
         desc0 = ptx.smem_desc_kmajor_lo(smem + cfg.b_offset, 128)  # stage 0's token tile
+        if cutlass.const_expr(LEAN_RING):
+            desc0 = cute.arch.make_warp_uniform(desc0)
         # base (the fused halves: from shared memory, the unit slot) is marked warp-uniform: without it 8 R2UR and ~6
         # more instructions per K128 step, on a loop that is issue-bound at bn 8 / 16
         stage, phase = ring_position(base)
@@ -1649,7 +1663,7 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(trace_seg is not None):
             waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
         else:
-            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+            ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND, first_try=LEAN_RING)
         ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if wg == 0 and t == 0:
@@ -1669,7 +1683,7 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(trace_seg is not None):
                 waited = waited + ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
             else:
-                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND)
+                ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND, first_try=LEAN_RING)
             ptx.fence_proxy_async_shared()
             for grp in cutlass.range_constexpr(GROUPS):
                 issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
@@ -2607,6 +2621,8 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(TRACE):
             trace, split = trace_slots(split, cta, tid)
         smem = Int32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint())
+        if cutlass.const_expr(LEAN_RING):  # held once, not rebuilt from the CTA's cluster id in every K128 step
+            smem = cute.arch.make_warp_uniform(smem)
         init_stage_ring(smem, tid)
         magic = None
         if cutlass.const_expr(QUICK):  # the range's divisor's multiplier while the scan's loads are out
@@ -3427,7 +3443,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False):
+               split_nibbles: bool = False, lean_ring: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3443,7 +3459,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, split_nibbles=split_nibbles)
+                     quick_start=quick_start, split_nibbles=split_nibbles, lean_ring=lean_ring)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3460,7 +3476,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             persistent: bool = False, words_first: bool = False, snake_walk: bool = False,
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
-            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False):
+            w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
+            lean_ring: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3537,6 +3554,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     quick_start = quick_start and stream_k  # a knob of the stand-alone stream-K loops: sets may name it everywhere
     if quick_start:
         cfg = replace(cfg, quick_start=True)
+    lean_ring = lean_ring and stream_k  # likewise
+    if lean_ring:
+        cfg = replace(cfg, lean_ring=True)
     # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 and not with step_group (W1 at tile 16
     # and the one-group step spill 8-32 bytes with it): sets may name it everywhere
     split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer
@@ -3611,6 +3631,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["quick_start"] = True
     if split_nibbles:
         params["split_nibbles"] = True
+    if lean_ring:
+        params["lean_ring"] = True
     promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
@@ -3764,7 +3786,10 @@ def all_variants():
                                {"quick_start": False, "trace": True}, {"quick_start": False, "handover": True})]
               # tile_knobs's tile-8 loops (stream-K, plain and traced) on the lane order: the split order's baseline
               + [variant(role, 8, **{**tile_knobs(1)[1], **knobs, "split_nibbles": False}) for role in ("w1", "w2")
-                 for knobs in ({}, {"trace": True})]):
+                 for knobs in ({}, {"trace": True})]
+              # each card's tile-8 loops with the ring's bases held warp-uniform (lean_ring), and the H200's traced
+              + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs, "lean_ring": True})
+                 for role in ("w1", "w2") for card, knobs in (("h100", {}), ("h200", {}), ("h200", {"trace": True}))]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

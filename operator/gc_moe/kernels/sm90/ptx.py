@@ -425,16 +425,20 @@ def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
 
 
 def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24, suspend_ns: int = 0,
-                  limit_ns: int = 10_000_000_000) -> None:
+                  limit_ns: int = 10_000_000_000, first_try: bool = False) -> None:
     """Wait until the phase of parity `parity` of the barrier completed; trap instead of hanging.
 
     suspend_ns = 0: poll `try_wait` (each suspends for a hardware time limit) and trap after `max_tries` polls.
+    first_try: one `try_wait` before the polls' counter is set, so a phase already complete costs the wait and its
+    branch alone (the counter's move is one instruction of every K128 step of a loop whose stages are full).
     suspend_ns > 0: `try_wait` with that suspend-time hint, so a waiting warp sleeps until the phase completes
     instead of re-issuing its poll loop (whose instructions take issue slots from the warps that work); the
     bound is then time: trap once `limit_ns` of %globaltimer passed since the first failed try."""
     if suspend_ns <= 0:
+        first = ("mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n@done bra.uni DONE;\n"
+                 if first_try else "")
         asm(
-            "{\n.reg .pred done, more;\n.reg .b32 tries;\nmov.b32 tries, 0;\n"
+            "{\n.reg .pred done, more;\n.reg .b32 tries;\n" + first + "mov.b32 tries, 0;\n"
             "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n@done bra.uni DONE;\n"
             f"add.s32 tries, tries, 1;\nsetp.lt.s32 more, tries, {max_tries};\n@more bra.uni WAIT;\ntrap;\n"
             "DONE:\n}",
