@@ -76,11 +76,11 @@
 #   ring8   1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) on each card's rule (`h100r`: 6 stages, fenced
 #           pieces; `h200r`: 12 stages, the pieces published without a fence) beside the run's card's (ws_auto_pdl),
 #           and at 12 stages fenced, 8 and 6 tagged: the H200's tile-8 choice (docs steps 77-78)
-#   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) with the ring's bases held warp-uniform and the
-#           consumers' waits trying first (`lr`, GemmConfig.lean_ring: 130 instructions per K128 step and warp instead of
-#           140) against ws_auto_pdl, and the same on the other card's rule (`h100r` / `h100lr`, `h200r` / `h200lr`);
-#           then the traced loops with and without it on the card's rule (`ltrace`: the consumers' time per step and
-#           their waits; docs step 79)
+#   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
+#           consumers' waits trying first since step 79, GemmConfig.lean_ring: 130 instructions per K128 step and warp
+#           instead of 140) against the same without it (`nolr`), and on each card's rule (`h100r` / `h100nolr`,
+#           `h200r` / `h200nolr`); then the traced loops with and without it on both rules (`ltrace`: the consumers'
+#           time per step and their waits; docs step 79)
 #   cold    1 and 8 tokens: the traced stream-K loops at 6 stages after the flush and right after the same launch
 #           (--trace-warm; warm only for shapes below the L2's size), W1's first stage split at its producer's
 #           first copies: what W1's first 2.8 us after its scan wait for (docs step 68)
@@ -105,10 +105,10 @@ BENCH=scripts/bench_grouped_gemm_sm90.py
 RING8_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h200r:card='h200',pdl=True"
 RING8_SETS="$RING8_SETS --auto-set s12:max_stages=12,tagged_pieces=False,pdl=True"
 RING8_SETS="$RING8_SETS --auto-set s8tg:max_stages=8,tagged_pieces=True,pdl=True --auto-set tg6:max_stages=6,tagged_pieces=True,pdl=True"
-# the `lean` step: lean_ring on both cards' tile-8 rules; its traced loops (the H200's and the H100's ring and pieces)
-LEAN_SETS="--auto-set lr:lean_ring=True,pdl=True --auto-set h100r:card='h100',pdl=True"
-LEAN_SETS="$LEAN_SETS --auto-set h100lr:card='h100',lean_ring=True,pdl=True --auto-set h200r:card='h200',pdl=True"
-LEAN_SETS="$LEAN_SETS --auto-set h200lr:card='h200',lean_ring=True,pdl=True"
+# the `lean` step: both cards' tile-8 rules without lean_ring; its traced loops (the H200's and the H100's ring and pieces)
+LEAN_SETS="--auto-set nolr:lean_ring=False,pdl=True --auto-set h100r:card='h100',pdl=True"
+LEAN_SETS="$LEAN_SETS --auto-set h100nolr:card='h100',lean_ring=False,pdl=True --auto-set h200r:card='h200',pdl=True"
+LEAN_SETS="$LEAN_SETS --auto-set h200nolr:card='h200',lean_ring=False,pdl=True"
 H2T="stream_k=True,ctas_per_sm=1,trace=True,quick_start=True,split_nibbles=True,max_stages=12,tagged_pieces=True"
 H1T="stream_k=True,ctas_per_sm=1,trace=True,quick_start=True,split_nibbles=True,max_stages=6"
 LEAN_TRACE="--extra-set h2t:$H2T --extra-set h2lt:$H2T,lean_ring=True --extra-set h1t:$H1T --extra-set h1lt:$H1T,lean_ring=True"

@@ -135,7 +135,7 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                      dict(v.params).get("handover", False)) for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
                     and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
-                    and not dict(v.params).get("lean_ring"))  # (lean_ring: its own test)
+                    and dict(v.params).get("lean_ring"))  # (tile_knobs's; its baseline without lean_ring: its own test)
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                              for trace, handover in ((False, False), (True, False), (False, True))]
                             + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
@@ -187,7 +187,9 @@ def _tile_knobs_without(block_n, *names):
 
 def test_tile_knobs_follow_the_measured_points():
     # step 65: the ring at 6 stages, not 12; step 69: the walk's quick start; step 72: the split nibble order
-    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6, "quick_start": True, "split_nibbles": True}
+    # step 79: the ring's bases warp-uniform
+    stream = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 6, "quick_start": True, "split_nibbles": True,
+              "lean_ring": True}
     assert gg.tile_knobs(0) == (8, stream) and gg.tile_knobs(8) == (8, stream)
     # at tile 8 the default grid where W1's units pass 5.4 waves (past step 65's measured 704 units on 132 SMs)
     assert gg.tile_knobs(4, 400, 132) == (8, stream) and gg.tile_knobs(4, 712, 132) == (8, stream)
@@ -233,7 +235,7 @@ def test_tile_knobs_per_card():
     assert [gg.card_of(n) for n in ("NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H20")] == [
         "h200", "h200", "h100", "h100"]
     h200 = {"stream_k": True, "ctas_per_sm": 1, "max_stages": 12, "tagged_pieces": True, "quick_start": True,
-            "split_nibbles": True}
+            "split_nibbles": True, "lean_ring": True}
     assert gg.tile_knobs(1, card="h200") == (8, h200) and gg.tile_knobs(8, 712, 132, card="h200") == (8, h200)
     assert gg.tile_knobs(1, card="h100") == gg.tile_knobs(1) and gg.tile_knobs(1)[1]["max_stages"] == 6
     for cap, units in ((4, 713), (9, None), (17, None), (25, None), (33, None), (80, None), (200, None)):
@@ -245,7 +247,7 @@ def test_tile_knobs_per_card():
             v = gg.variant(role, 8, **h200, **knobs)
             assert v in gg.all_variants()
             cfg = gg.GemmConfig(**dict(v.params))
-            assert cfg.stages == 12 and cfg.tagged_pieces and cfg.quick_start and cfg.split_nibbles
+            assert cfg.stages == 12 and cfg.tagged_pieces and cfg.quick_start and cfg.split_nibbles and cfg.lean_ring
 
 
 def test_wide_tile_is_the_one_cta_table_decodes_only():
@@ -1019,7 +1021,8 @@ def test_division_by_magic_gives_every_quotient_of_the_stream_k_walk():
 
 def test_lean_ring_is_a_knob_of_the_stand_alone_stream_k_loops():
     """lean_ring (the ring's bases warp-uniform, the consumers' waits trying first): a stream_k knob that names its
-    kernels, dropped by `variant` where it does not apply; all_variants builds it on each card's tile-8 set."""
+    kernels, dropped by `variant` where it does not apply; tile_knobs's on both cards since step 79, all_variants
+    builds each card's tile-8 set without it (the baseline)."""
     with pytest.raises(ValueError, match="lean_ring is a knob of the stand-alone stream_k W1 / W2"):
         gg.GemmConfig("w1", 8, lean_ring=True)
     with pytest.raises(ValueError, match="lean_ring is a knob of the stand-alone stream_k W1 / W2"):
@@ -1029,11 +1032,11 @@ def test_lean_ring_is_a_knob_of_the_stand_alone_stream_k_loops():
     assert "lean_ring" not in dict(gg.variant("w1", 16, lean_ring=True).params)
     assert "lean_ring" not in dict(gg.variant("w1", 64, fold_scales=True, table_decode=True, lean_ring=True).params)
     assert dict(gg.variant("w1", 8, stream_k=True, lean_ring=True).params)["lean_ring"] is True
-    assert "lean_ring" not in gg.tile_knobs(1, card="h200")[1]  # opt-in until measured on the H200 (docs step 79)
-    built = sorted((dict(v.params)["role"], dict(v.params)["stages"], dict(v.params).get("tagged_pieces", False),
-                    dict(v.params).get("trace", False)) for v in gg.all_variants() if dict(v.params).get("lean_ring"))
-    assert built == sorted((role, *knobs) for role in ("w1", "w2")
-                           for knobs in ((gg.RING_STAGES[8], False, False), (12, True, False), (12, True, True)))
+    assert all(gg.tile_knobs(1, card=card)[1]["lean_ring"] for card in gg.CARDS)
+    for role in ("w1", "w2"):
+        for card, knobs in (("h100", {}), ("h200", {}), ("h200", {"trace": True})):
+            baseline = gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], **knobs, "lean_ring": False})
+            assert "lean_ring" not in dict(baseline.params) and baseline in gg.all_variants()
 
 
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
@@ -2396,17 +2399,18 @@ def test_h200_tile8_set_writes_the_h100_sets_bytes(hidden, inter, experts, topk,
 @pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
                                                               (5120, 512, 5, 2, 1)])
 def test_lean_ring_writes_the_same_bytes(hidden, inter, experts, topk, tokens, card, trace):
-    """The stream-K loops with their ring's bases held warp-uniform and their waits trying first (`lean_ring`) run
-    the same steps on the same stages, so W1 and W2 write the same bytes as without, relaunched on the same buffers
-    (each card's tile-8 set, the traced loop). And the float32 reference."""
+    """The stream-K loops with their ring's bases held warp-uniform and their waits trying first (`lean_ring`, each
+    card's tile-8 set, the traced loop) run the same steps on the same stages, so W1 and W2 write the same bytes as
+    without, relaunched on the same buffers. And the float32 reference."""
     case = (hidden, inter, experts, topk, tokens, 8)
     knobs = {**gg.tile_knobs(1, card=card)[1], **({"trace": True} if trace else {})}
+    assert knobs["lean_ring"]
     seed = hidden + tokens + experts + 23
     _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, relaunches=2,
-                                 programmatic_pairs=0 if trace else 2, **knobs, lean_ring=True),
-                       _run_case(*case, seed=seed, return_raw=True, **knobs))
+                                 programmatic_pairs=0 if trace else 2, **knobs),
+                       _run_case(*case, seed=seed, return_raw=True, **{**knobs, "lean_ring": False}))
     if not trace:
-        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **knobs, lean_ring=True)
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **knobs)
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
