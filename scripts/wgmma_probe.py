@@ -139,8 +139,8 @@ def split_table(rows: list[dict]) -> str:
     def split_key(r):
         return r["n"], r["split"], r["warpgroups"] - r["split"], r["shared_a"]
 
-    lines = ["| N | decoder warpgroups | chain warpgroups | chains' A | decoders alone | chains alone | together | sum "
-             "| max | overlap |",
+    lines = [("| N | decoder warpgroups | chain warpgroups | chains' A | decoders alone | chains alone | together | sum "
+              "| max | overlap |"),
              "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key in sorted({split_key(r) for r in rows if r.get("split")}):
         d, c, both = get(key, True, False), get(key, False, True), get(key, True, True)

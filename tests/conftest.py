@@ -6,7 +6,7 @@ def _has_cuda() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:
+    except (ImportError, OSError, RuntimeError):  # no torch, its libraries missing, or a driver that fails
         return False
 
 

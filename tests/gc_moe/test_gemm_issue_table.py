@@ -39,7 +39,7 @@ def test_fastest_checked_row_of_the_named_sets(table_script):
     seen = []
     text = table_script.tables(data, ["ws_auto", "ws_auto_pdl", "ws_auto_pair"],
                                report=lambda vs: seen.append([v.describe() for v in vs]) or "R")
-    lines = [ln for ln in text.splitlines() if ln.startswith("| 1 ") or ln.startswith("| 64 ")]
+    lines = [ln for ln in text.splitlines() if ln.startswith(("| 1 ", "| 64 "))]
     assert "`ws_auto_pair`" in lines[0] and "| 7.0 |" in lines[0] and "`ws_auto`" in lines[1]
     assert "3.20 TB/s" in text and text.count("| tokens/rank |") == 1
     # the pair kernel alone for the pair row; W1 and W2 at the row's tile and knobs otherwise
@@ -49,11 +49,11 @@ def test_fastest_checked_row_of_the_named_sets(table_script):
 
 def test_wrong_input_says_what_is_wrong(tmp_path):
     missing = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "none.json")], capture_output=True,
-                             text=True)
+                             text=True, check=False)
     assert missing.returncode != 0 and "no such file" in missing.stderr
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"read_bw_bytes_per_s": 1e12, "rows": [_row("x", "m", 1, 2.0)]}))
-    wrong = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
+    wrong = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, check=False)
     assert wrong.returncode != 0 and "no rows of the sets" in wrong.stderr and "['x']" in wrong.stderr
 
 

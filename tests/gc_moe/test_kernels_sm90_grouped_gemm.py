@@ -300,11 +300,11 @@ def test_consumer_registers_move_within_the_ctas_pool():
         # the pool is the launch's 640 x 96; setmaxnreg takes multiples of 8 in 24..256
         assert 128 * split.producer_registers + 512 * c <= 640 * gg.WS_ENTRY_REGISTERS
         assert split.producer_registers % 8 == 0 and split.producer_registers >= 24
-        assert split.name.endswith("_p4_r%d" % c)
-    for bad in (dict(producer_warps=2, consumer_registers=112),  # the producer must be a whole warpgroup
-                dict(producer_warps=4, consumer_registers=120),  # more than the pool holds
-                dict(producer_warps=4, consumer_registers=112, ctas_per_sm=2, block_n=8),
-                dict(producer_warps=1, consumer_registers=112, warp_specialized=False)):
+        assert split.name.endswith(f"_p4_r{c}")
+    for bad in ({"producer_warps": 2, "consumer_registers": 112},  # the producer must be a whole warpgroup
+                {"producer_warps": 4, "consumer_registers": 120},  # more than the pool holds
+                {"producer_warps": 4, "consumer_registers": 112, "ctas_per_sm": 2, "block_n": 8},
+                {"producer_warps": 1, "consumer_registers": 112, "warp_specialized": False}):
         knobs = {"block_n": 32, **bad}
         with pytest.raises(ValueError, match="consumer_registers .*allowed None, or one of \\(104, 112\\)"):
             gg.GemmConfig("w1", **knobs)

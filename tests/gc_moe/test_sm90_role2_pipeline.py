@@ -12,7 +12,6 @@ holding that step's data, no stage refilled before every warp released it, and n
 import random
 
 import pytest
-
 from gc_moe.kernels.sm90 import grouped_gemm as gg
 from gc_moe.kernels.sm90 import role2
 

@@ -9,9 +9,8 @@ every CTA must be resident). PIPELINE_ENV picks the harness's pipeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 from gc_moe.kernels.sm90 import mega_port as k
 from gc_moe.kernels.sm90 import mega_port_ws as kws
