@@ -1125,7 +1125,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
     # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
-    # tile-8 loops (plain, traced), each card's tile-8 loops with lean_ring (and the H200's traced)
+    # tile-8 loops (plain, traced), each card's tile-8 loops without lean_ring (its baseline; and the H200's traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
                           + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6)
     for variant, entry in built.items():
@@ -1256,7 +1256,7 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
     # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced),
-    # each card's tile-8 loops with lean_ring (and the H200's traced)
+    # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
                        + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6)
     for variant, entry in ws.items():
