@@ -76,6 +76,10 @@
 #   ring8   1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic) on each card's rule (`h100r`: 6 stages, fenced
 #           pieces; `h200r`: 12 stages, the pieces published without a fence) beside the run's card's (ws_auto_pdl),
 #           and at 12 stages fenced, 8 and 6 tagged: the H200's tile-8 choice (docs steps 77-78)
+#   tmat    1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with the token tile through a tensor map
+#           (`h100t`, `h200t`: GemmConfig.tma_tokens) beside without (`h100r`, `h200r`); then the traced loops of
+#           both at 1 and 8 tokens (`tmtrace.json`: the epilogues' times). `python scripts/set_deltas.py
+#           tmat-N.json --pairs h100t:h100r,h200t:h200r`
 #   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
 #           consumers' waits trying first since step 79, GemmConfig.lean_ring: 130 instructions per K128 step and warp
 #           instead of 140) against the same without it (`nolr`), and on each card's rule (`h100r` / `h100nolr`,
@@ -112,6 +116,12 @@ LEAN_SETS="$LEAN_SETS --auto-set h200nolr:card='h200',lean_ring=False,pdl=True"
 H2T="stream_k=True,ctas_per_sm=1,trace=True,quick_start=True,split_nibbles=True,max_stages=12,tagged_pieces=True"
 H1T="stream_k=True,ctas_per_sm=1,trace=True,quick_start=True,split_nibbles=True,max_stages=6"
 LEAN_TRACE="--extra-set h2t:$H2T --extra-set h2lt:$H2T,lean_ring=True --extra-set h1t:$H1T --extra-set h1lt:$H1T,lean_ring=True"
+# the `tmat` step: each card's tile-8 rule with its token tile through a tensor map (tma_tokens) beside without, and
+# the traced loops of both (the epilogues' times are what it is for)
+TMAT_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100t:card='h100',tma_tokens=True,pdl=True"
+TMAT_SETS="$TMAT_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200t:card='h200',tma_tokens=True,pdl=True"
+TMAT_TRACE="--extra-set h1lt:$H1T,lean_ring=True --extra-set h1tt:$H1T,lean_ring=True,tma_tokens=True"
+TMAT_TRACE="$TMAT_TRACE --extra-set h2lt:$H2T,lean_ring=True --extra-set h2tt:$H2T,lean_ring=True,tma_tokens=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -159,6 +169,8 @@ for s in $steps; do
            run build-ring8 600 python $BENCH --build-only --auto-ctas --pdl $RING8_SETS --tokens 1,2,4,8
            run build-lean 600 python $BENCH --build-only --auto-ctas --pdl $LEAN_SETS --tokens 1,2,4,8
            run build-ltrace 600 python $BENCH --build-only $LEAN_TRACE --tokens 1,8
+           run build-tmat 600 python $BENCH --build-only --auto-ctas --pdl $TMAT_SETS --tokens 1,2,4,8
+           run build-tmtrace 600 python $BENCH --build-only $TMAT_TRACE --tokens 1,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -259,6 +271,13 @@ for s in $steps; do
           done
           run ltrace 200 python $BENCH --check --time --per-role --trace $LEAN_TRACE \
             --tokens 1,8 --windows 3 --replays 10 --json "$OUT/ltrace.json" ;;
+    # shellcheck disable=SC2086
+    tmat) for r in 1 2; do  # the token tile through a tensor map (docs step 80)
+            run tmat-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $TMAT_SETS \
+              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/tmat-$r.json"
+          done
+          run tmtrace 200 python $BENCH --check --time --per-role --trace $TMAT_TRACE \
+            --tokens 1,8 --windows 3 --replays 10 --json "$OUT/tmtrace.json" ;;
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \

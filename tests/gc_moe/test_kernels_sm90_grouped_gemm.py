@@ -1039,6 +1039,34 @@ def test_lean_ring_is_a_knob_of_the_stand_alone_stream_k_loops():
             assert "lean_ring" not in dict(baseline.params) and baseline in gg.all_variants()
 
 
+def test_tma_tokens_is_a_knob_of_the_stand_alone_stream_k_loops():
+    """tma_tokens (the token tile through a tensor map): a knob of the stand-alone stream_k loops that names its
+    kernels and adds the map's address as their last parameter, dropped by `variant` where it does not apply; the
+    map's request is the chunk-major box of one K128 step of 8 rows, and bad activations are refused with what is
+    allowed. all_variants builds each card's tile-8 set with it, plain and traced."""
+    for bad in ({}, {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True},
+                {"stream_k": True, "ctas_per_sm": 1, "handover": True}):
+        with pytest.raises(ValueError, match="tma_tokens is a knob of the stand-alone stream_k W1 / W2"):
+            gg.GemmConfig("w1", 8, tma_tokens=True, **bad)
+    plain = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1)
+    tma = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, tma_tokens=True)
+    assert tma.name == plain.name.replace("_sk_", "_sk_tmat_") and tma.params == plain.params + (("token_map", "u64"),)
+    assert "tma_tokens" not in dict(gg.variant("w1", 16, tma_tokens=True).params)
+    assert "tma_tokens" not in dict(gg.variant("w2", 8, stream_k=True, handover=True, tma_tokens=True).params)
+    assert dict(gg.variant("w2", 8, stream_k=True, tma_tokens=True).params)["tma_tokens"] is True
+    spec = gg.token_map_spec(0x7F0000000000, 37, 5120)
+    assert (spec.dims, spec.strides_bytes, spec.box, spec.swizzle) == ((16, 37, 320), (5120, 16), (16, 8, 8), "none")
+    assert 16 * 8 * 8 == 8 * 128  # the box: one K128 step of a token tile, the bytes its stage's barrier expects
+    for rows, k in ((0, 5120), (37, 5000)):
+        with pytest.raises(ValueError, match="allowed rows >= 1 and K a positive multiple of 128"):
+            gg.token_map_spec(0x7F0000000000, rows, k)
+    built = gg.all_variants()
+    for role in ("w1", "w2"):
+        for card in gg.CARDS:
+            for knobs in ({}, {"trace": True}):
+                assert gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], **knobs, "tma_tokens": True}) in built
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1125,9 +1153,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # 64 (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
     # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
-    # tile-8 loops (plain, traced), each card's tile-8 loops without lean_ring (its baseline; and the H200's traced)
+    # tile-8 loops (plain, traced), each card's tile-8 loops without lean_ring (its baseline; and the H200's traced),
+    # each card's tile-8 loops with the token tile through a tensor map (plain, traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1152,7 +1181,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         steps = steps_at(top)
         main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
         assert len(mma) == 4 * steps * main_loops and all(len(a.split(",")) == 4 for a in mma), variant.describe()
-        assert "cp.async.cg.shared.global" in ptx and "L2::cache_hint" not in ptx
+        # the token tile's 16-byte cp.async pieces (tma_tokens: only a fenced owner's staged pieces have them)
+        assert ("cp.async.cg.shared.global" in ptx) == (not cfg.tma_tokens or not cfg.tagged_pieces)
+        assert "L2::cache_hint" not in ptx
         # the split order's decode: row g's register is one mask of the code word (0x9C9C9C9C), four per K128 step
         masks = len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -1667457892;", ptx))
         assert (masks >= 8) == cfg.split_nibbles, variant.describe()
@@ -1256,9 +1287,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # (and as the unit grid at 32 / 64), tile 8's unit grid at its capped ring, the stream-K walk's quick start
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
     # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced),
-    # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced)
+    # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced), each card's tile-8 loops with
+    # the token tile through a tensor map (plain, traced)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1292,10 +1324,15 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
         assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
-        assert "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {gg.STAGE_TX_BYTES};" in ptx
+        # tma_tokens: the stage's token tile (block_n rows of 128 bytes) comes by one tensor-map copy, its bytes
+        # announced with the weights', and the consumers keep no proxy fence (the one left orders the barriers' init)
+        tma = bool(params.get("tma_tokens"))
+        tx = gg.STAGE_TX_BYTES + (cfg.block_n * 128 if tma else 0)
+        assert "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r" in ptx and f"], {tx};" in ptx, variant.describe()
+        assert ("cp.async.bulk.tensor.3d.shared::cluster.global.tile" in ptx) == tma, variant.describe()
         assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
         assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") >= 2  # consumers' full, producer's empty
-        assert "fence.proxy.async.shared::cta;" in ptx and "mbarrier.arrive.shared::cta.b64 _," in ptx
+        assert ("fence.proxy.async.shared::cta;" in ptx) != tma and "mbarrier.arrive.shared::cta.b64 _," in ptx
         assert "cp.async.wait_all;" in ptx and "cp.async.commit_group" not in ptx
 
 
@@ -2411,6 +2448,28 @@ def test_lean_ring_writes_the_same_bytes(hidden, inter, experts, topk, tokens, c
                        _run_case(*case, seed=seed, return_raw=True, **{**knobs, "lean_ring": False}))
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **knobs)
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("card,trace", [("h200", False), ("h100", False), ("h100", True), ("h200", True)],
+                         ids=["h200", "h100", "h100_traced", "h200_traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens", [(1024, 512, 7, 4, 3), (5120, 2304, 10, 6, 8),
+                                                              (5120, 512, 5, 2, 1)])
+def test_tma_tokens_write_the_same_bytes(hidden, inter, experts, topk, tokens, card, trace):
+    """The stream-K loops with their token tiles through a tensor map (`tma_tokens`, each card's tile-8 set, the
+    traced loops) stage the same rows a tile uses (the rows past an expert's count come from the next rows, not
+    zeros, but their columns are scaled by zero and never stored), so W1 and W2 write the same bytes as with the
+    cp.async pieces, relaunched on the same buffers and as programmatic pairs (graph replays among them: the map made
+    at the first launch stays valid under capture). And the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {**gg.tile_knobs(1, card=card)[1], **({"trace": True} if trace else {})}
+    seed = hidden + tokens + experts + 31
+    _assert_same_bytes(_run_case(*case, seed=seed, return_raw=True, relaunches=2,
+                                 programmatic_pairs=0 if trace else 2, **{**knobs, "tma_tokens": True}),
+                       _run_case(*case, seed=seed, return_raw=True, **knobs))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **{**knobs, "tma_tokens": True})
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

@@ -129,6 +129,9 @@ SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 # stream_k appends these: the split buffers (partials per piece: [unit + CTA, consumer thread, BN / 2]; counts per
 # unit) and the local experts, whose units with tokens the CTAs share (the grid holds no unit coordinates)
 STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
+# tma_tokens: the grouped activations' 3-D tensor map, 128 bytes in global memory (`token_map_args`)
+TOKEN_MAP_PARAMS = (("token_map", "u64"),)
+TOKEN_MAP_ROWS = 8  # the map's box: one token tile (tma_tokens is a knob of the stream-K loops, token tile 8)
 # stream_k with handover appends these: the hand-over words (int32 per (expert, token tile, W2 K128 block) = W1
 # weight-row CTA; zero before the first launch, a W1 + W2 pair leaves them zero), the token tiles per expert they
 # are laid out for, and (W1) the permits one finished W1 unit publishes: W2's weight-row CTAs per token tile
@@ -395,6 +398,14 @@ class GemmConfig:
     # step: 140 -> 130 instructions per step and warp on the tile-8 loop, the consumers' own time per step 8-15% lower
     # and the pair 0.6 us faster on average at 1-8 tokens on an H100 (tile_knobs's since step 79)
     lean_ring: bool = False
+    # the stand-alone stream_k W1 / W2: the producer's lane 0 copies a K128 step's token tile with one tensor-map copy
+    # (a 3-D map over the grouped activations, built on the host: `token_map_args`) instead of 64 16-byte cp.async
+    # pieces from the warp; the activation scales stay cp.async. The tile's rows past the expert's count come from the
+    # next rows (their columns' partials are never stored; the map zero-fills past the last row). The copies of the
+    # consumers' global stores and loads (a piece's stores, the epilogues' loads) no longer share the load/store path
+    # with the ring's token rows in flight (a tagged piece's three global instructions took 2.2 us median on an H100,
+    # docs step 80), and the consumers' per-step proxy fence goes (the tile arrives through the async proxy)
+    tma_tokens: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -473,6 +484,9 @@ class GemmConfig:
                              "pair kernel's halves, not handover: their words keep the fenced publication)")
         if self.lean_ring and not (self.stream_k and not self.stream_pair):
             raise ValueError("lean_ring is a knob of the stand-alone stream_k W1 / W2 (not the pair kernel's halves)")
+        if self.tma_tokens and not (self.stream_k and not self.stream_pair and not self.handover):
+            raise ValueError("tma_tokens is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the pair "
+                             "kernel's halves, not handover: their rows come as W1 publishes them)")
         if self.quick_start and not (self.stream_k and not self.sm_weights):
             raise ValueError("quick_start is a knob of the stream_k W1 / W2 (the pair kernel's too, not with "
                              "sm_weights): pass stream_k=True")
@@ -733,6 +747,8 @@ class GemmConfig:
     @property
     def params(self):
         tail = STREAM_PARAMS if self.stream_k else SPLIT_PARAMS if self.k_splits > 1 else ()
+        if self.tma_tokens:
+            tail += TOKEN_MAP_PARAMS
         if self.handover:
             tail += HANDOVER_PARAMS_W1 if self.role == "w1" else HANDOVER_PARAMS_W2
         if self.persistent:
@@ -762,6 +778,7 @@ class GemmConfig:
             s += f"_e{self.w2_early_stages}" if self.w2_early_stages is not None else ""
             s += "_quick" if self.quick_start else ""
             s += "_lring" if self.lean_ring else ""
+            s += "_tmat" if self.tma_tokens else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -1002,6 +1019,8 @@ def _make_kernel(cfg: GemmConfig):
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
     QUICK = cfg.quick_start  # stream_k: the walk's first unit without divisions or a serial lookup
     LEAN_RING = cfg.lean_ring  # stream_k: the ring's bases warp-uniform, the consumers' waits trying first
+    TMA_TOKENS = cfg.tma_tokens  # stream_k: a = (..., act_scale, token_map): the token tile by one tensor-map copy
+    STAGE_TX = STAGE_TX_BYTES + (BN * 128 if TMA_TOKENS else 0)  # the bytes a full barrier's phase waits for
     W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -1129,7 +1148,8 @@ def _make_kernel(cfg: GemmConfig):
         CTA's weight and scale streams and strides, its 16-byte pieces of the token tile (source, bytes,
         destination offset; rows past the expert's count zero-filled) and its activation-scale words.
         ring_rows: a reused ring's rows (grouped row r lives in ring row r mod ring_rows), else None. k_first:
-        the unit's first K128 step when K is split (k_splits), else None (step 0)."""
+        the unit's first K128 step when K is split (k_splits), else None (step 0). tma_tokens: the token tile's
+        sources are (the tensor map a[4], the tile's first row, the first K128 step) instead of the pieces."""
         w_codes, w_scales, act, act_scale = a[:4]
         first_row = Int64(row0)
         if cutlass.const_expr(ring_rows is not None):
@@ -1141,7 +1161,7 @@ def _make_kernel(cfg: GemmConfig):
         scale_stride = Int64(k_blocks) * TILE_SCALE_BYTES
         row_bytes = Int64(k_blocks * 128)
         b_src, b_bytes, b_dst = [], [], []
-        for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
+        for r in cutlass.range_constexpr(0 if TMA_TOKENS else B_PIECES_PER_THREAD):
             idx = pidx + PT * r
             n_lo = idx % 8
             c = (idx // 8) % 8
@@ -1176,7 +1196,10 @@ def _make_kernel(cfg: GemmConfig):
             s_src = s_src + Int64(k_first) * TILE_SCALE_BYTES
             b_src = [src + Int64(k_first) * 128 for src in b_src]
             x_src = [src + Int64(k_first) * 4 for src in x_src]
-        return (w_src, s_src, tile_stride, scale_stride), (b_src, b_bytes, b_dst), (x_src, x_bytes)
+        rows_in = (b_src, b_bytes, b_dst)
+        if cutlass.const_expr(TMA_TOKENS):
+            rows_in = (a[4], Int32(row0), Int32(0) if k_first is None else Int32(k_first))
+        return (w_src, s_src, tile_stride, scale_stride), rows_in, (x_src, x_bytes)
 
     @cute.jit
     def copy_token_scales(sbase, kb, x_src, x_bytes, pidx):
@@ -1265,7 +1288,6 @@ def _make_kernel(cfg: GemmConfig):
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
                                                      k_first=k_first)
         w_src, s_src, tile_stride, scale_stride = weights
-        b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         if cutlass.const_expr(trace_seg is not None and W1 and base is not None and not PAIR):  # noqa: SIM102
             if pidx == 0 and base == 0:  # the CTA's first copies' sources are known: the tail's slot 6
@@ -1324,7 +1346,7 @@ def _make_kernel(cfg: GemmConfig):
                 else:
                     ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
             issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
-            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
+            copy_token_rows(smem, kb, rows_in, pidx, stage)
             if cutlass.const_expr(RATIOS):
                 scale_prev = stage_scale_ratio(sbase, kb, pidx, scale_next, scale_prev)
                 if pidx < BN and x_bytes[0] != 0 and kb + 1 < k_steps:
@@ -1364,7 +1386,6 @@ def _make_kernel(cfg: GemmConfig):
                 ring_rows = ready[4]  # W1's output rows form a ring of the same rows
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx, ring_rows)
         w_src, s_src, tile_stride, scale_stride = weights
-        b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
         base = cute.arch.make_warp_uniform(base)  # read from shared memory; keeps stage addresses uniform
         empty0 = smem + cfg.barrier_offset + STAGES * 8
@@ -1397,7 +1418,7 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.wait_all_bits_relaxed_gpu(done_mask, all_bits, started, timeout_ns)
         ptx.warp_sync()  # the warp's copies of the unit's rows follow its lane 0's acquire
         for kb in cutlass.range(prefetched):
-            copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, step_stage(base + kb, STAGES))
+            copy_token_rows(smem, kb, rows_in, pidx, step_stage(base + kb, STAGES))
         table = smem + cfg.scale_table_offset
         if cutlass.const_expr(not W1):
             if pidx < 32:
@@ -1436,7 +1457,7 @@ def _make_kernel(cfg: GemmConfig):
                 if step >= STAGES:
                     ptx.mbarrier_wait(empty0 + stage * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
                 issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
-                copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
+                copy_token_rows(smem, kb, rows_in, pidx, stage)
             if cutlass.const_expr(W1):
                 copy_token_scales(sbase, kb, x_src, x_bytes, pidx)
                 if pidx == 0:
@@ -1472,9 +1493,8 @@ def _make_kernel(cfg: GemmConfig):
     def copy_stage_inputs(smem, kb, stage, rows_in, scales_in, pidx):
         """Step kb's token rows and activation scales into stage `stage` (cp.async), then this thread's arrival
         on its full barrier once they land: what a step whose weights went out earlier still needs."""
-        b_src, b_bytes, b_dst = rows_in
         x_src, x_bytes = scales_in
-        copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage)
+        copy_token_rows(smem, kb, rows_in, pidx, stage)
         for r in cutlass.range_constexpr(-(-BN // PT)):
             if pidx + PT * r < BN:
                 ptx.cp_async_4_zfill(smem + stage * cfg.stage_bytes + cfg.xs_offset + (pidx + PT * r) * 4,
@@ -1482,12 +1502,21 @@ def _make_kernel(cfg: GemmConfig):
         ptx.cp_async_mbarrier_arrive_noinc(smem + cfg.barrier_offset + stage * 8)
 
     @cute.jit
-    def copy_token_rows(smem, kb, b_src, b_bytes, b_dst, pidx, stage=None):
-        """Stage kb's token tile: 16-byte cp.async pieces (rows past the count zero-filled). stage: the ring
-        stage when it is not kb mod STAGES (the fused halves' steps continue across units)."""
+    def copy_token_rows(smem, kb, rows_in, pidx, stage=None):
+        """Stage kb's token tile: 16-byte cp.async pieces (rows past the count zero-filled; rows_in: `stream_sources`'s
+        sources, bytes and destinations), or with tma_tokens one tensor-map copy by pidx 0 (rows_in: the map, the
+        tile's first row, the unit's first K128 step) that completes on the stage's full barrier. stage: the ring stage
+        when it is not kb mod STAGES (the fused halves' steps continue across units)."""
         if cutlass.const_expr(stage is None):
             stage = kb % STAGES
         sbase = smem + stage * cfg.stage_bytes
+        if cutlass.const_expr(TMA_TOKENS):
+            token_map, first_row, k_first = rows_in
+            if pidx == 0:  # box (16 bytes, 8 rows, 8 K chunks of 16): the core-matrix order the descriptor reads
+                ptx.tensor_copy_3d_g2s(sbase + cfg.b_offset, token_map, Int32(0), first_row, (k_first + kb) * 8,
+                                       smem + cfg.barrier_offset + stage * 8)
+            return
+        b_src, b_bytes, b_dst = rows_in
         k_off = Int64(kb * 128)
         for r in cutlass.range_constexpr(B_PIECES_PER_THREAD):
             if cutlass.const_expr(BN * 8 % PT == 0):
@@ -1505,7 +1534,7 @@ def _make_kernel(cfg: GemmConfig):
         if pidx == 0:
             # the stage's bytes announced once; another warp's copies may land first (the tx count goes
             # negative until then, and the phase still waits for this arrival)
-            ptx.mbarrier_arrive_expect_tx(full, STAGE_TX_BYTES)
+            ptx.mbarrier_arrive_expect_tx(full, STAGE_TX)
         w_k = w_src + Int64(kb) * TILE_BYTES
         s_k = s_src + Int64(kb) * TILE_SCALE_BYTES
         for i in cutlass.range_constexpr(TILES_PER_CTA):
@@ -1664,7 +1693,8 @@ def _make_kernel(cfg: GemmConfig):
             waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
         else:
             ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND, first_try=LEAN_RING)
-        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        if cutlass.const_expr(not TMA_TOKENS):  # the token tile came through cp.async (generic proxy)
+            ptx.fence_proxy_async_shared()
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if wg == 0 and t == 0:
                 ptx.stamp_times(trace_seg + Int64(16))
@@ -1684,7 +1714,8 @@ def _make_kernel(cfg: GemmConfig):
                 waited = waited + ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
             else:
                 ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND, first_try=LEAN_RING)
-            ptx.fence_proxy_async_shared()
+            if cutlass.const_expr(not TMA_TOKENS):  # the token tile came through cp.async (generic proxy)
+                ptx.fence_proxy_async_shared()
             for grp in cutlass.range_constexpr(GROUPS):
                 issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
                 if cutlass.const_expr(grp == 0):
@@ -1720,7 +1751,8 @@ def _make_kernel(cfg: GemmConfig):
         prev_stage = stage
         stage, phase = next_stage(stage, phase)
         waited = stage_wait(bar0 + stage * 8, phase, waited)
-        ptx.fence_proxy_async_shared()  # the token tile came through cp.async (generic proxy)
+        if cutlass.const_expr(not TMA_TOKENS):  # the token tile came through cp.async (generic proxy)
+            ptx.fence_proxy_async_shared()
         issue_group(smem + stage * cfg.stage_bytes + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, cur)
         pbase = smem + prev_stage * cfg.stage_bytes
         finish_group(pbase + s_off, 0, prev, tsum)
@@ -1746,7 +1778,8 @@ def _make_kernel(cfg: GemmConfig):
         while the step before is scaled, two steps per trip; an even count's first step runs alone first."""
         bar0 = smem + cfg.barrier_offset
         waited = stage_wait(bar0 + stage * 8, phase, Int32(0))
-        ptx.fence_proxy_async_shared()
+        if cutlass.const_expr(not TMA_TOKENS):  # the token tile came through cp.async (generic proxy)
+            ptx.fence_proxy_async_shared()
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if wg == 0 and t == 0:
                 ptx.stamp_times(trace_seg + Int64(16))
@@ -1763,7 +1796,8 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_arrive(bar0 + (STAGES + stage) * 8)
             stage, phase = next_stage(stage, phase)
             waited = stage_wait(bar0 + stage * 8, phase, waited)
-            ptx.fence_proxy_async_shared()
+            if cutlass.const_expr(not TMA_TOKENS):  # the token tile came through cp.async (generic proxy)
+                ptx.fence_proxy_async_shared()
         issue_group(smem + stage * cfg.stage_bytes + a_off, desc0 + stage * (cfg.stage_bytes // 16), 0, bufs[0])
         for _trip in cutlass.range((k_blocks - 1) // 2):
             stage, phase, waited = step_group_step(smem, stage, phase, bufs[1], bufs[0], a_off, s_off, x_off, desc0,
@@ -2624,6 +2658,9 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(LEAN_RING):  # held once, not rebuilt from the CTA's cluster id in every K128 step
             smem = cute.arch.make_warp_uniform(smem)
         init_stage_ring(smem, tid)
+        if cutlass.const_expr(TMA_TOKENS):  # noqa: SIM102 (a trace-time branch around a device one)
+            if tid == THREADS:  # the producer thread that issues every copy through the map (its pidx 0)
+                ptx.tensor_map_acquire(a[4])
         magic = None
         if cutlass.const_expr(QUICK):  # the range's divisor's multiplier while the scan's loads are out
             magic = ptx.division_magic(Int32(cute.arch.grid_dim()[0]))
@@ -3214,6 +3251,14 @@ def _make_kernel(cfg: GemmConfig):
                        k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
                 persistent_body((w_codes, w_scales, act, act_scale, routing_weight, w_factor), w_factor, expert_offsets,
                                 k_blocks, m_tiles, experts, token_tiles, (routing_weight, out, out_scale))
+        elif cutlass.const_expr(STREAM and TMA_TOKENS):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, routing_weight: Int64, out: Int64, out_scale: Int64,
+                       k_blocks: Int32, m_tiles: Int32, split_partials: Int64, split_counts: Int64, experts: Int32,
+                       token_map: Int64):
+                stream_body((w_codes, w_scales, act, act_scale, token_map), w_factor, expert_offsets, k_blocks,
+                            m_tiles, experts, (split_partials, split_counts), (routing_weight, out, out_scale))
         elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
@@ -3305,6 +3350,13 @@ def _make_kernel(cfg: GemmConfig):
                        experts: Int32, token_tiles: Int32):
                 persistent_body((w_codes, w_scales, act, act_scale, dest_row, w_factor), w_factor, expert_offsets,
                                 k_blocks, m_tiles, experts, token_tiles, (dest_row, out))
+        elif cutlass.const_expr(STREAM and TMA_TOKENS):
+            @cute.kernel
+            def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
+                       expert_offsets: Int64, dest_row: Int64, out: Int64, k_blocks: Int32, m_tiles: Int32,
+                       split_partials: Int64, split_counts: Int64, experts: Int32, token_map: Int64):
+                stream_body((w_codes, w_scales, act, act_scale, token_map), w_factor, expert_offsets, k_blocks,
+                            m_tiles, experts, (split_partials, split_counts), (dest_row, out))
         elif cutlass.const_expr(STREAM):
             @cute.kernel
             def kernel(w_codes: Int64, w_scales: Int64, w_factor: Int64, act: Int64, act_scale: Int64,
@@ -3373,6 +3425,11 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  a8: Int64, k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, experts, token_tiles).launch(**launch)
+    elif cfg.role == "w1" and cfg.tma_tokens:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 a8: Int64, k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32, token_map: Int64):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, k_blocks, m_tiles, p0, p1, experts, token_map).launch(**launch)
     elif cfg.role == "w1" and cfg.stream_k:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -3408,6 +3465,11 @@ def _host_launcher(cfg: GemmConfig, kernel):
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
                  k_blocks: Int32, m_tiles: Int32, experts: Int32, token_tiles: Int32):
             kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, experts, token_tiles).launch(**launch)
+    elif cfg.tma_tokens:
+        @cute.jit
+        def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
+                 k_blocks: Int32, m_tiles: Int32, p0: Int64, p1: Int64, experts: Int32, token_map: Int64):
+            kernel(a0, a1, a2, a3, a4, a5, a6, a7, k_blocks, m_tiles, p0, p1, experts, token_map).launch(**launch)
     elif cfg.stream_k:
         @cute.jit
         def host(a0: Int64, a1: Int64, a2: Int64, a3: Int64, a4: Int64, a5: Int64, a6: Int64, a7: Int64,
@@ -3443,7 +3505,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False, lean_ring: bool = False):
+               split_nibbles: bool = False, lean_ring: bool = False, tma_tokens: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3459,7 +3521,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      persistent=persistent, words_first=words_first, snake_walk=snake_walk,
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
-                     quick_start=quick_start, split_nibbles=split_nibbles, lean_ring=lean_ring)
+                     quick_start=quick_start, split_nibbles=split_nibbles, lean_ring=lean_ring,
+                     tma_tokens=tma_tokens)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3477,7 +3540,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
             w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            lean_ring: bool = False):
+            lean_ring: bool = False, tma_tokens: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3557,6 +3620,9 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     lean_ring = lean_ring and stream_k  # likewise
     if lean_ring:
         cfg = replace(cfg, lean_ring=True)
+    tma_tokens = tma_tokens and stream_k and not handover  # likewise, where the rows do not come by words
+    if tma_tokens:
+        cfg = replace(cfg, tma_tokens=True)
     # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 and not with step_group (W1 at tile 16
     # and the one-group step spill 8-32 bytes with it): sets may name it everywhere
     split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer
@@ -3633,7 +3699,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["split_nibbles"] = True
     if lean_ring:
         params["lean_ring"] = True
-    promises = ("wgmma.mma_async.sync.aligned.m64n", "cp.async.cg.shared.global")
+    if tma_tokens:
+        params["tma_tokens"] = True
+    # the 16-byte cp.async pieces of the token tile (with tma_tokens only a fenced owner's staged pieces use them)
+    promises = ("wgmma.mma_async.sync.aligned.m64n",) + (() if tma_tokens else ("cp.async.cg.shared.global",))
     if cfg.warp_specialized:
         promises += ("cp.async.bulk.shared::cluster.global.mbarrier", "mbarrier.try_wait.parity")
     if cfg.table_decode:
@@ -3646,6 +3715,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      else ("red.release.gpu.global.add", "ld.acquire.gpu.global", "ld.relaxed.gpu.global"))
         promises += ("griddepcontrol.launch_dependents" if role == "w1" else
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait",)
+    if tma_tokens:  # the token tile through the map, its bytes acquired once
+        promises += ("cp.async.bulk.tensor.3d.shared::cluster.global", "fence.proxy.tensormap::generic.acquire")
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
     if transposed_stores:  # W2's fragments transposed by stmatrix, W1's bytes stored one by one; 16-byte stores out
@@ -3789,7 +3860,10 @@ def all_variants():
                  for knobs in ({}, {"trace": True})]
               # each card's tile-8 loops without lean_ring (its baseline, step 79), and the H200's traced
               + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs, "lean_ring": False})
-                 for role in ("w1", "w2") for card, knobs in (("h100", {}), ("h200", {}), ("h200", {"trace": True}))]):
+                 for role in ("w1", "w2") for card, knobs in (("h100", {}), ("h200", {}), ("h200", {"trace": True}))]
+              # each card's tile-8 loops with the token tile through a tensor map (step 80), plain and traced
+              + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs, "tma_tokens": True})
+                 for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -4038,6 +4112,60 @@ def _persist_args(cfg: GemmConfig, experts: int, capacity: int) -> list:
     return [i32(experts), i32(max(1, -(-capacity // cfg.block_n)))]
 
 
+# tma_tokens: the tensor maps of the activation buffers launched so far, {(device, address, rows, K): the map's 128
+# bytes on that device}; one per buffer and shape, so a captured graph's launch keeps the map it was captured with
+_TOKEN_MAPS: dict = {}
+
+
+def token_map_spec(address: int, rows: int, k: int):
+    """The tensor map request behind `token_map` for fp8 activations [rows, k] at `address` (checked: k a multiple of
+    128, rows >= 1; the driver's own constraints by TiledTensorMapSpec.validate)."""
+    from gc_moe.runtime.launch import TiledTensorMapSpec
+
+    if k % 128 or k <= 0 or rows < 1:
+        raise ValueError(f"token_map: activations [{rows}, {k}]; allowed rows >= 1 and K a positive multiple of 128")
+    spec = TiledTensorMapSpec("uint8", address, (16, rows, k // 16), (k, 16), (16, TOKEN_MAP_ROWS, 8),
+                              swizzle="none", l2_promotion="128B")
+    spec.validate()
+    return spec
+
+
+def token_map(act):
+    """The 3-D tensor map a tma_tokens kernel copies its token tiles through, for grouped activations `act` (fp8
+    [R, K], K a multiple of 128): dims (16 bytes, R rows, K / 16 chunks of 16 bytes) with strides (K, 16) bytes and a
+    box of (16, 8, 8), so one copy lands a K128 step of 8 rows in the core-matrix order the WGMMA descriptor reads
+    (chunk-major: chunk c of row n at c x 128 + n x 16); rows past R are zero-filled. Encoded on the host the first
+    time a buffer is launched and kept on the device (128 bytes, 64-byte aligned), so that first launch must not be
+    under CUDA-graph capture (the host-to-device copy cannot be captured)."""
+    import torch
+
+    from gc_moe.runtime.launch import encode_tiled_tensor_map
+
+    rows, k = act.shape
+    key = (act.device.index, act.data_ptr(), rows, k)
+    held = _TOKEN_MAPS.get(key)
+    if held is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a tma_tokens kernel needs the tensor map of its activations [{rows}, {k}] at "
+                               f"{act.data_ptr():#x}, and it cannot be made under graph capture: launch once on this "
+                               f"buffer before capturing, or call grouped_gemm.token_map(act) first")
+        data = encode_tiled_tensor_map(token_map_spec(act.data_ptr(), rows, k)).data
+        held = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(act.device)
+        if held.data_ptr() % 64:
+            raise RuntimeError(f"the tensor map's device copy at {held.data_ptr():#x} is not 64-byte aligned")
+        _TOKEN_MAPS[key] = held
+    return held
+
+
+def _token_map_args(cfg: GemmConfig, act) -> list:
+    """A tma_tokens launch's TOKEN_MAP_PARAMS (the map's device address); [] without the knob."""
+    from gc_moe.runtime.launch import ptr
+
+    if not cfg.tma_tokens:
+        return []
+    return [ptr(token_map(act))]
+
+
 def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, out_scale, capacity,
               ring_args=(), split=None, sms=None, ready=None):
     """(grid, arguments) of one W1 launch or graph node; see `launch_w1`. split: `split_buffers(...)` for a
@@ -4065,7 +4193,7 @@ def w1_launch(kernel, mat, act, act_scale, expert_offsets, routing_weight, out, 
     g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, hidden, split)
     extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
-    extra = extra + _persist_args(cfg, mat.num_experts, capacity)
+    extra = extra + _persist_args(cfg, mat.num_experts, capacity) + _token_map_args(cfg, act)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(routing_weight), ptr(out), ptr(out_scale), i32(hidden // 128), i32(mat.rows // 64)] + extra
@@ -4115,7 +4243,7 @@ def w2_launch(kernel, mat, act, act_scale, expert_offsets, dest_row, out, capaci
     g = grid(cfg, mat.rows, mat.num_experts, capacity, sms)
     extra = extra + _split_args(cfg, kernel, mat, capacity, sms, inter, split)
     extra = extra + _handover_args(cfg, kernel, mat.num_experts, capacity, inter, hidden, ready)
-    extra = extra + _persist_args(cfg, mat.num_experts, capacity)
+    extra = extra + _persist_args(cfg, mat.num_experts, capacity) + _token_map_args(cfg, act)
     return g, [
         ptr(mat.codes), ptr(mat.scales), ptr(mat.factor), ptr(act), ptr(act_scale), ptr(expert_offsets),
         ptr(dest_row), ptr(out), i32(inter // 128), i32(mat.rows // 64)] + extra

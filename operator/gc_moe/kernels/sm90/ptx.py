@@ -424,6 +424,21 @@ def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
         [dst, src, mbar])
 
 
+def tensor_map_acquire(tmap: Int64) -> None:
+    """Before a CTA's first copy through a tensor map in global memory (written there by the host): the tensor-map
+    proxy's view of its 128 bytes acquired, as the PTX memory model asks of a map not passed as a kernel parameter."""
+    asm("fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", [], [tmap])
+
+
+def tensor_copy_3d_g2s(dst: Int32, tmap: Int64, c0: Int32, c1: Int32, c2: Int32, mbar: Int32) -> None:
+    """cp.async.bulk.tensor of one box of the 3-D tensor map at global address `tmap` (coordinates c0, c1, c2,
+    innermost first; the box lands in shared memory at `dst`, 128-byte aligned, elements past the tensor zero-filled),
+    completing the box's bytes on mbarrier `mbar`. Async proxy on both sides: a WGMMA may read the box after the
+    barrier's phase without a proxy fence."""
+    asm("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [$0], [$1, {$2, $3, $4}], "
+        "[$5];", [], [dst, tmap, c0, c1, c2, mbar])
+
+
 def mbarrier_wait(addr: Int32, parity: Int32, max_tries: int = 1 << 24, suspend_ns: int = 0,
                   limit_ns: int = 10_000_000_000, first_try: bool = False) -> None:
     """Wait until the phase of parity `parity` of the barrier completed; trap instead of hanging.
