@@ -135,7 +135,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                      dict(v.params).get("handover", False)) for v in gg.all_variants()
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
                     and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
-                    and dict(v.params).get("lean_ring"))  # (tile_knobs's; its baseline without lean_ring: its own test)
+                    and dict(v.params).get("lean_ring")  # (tile_knobs's; its baseline without lean_ring: its own test)
+                    and not dict(v.params).get("tma_tokens"))  # (and with the token tile's map: its own test)
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                              for trace, handover in ((False, False), (True, False), (False, True))]
                             + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
@@ -1207,7 +1208,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             len(gg.SPLIT_PARAMS) if params.get("k_splits", 1) > 1 else 0) + (
             len(gg.STREAM_PARAMS) if params.get("stream_k") else 0) + (
             len(gg.HANDOVER_PARAMS_W1 if params["role"] == "w1" else gg.HANDOVER_PARAMS_W2)
-            if params.get("handover") else 0) + (len(gg.PERSIST_PARAMS) if params.get("persistent") else 0)
+            if params.get("handover") else 0) + (len(gg.PERSIST_PARAMS) if params.get("persistent") else 0) + (
+            len(gg.TOKEN_MAP_PARAMS) if params.get("tma_tokens") else 0)
         assert entry.launch.dynamic_smem_bytes == cfg.smem_bytes
         assert not re.search(r"\b(ld|st)\.local\b", ptx), variant.describe()
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d);", ptx)
