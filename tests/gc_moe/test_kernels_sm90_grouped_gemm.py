@@ -1057,7 +1057,8 @@ def test_tma_tokens_is_a_knob_of_the_stand_alone_stream_k_loops():
     assert dict(gg.variant("w2", 8, stream_k=True, tma_tokens=True).params)["tma_tokens"] is True
     spec = gg.token_map_spec(0x7F0000000000, 37, 5120)
     assert (spec.dims, spec.strides_bytes, spec.box, spec.swizzle) == ((16, 37, 320), (5120, 16), (16, 8, 8), "none")
-    assert 16 * 8 * 8 == 8 * 128  # the box: one K128 step of a token tile, the bytes its stage's barrier expects
+    # the box: one K128 step of a token tile, the bytes its stage's barrier expects beyond the weights'
+    assert spec.box[0] * spec.box[1] * spec.box[2] == gg.TOKEN_MAP_ROWS * 128 and gg.TOKEN_MAP_ROWS == tma.block_n
     for rows, k in ((0, 5120), (37, 5000)):
         with pytest.raises(ValueError, match="allowed rows >= 1 and K a positive multiple of 128"):
             gg.token_map_spec(0x7F0000000000, rows, k)
