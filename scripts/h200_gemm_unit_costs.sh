@@ -92,6 +92,8 @@
 #           both, at 1 and 4 warpgroups and N = 8-96): how much a scheduler overlaps one warpgroup's decode with another's
 #           chain
 #   ncu     Nsight Compute of ws_auto at GLM-5.2 T=128 (tile 64): warp stalls per kernel and per SASS line
+#   ncu8    the same at DeepSeek-V4.1-Flash T=8 (tile_knobs's tile-8 stream-K W1 and W2 on the run's card): where the
+#           consumers of the 1-8 token loops stall, per SASS line (ncu8-summary.txt)
 # For GPU runs of at most 10 minutes each: `trace pair` (<= 540 s: the 1-8 token default), `tests ncu` (<= 540 s) and
 # `shapes` (<= 420 s: the 64-256 token levers), in that order.
 # Needs the cubin cache of every set named here, built offline first (`bash scripts/h200_gemm_unit_costs.sh build`
@@ -306,6 +308,13 @@ for s in $steps; do
            > "$OUT/ncu-summary.txt" 2>&1
          head -c 1200 "$OUT/ncu-summary.txt" ;;
     # shellcheck disable=SC2046
+    ncu8) run ncu8 240 ncu --clock-control none -k regex:kernel_cutlass --launch-skip 10 --launch-count 2 --set full \
+           -f -o "$OUT/ds8" python $BENCH --profile --auto-ctas --models deepseek-v4.1-flash --tokens 8
+         { python scripts/ncu_stall_summary.py "$OUT/ds8.ncu-rep"
+           python scripts/ncu_stall_summary.py "$OUT/ds8.ncu-rep" --source 0 --lines 45 | grep -v '^\['
+           python scripts/ncu_stall_summary.py "$OUT/ds8.ncu-rep" --source 1 --lines 45 | grep -v '^\['; } \
+           > "$OUT/ncu8-summary.txt" 2>&1
+         head -c 1200 "$OUT/ncu8-summary.txt" ;;
     pair) run pair 240 python $BENCH --check --time --auto-ctas --pdl --pair \
             --auto-set lean_pdl:lean_epilogue=True,pdl=True --auto-set ws_auto_pair:pair=True \
             --auto-set ws_auto_ho:handover=True,pdl=True --auto-set "$HOF" --extra-set "$T8P" \
