@@ -80,6 +80,9 @@
 #           (`h100t`, `h200t`: GemmConfig.tma_tokens) beside without (`h100r`, `h200r`); then the traced loops of
 #           both at 1 and 8 tokens (`tmtrace.json`: the epilogues' times). `python scripts/set_deltas.py
 #           tmat-N.json --pairs h100t:h100r,h200t:h200r`
+#   dyn     1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with the last units' K128 steps in chunks the
+#           CTAs done with their ranges claim by ticket (`h100d`, `h200d`: GemmConfig.dynamic_tail) beside without
+#           (`h100r`, `h200r`). `python scripts/set_deltas.py dyn-N.json --pairs h100d:h100r,h200d:h200r`
 #   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
 #           consumers' waits trying first since step 79, GemmConfig.lean_ring: 130 instructions per K128 step and warp
 #           instead of 140) against the same without it (`nolr`), and on each card's rule (`h100r` / `h100nolr`,
@@ -123,6 +126,9 @@ LEAN_TRACE="--extra-set h2t:$H2T --extra-set h2lt:$H2T,lean_ring=True --extra-se
 TMAT_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100t:card='h100',tma_tokens=True,pdl=True"
 TMAT_SETS="$TMAT_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200t:card='h200',tma_tokens=True,pdl=True"
 TMAT_TRACE="--extra-set h1lt:$H1T,lean_ring=True --extra-set h1tt:$H1T,lean_ring=True,tma_tokens=True"
+# the `dyn` step: each card's tile-8 rule with the last units' steps claimed by ticket (dynamic_tail) beside without
+DYN_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100d:card='h100',dynamic_tail=True,pdl=True"
+DYN_SETS="$DYN_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200d:card='h200',dynamic_tail=True,pdl=True"
 TMAT_TRACE="$TMAT_TRACE --extra-set h2lt:$H2T,lean_ring=True --extra-set h2tt:$H2T,lean_ring=True,tma_tokens=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
@@ -173,6 +179,7 @@ for s in $steps; do
            run build-ltrace 600 python $BENCH --build-only $LEAN_TRACE --tokens 1,8
            run build-tmat 600 python $BENCH --build-only --auto-ctas --pdl $TMAT_SETS --tokens 1,2,4,8
            run build-tmtrace 600 python $BENCH --build-only $TMAT_TRACE --tokens 1,8
+           run build-dyn 600 python $BENCH --build-only --auto-ctas --pdl $DYN_SETS --tokens 1,2,4,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -280,6 +287,11 @@ for s in $steps; do
           done
           run tmtrace 200 python $BENCH --check --time --per-role --trace $TMAT_TRACE \
             --tokens 1,8 --windows 3 --replays 10 --json "$OUT/tmtrace.json" ;;
+    dyn) for r in 1 2; do  # the last units' steps in chunks claimed by ticket (docs step 81)
+           run dyn-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $DYN_SETS \
+             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/dyn-$r.json"
+         done ;;
+    # shellcheck disable=SC2086
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \

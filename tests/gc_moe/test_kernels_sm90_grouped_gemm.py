@@ -1069,6 +1069,45 @@ def test_tma_tokens_is_a_knob_of_the_stand_alone_stream_k_loops():
                 assert gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], **knobs, "tma_tokens": True}) in built
 
 
+def test_dynamic_tail_is_a_knob_of_the_stand_alone_stream_k_loops():
+    """dynamic_tail (the last units' steps in chunks claimed by ticket): a knob of the stand-alone stream_k loops with
+    one producer warp that names its kernels, dropped by `variant` where it does not apply; its stage keeps a chunk
+    word past the activation scales (in the stage's padding: the ring keeps its depth on both cards), and the split
+    buffers hold a piece per tail chunk after the static pieces and the chunks' ticket after the counts.
+    all_variants builds each card's tile-8 set with it."""
+    for bad in ({}, {"stream_k": True, "ctas_per_sm": 1, "trace": True},
+                {"stream_k": True, "ctas_per_sm": 1, "handover": True},
+                {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True}):
+        with pytest.raises(ValueError, match="dynamic_tail is a knob of the stand-alone stream_k W1 / W2"):
+            gg.GemmConfig("w1", 8, dynamic_tail=True, **bad)
+    plain = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1)
+    tail = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, dynamic_tail=True)
+    assert tail.name == plain.name.replace("_sk_", "_sk_dtail_") and tail.params == plain.params
+    assert tail.chunk_slot_offset + gg.TAIL_SLOT_BYTES <= tail.stage_bytes == plain.stage_bytes
+    assert tail.chunk_slot_offset >= tail.xs_offset + tail.block_n * 4  # past the activation scales
+    for card in gg.CARDS:
+        knobs = gg.tile_knobs(1, card=card)[1]
+        assert gg.variant("w1", 8, **knobs, dynamic_tail=True).params == tuple(sorted(
+            {**dict(gg.variant("w1", 8, **knobs).params), "dynamic_tail": True}.items()))
+        assert dict(gg.variant("w2", 8, **knobs, dynamic_tail=True).params)["stages"] == \
+            dict(gg.variant("w2", 8, **knobs).params)["stages"]
+    for knobs in ({"stream_k": True, "trace": True}, {"stream_k": True, "handover": True}, {}):
+        assert "dynamic_tail" not in dict(gg.variant("w1", 8, dynamic_tail=True, **knobs).params)
+    assert "dynamic_tail" not in dict(gg.variant("w1", 16, dynamic_tail=True).params)
+    # sizes at DeepSeek-V4.1-Flash's W1 slice (4608 rows, 48 experts, capacity 8, 132 SMs): units + CTAs static pieces,
+    # then units // TAIL_UNIT_DIV x TAIL_CHUNKS chunk pieces; one count per unit, then the ticket
+    units = 1 * (4608 // gg.ROWS_PER_CTA) * 48
+    partials, counts = gg.stream_sizes(plain, 4608, 48, 8, 132)
+    partials_t, counts_t = gg.stream_sizes(tail, 4608, 48, 8, 132)
+    piece = gg.THREADS * 4
+    assert (partials, counts) == ((units + 132) * piece, units)
+    assert (partials_t, counts_t) == (partials + units // gg.TAIL_UNIT_DIV * gg.TAIL_CHUNKS * piece, units + 1)
+    built = gg.all_variants()
+    for role in ("w1", "w2"):
+        for card in gg.CARDS:
+            assert gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], "dynamic_tail": True}) in built
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1156,9 +1195,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # (tile_knobs's: traced, with the hand-over words) and the plain walk at its ring (plain, traced, with the words),
     # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
     # tile-8 loops (plain, traced), each card's tile-8 loops without lean_ring (its baseline; and the H200's traced),
-    # each card's tile-8 loops with the token tile through a tensor map (plain, traced)
+    # each card's tile-8 loops with the token tile through a tensor map (plain, traced), each card's tile-8 loops with
+    # the dynamic tail
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1173,7 +1213,8 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
-        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), with
+        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's; the
+        # dynamic tail's walk has a second consumer for its chunks), with
         # step_group four times (an even count's first step, the first step, two per trip of its loop), the
         # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
         # N = 64 chain once per loop that has it
@@ -1181,7 +1222,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             return (4 if cfg.step_group else 2) if cfg.pipelined else 3 if cfg.table_pipelined else 1
 
         steps = steps_at(top)
-        main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
+        main_loops = (1 + tails if cfg.fit_n else 1) if wide else 2 if cfg.dynamic_tail else 1
         assert len(mma) == 4 * steps * main_loops and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         # the token tile's 16-byte cp.async pieces (tma_tokens: only a fenced owner's staged pieces have them)
         assert ("cp.async.cg.shared.global" in ptx) == (not cfg.tma_tokens or not cfg.tagged_pieces)
@@ -2474,6 +2515,27 @@ def test_tma_tokens_write_the_same_bytes(hidden, inter, experts, topk, tokens, c
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, **{**knobs, "tma_tokens": True})
         _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("card", ["h100", "h200"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (5120, 2304, 10, 6, 8, None),   # DeepSeek-V4.1-Flash's K over every SM: W1's 40 steps and W2's 18 in 4 chunks each
+    (1024, 512, 10, 6, 40, 3),      # many units over 3 CTAs: each CTA walks several chunks on its ring
+    (256, 256, 7, 4, 3, None),      # W1's K of 2 steps (2 chunks per unit); W2's 6 units keep no tail
+])
+def test_dynamic_tail_matches_reference_and_relaunches_the_same_bytes(hidden, inter, experts, topk, tokens, sms,
+                                                                      card):
+    """The stream-K loops with the last units' steps in chunks claimed by ticket (`dynamic_tail`, each card's tile-8
+    set): every unit's sums reach its epilogue once, whichever CTA draws which chunk and whichever chunk arrives last
+    (the last adds them in chunk order), so relaunches on the same buffers and programmatic pairs (graph replays among
+    them) write the first launch's bytes and leave every count and the ticket at zero; against the float32 reference
+    on fresh inputs, outputs poisoned first."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {**gg.tile_knobs(1, card=card)[1], "dynamic_tail": True}
+    got_mid, ref_mid, got, ref = _run_case(*case, seed=hidden + tokens + 41, sms=sms, relaunches=6,
+                                           programmatic_pairs=2, **knobs)
+    _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

@@ -171,6 +171,11 @@ SM_WEIGHT_RATIO = 1.5
 PIECE_EMPTY_BITS = -1  # ptx.PIECE_EMPTY as an int32: a tagged piece slot's empty word
 # tagged_pieces: an owner loads this many pieces' slots before its K loop (4 registers each; a unit mostly has 1-2)
 TAGGED_EARLY_PIECES = 2
+# dynamic_tail: the last units // TAIL_UNIT_DIV units of a stream-K role leave the CTAs' static ranges and are cut
+# into TAIL_CHUNKS chunks of their K128 steps each, claimed by ticket (`GemmConfig.dynamic_tail`)
+TAIL_UNIT_DIV = 8
+TAIL_CHUNKS = 4
+TAIL_SLOT_BYTES = 16  # a stage's chunk word (its padding past the activation scales)
 TRACE_SEGMENTS = 5
 TRACE_SEGMENT_SLOTS = 5
 TRACE_TAIL_SLOTS = 7
@@ -406,6 +411,14 @@ class GemmConfig:
     # with the ring's token rows in flight (a tagged piece's three global instructions took 2.2 us median on an H100,
     # docs step 80), and the consumers' per-step proxy fence goes (the tile arrives through the async proxy)
     tma_tokens: bool = False
+    # the stand-alone stream_k W1 / W2: the last units // TAIL_UNIT_DIV units (the end of the unit order) stay out of
+    # the CTAs' static ranges; their K128 steps, TAIL_CHUNKS chunks per unit, go to the CTAs that finish their ranges
+    # first. The producer claims a chunk by ticket (one relaxed atomic after its range's copies, then after each
+    # chunk's) and writes it into the chunk's first stage, where the consumers read it; -1 ends the walk. A chunk
+    # publishes its partials, and the unit's last chunk to arrive adds them in chunk order (the same bits whoever
+    # arrives last) and runs the epilogue. The CTAs' end spread was 4-15 us per pair at 1-8 tokens on an H100 (the
+    # latest CTA's end less the mean's, docs step 80): static ranges leave the late CTAs their work
+    dynamic_tail: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -487,6 +500,11 @@ class GemmConfig:
         if self.tma_tokens and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tma_tokens is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the pair "
                              "kernel's halves, not handover: their rows come as W1 publishes them)")
+        if self.dynamic_tail and not (self.stream_k and not self.stream_pair and not self.handover and not self.trace
+                                      and self.producer_warps == 1):
+            raise ValueError("dynamic_tail is a knob of the stand-alone stream_k W1 / W2 with one producer warp (not the "
+                             "pair kernel's halves, not handover, not traced: the trace reads static segments): pass "
+                             "stream_k=True")
         if self.quick_start and not (self.stream_k and not self.sm_weights):
             raise ValueError("quick_start is a knob of the stream_k W1 / W2 (the pair kernel's too, not with "
                              "sm_weights): pass stream_k=True")
@@ -578,7 +596,7 @@ class GemmConfig:
     def max_stages(self) -> int:
         """The deepest ring that fits the shared memory (capped at 16)."""
         fixed = (16 * self.block_n * 4 + self.meta_bytes + (self.fused_bytes if self.fused_role2 else 0)
-                 + self.sm_table_bytes + self.publish_bytes + self.order_bytes
+                 + self.sm_table_bytes + self.publish_bytes + self.tail_bytes + self.order_bytes
                  + (self.transpose_bytes + 128 if self.transposed_stores else 0))  # 128: its alignment
         per_stage = self.stage_bytes + (16 if self.warp_specialized else 0)
         return min(16, (self.smem_limit - fixed) // per_stage)
@@ -603,7 +621,13 @@ class GemmConfig:
 
     @property
     def stage_bytes(self) -> int:
-        return -(-(self.xs_offset + self.block_n * 4 * (2 if self.scale_ratios else 1)) // 128) * 128
+        return -(-(self.chunk_slot_offset + (TAIL_SLOT_BYTES if self.dynamic_tail else 0)) // 128) * 128
+
+    @property
+    def chunk_slot_offset(self) -> int:
+        """dynamic_tail: the stage's chunk word (the claimed chunk whose first step the stage holds, -1: the end),
+        after the activation scales."""
+        return self.xs_offset + self.block_n * 4 * (2 if self.scale_ratios else 1)
 
     @property
     def amax_offset(self) -> int:
@@ -687,9 +711,18 @@ class GemmConfig:
         return 16 if self.publisher_warp else 0
 
     @property
+    def tail_offset(self) -> int:
+        """dynamic_tail: the word through which consumer thread 0 tells the others that its chunk arrived last."""
+        return self.publish_offset + self.publish_bytes
+
+    @property
+    def tail_bytes(self) -> int:
+        return 16 if self.dynamic_tail else 0
+
+    @property
     def order_offset(self) -> int:
         """snake_walk: the local experts in decreasing row count (one int32 each), after everything else."""
-        return self.publish_offset + self.publish_bytes
+        return self.tail_offset + self.tail_bytes
 
     @property
     def order_bytes(self) -> int:
@@ -779,6 +812,7 @@ class GemmConfig:
             s += "_quick" if self.quick_start else ""
             s += "_lring" if self.lean_ring else ""
             s += "_tmat" if self.tma_tokens else ""
+            s += "_dtail" if self.dynamic_tail else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -1021,6 +1055,7 @@ def _make_kernel(cfg: GemmConfig):
     LEAN_RING = cfg.lean_ring  # stream_k: the ring's bases warp-uniform, the consumers' waits trying first
     TMA_TOKENS = cfg.tma_tokens  # stream_k: a = (..., act_scale, token_map): the token tile by one tensor-map copy
     STAGE_TX = STAGE_TX_BYTES + (BN * 128 if TMA_TOKENS else 0)  # the bytes a full barrier's phase waits for
+    DYN_TAIL = cfg.dynamic_tail  # stream_k: the last units' steps in chunks claimed by ticket (`stream_walk`)
     W2_EARLY = STAGES // 2 if cfg.w2_early_stages is None else cfg.w2_early_stages  # weights before W1's grid
     # the fused W2 half reads its activation scales with coherent loads and stores them itself: one more
     # arrival on each full barrier (producer thread 0's, after the stores), which publishes them to the consumers.
@@ -1263,7 +1298,7 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, pidx, ksplit=None, base=None, trace_seg=None,
-                ready_words=None, wait_stamp=None):
+                ready_words=None, wait_stamp=None, chunk=None):
         """The producer warp(s): per K128 step wait for the stage to be empty; pidx 0 announces the bulk bytes and
         issues the 8 bulk copies (4 weight tiles, their scale bytes: addresses from warp-uniform values, so
         ptxas issues them without a per-pidx loop); every pidx copies its 16-byte pieces of the token tile
@@ -1282,7 +1317,9 @@ def _make_kernel(cfg: GemmConfig):
         then lane kb polls word kb until W1's unit kb of this token tile has published its rows (bounded), takes
         one permit (the words return to zero by the launch's end) and the warp acquires (one fence), then the
         rows follow. words_first: the segment's words first, once; where all are set, each lane takes its permit
-        with an acquire atomic and the weights and rows go out together, stage by stage."""
+        with an acquire atomic and the weights and rows go out together, stage by stage. chunk (dynamic_tail): the
+        claimed chunk this segment is, which pidx 0 writes into its first stage's chunk word before the stage's
+        byte announcement (whose release publishes it to the consumers' wait)."""
         k_first, k_steps = (None, k_blocks) if ksplit is None else ksplit
         waited = Int32(0)
         weights, rows_in, scales_in = stream_sources(a, e, bx, row0, count, k_blocks, m_tiles, pidx,
@@ -1345,6 +1382,9 @@ def _make_kernel(cfg: GemmConfig):
                     waited = waited + ptx.mbarrier_wait_cycles(full + STAGES * 8, empty_parity(step, STAGES))
                 else:
                     ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
+            if cutlass.const_expr(chunk is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+                if pidx == 0 and kb == 0:  # a tail chunk's first stage names it (a chunk never starts at base 0)
+                    ptx.sts_s32(sbase + cfg.chunk_slot_offset, chunk)
             issue_weights(smem, kb, w_src, s_src, tile_stride, scale_stride, pidx, stage)
             copy_token_rows(smem, kb, rows_in, pidx, stage)
             if cutlass.const_expr(RATIOS):
@@ -2532,13 +2572,16 @@ def _make_kernel(cfg: GemmConfig):
         return split_partials + ((Int64(unit) + Int64(cta)) * THREADS + Int64(tid)) * ((BN // 2) * 4)
 
     @cute.jit
-    def early_pieces(split_partials, unit, k_blocks, k_first, steps, ctas, work, tid):
+    def early_pieces(split_partials, unit, k_blocks, k_first, steps, ctas, work, tid, chunk=None):
         """tagged_pieces, before a segment's K loop: an owner's first TAGGED_EARLY_PIECES pieces' slots, loaded now
         (the pieces are the first segments of the CTAs after it, mostly published long before its last segment);
         zeros for a segment that is no owner and past its pieces. `stream_epilogue` checks them."""
         owner = Int32(0)
         if k_first == 0 and steps < k_blocks:
             owner = Int32(1)
+        if cutlass.const_expr(chunk is not None):  # noqa: SIM102 (a trace-time branch around a device one)
+            if chunk >= 0:  # dynamic_tail: a chunk is no owner
+                owner = Int32(0)
         first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work)
         early = []
         for j in cutlass.range_constexpr(TAGGED_EARLY_PIECES):
@@ -2634,6 +2677,95 @@ def _make_kernel(cfg: GemmConfig):
                 else:
                     words.append(ptx.ldg_s32(words_src + nrow * 4))
         return factor, words
+
+    @cute.jit
+    def tail_units_of(units, k_blocks):
+        """dynamic_tail: how many of the last units go to the chunks: units // TAIL_UNIT_DIV, none where the static
+        ranges would leave a CTA of the grid without a step."""
+        tail = units // TAIL_UNIT_DIV
+        if (units - tail) * k_blocks < Int32(cute.arch.grid_dim()[0]):
+            tail = Int32(0)
+        return tail
+
+    @cute.jit
+    def claim_chunk(ticket, pidx):
+        """dynamic_tail, the producer warp: lane 0 draws the next chunk (a relaxed atomic: the ticket only hands out
+        work), the warp takes its value."""
+        c = Int32(0)
+        if pidx == 0:
+            c = ptx.atom_add_relaxed_gpu_s32(ticket, Int32(1))
+        return cute.arch.make_warp_uniform(ptx.shfl_idx_s32(c, Int32(0)))
+
+    @cute.jit
+    def end_chunks(smem, step, pidx):
+        """dynamic_tail, the producer warp after its last chunk: the stage of step `step` says -1 (no more chunks)
+        and completes its phase without bytes (each producer thread's arrival and pidx 0's in place of the byte
+        announcement)."""
+        stage = step % STAGES
+        full = smem + cfg.barrier_offset + stage * 8
+        if step >= STAGES:
+            ptx.mbarrier_wait(full + STAGES * 8, empty_parity(step, STAGES), suspend_ns=SUSPEND)
+        if pidx == 0:
+            ptx.sts_s32(smem + stage * cfg.stage_bytes + cfg.chunk_slot_offset, Int32(-1))
+        ptx.mbarrier_arrive(full)
+        if pidx == 0:
+            ptx.mbarrier_arrive(full)
+
+    @cute.jit
+    def next_chunk(smem, step):
+        """dynamic_tail, the consumers: the chunk the stage of step `step` holds once it is full (-1: the end)."""
+        stage = step % STAGES
+        ptx.mbarrier_wait(smem + cfg.barrier_offset + stage * 8, full_parity(step, STAGES), suspend_ns=SUSPEND)
+        # one word for every thread: marked warp-uniform, the chunk's steps and the ring's position stay uniform
+        return cute.arch.make_warp_uniform(ptx.lds_s32(smem + stage * cfg.stage_bytes + cfg.chunk_slot_offset))
+
+    @cute.jit
+    def chunk_steps(c, per_unit, k_blocks, static_units):
+        """dynamic_tail: chunk c's (unit, first K128 step, steps): its unit's steps in per_unit parts of nearly
+        equal length (per_unit <= k_blocks: every part has a step)."""
+        rel = c // per_unit
+        part = c - rel * per_unit
+        k_first = part * k_blocks // per_unit
+        return static_units + rel, k_first, (part + 1) * k_blocks // per_unit - k_first
+
+    @cute.jit
+    def chunk_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, c, first_chunk, per_unit, units,
+                       grid_ctas, *rest):
+        """dynamic_tail, a chunk's consumer thread: its partials into piece units + CTAs + c; after the consumers'
+        barrier thread 0 counts the arrival (acquire and release: the partials of the chunks before it) and tells the
+        others whether it was the unit's last; the last adds the unit's chunks' partials in chunk order (the same bits
+        whoever arrives last) and runs the role's epilogue. The count returns to zero for the next launch (tagged_pieces:
+        and the chunks' slots to empty)."""
+        split_partials, split_counts = split
+        per = BN // 2
+        count_word = split_counts + Int64(unit) * 4
+        # piece units + CTAs + k of this thread: chunk0 + k x stride
+        chunk0 = split_partials + ((Int64(units) + Int64(grid_ctas)) * THREADS + Int64(tid)) * (per * 4)
+        stride = Int64(THREADS * per * 4)
+        mine = chunk0 + Int64(c) * stride
+        for i in cutlass.range_constexpr(per):
+            ptx.stg_f32(mine + Int64(i * 4), acc[i])
+        consumer_sync()
+        if tid == 0:
+            last = Int32(0)
+            if ptx.atom_add_acq_rel_gpu_s32(count_word, Int32(1)) == per_unit - 1:
+                last = Int32(1)
+                ptx.st_relaxed_gpu_s32(count_word, Int32(0))  # ready for the next launch
+            ptx.sts_s32(smem + cfg.tail_offset, last)
+        consumer_sync()  # thread 0's acquire (and its word) before every thread's loads of the partials
+        if ptx.lds_s32(smem + cfg.tail_offset) == 1:
+            for i in cutlass.range_constexpr(per):
+                acc[i] = Float32(0.0)
+            for k in cutlass.range(per_unit):
+                at = chunk0 + Int64(first_chunk + k) * stride
+                for i in cutlass.range_constexpr(per):
+                    acc[i] = acc[i] + ptx.ld_relaxed_gpu_f32(at + Int64(i * 4))
+                if cutlass.const_expr(TAGGED):  # every piece slot empty when the launch ends (tagged_pieces)
+                    ptx.empty_piece_v4(at)
+            if cutlass.const_expr(W1):
+                w1_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
+            else:
+                w2_epilogue(tid, wg, warp, g, q, factor, acc, *rest)
 
     @cute.jit
     def stream_body(a, w_factor, expert_offsets, k_blocks, m_tiles, experts, split, role_args, handover=None):
@@ -2921,10 +3053,13 @@ def _make_kernel(cfg: GemmConfig):
         is the SM's rank (`sm_rank`), `smid` its SM: the range is its weighted share (`weighted_range`) wherever
         every weighted SM gets SM_WEIGHT_MIN_STEPS or more, else an equal one by rank."""
         wg, t, warp, g, q = coords
+        static_units = units
+        if cutlass.const_expr(DYN_TAIL):  # the static ranges end before the last units (`tail_units`)
+            static_units = units - tail_units_of(units, k_blocks)
         if cutlass.const_expr(QUICK):  # the first segment's unit without a division
-            s, end, ctas, work, wmode, walk_unit = walk_range(units, k_blocks, cta, smem, smid, magic)
+            s, end, ctas, work, wmode, walk_unit = walk_range(static_units, k_blocks, cta, smem, smid, magic)
         else:
-            s, end, ctas, work, wmode = walk_range(units, k_blocks, cta, smem, smid)
+            s, end, ctas, work, wmode = walk_range(static_units, k_blocks, cta, smem, smid)
         producer_path = None  # traced W1 (not the pair kernel's half): the tail's slots 4 and 5 of its producer's path
         if cutlass.const_expr(TRACE and W1 and not PAIR):
             producer_path = trace + Int64(48 + 16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 4))
@@ -2934,6 +3069,15 @@ def _make_kernel(cfg: GemmConfig):
         if cutlass.const_expr(PUBLISHER and W1):
             published = Int32(0)  # the units this CTA finished so far: the count thread 0 stores
         acc = cute.make_rmem_tensor((BN // 2,), Float32)
+        chunk = Int32(-1)  # dynamic_tail: the chunk the segment is (-1: a segment of the static range)
+        if cutlass.const_expr(DYN_TAIL):
+            tail_units = units - static_units
+            per_unit = Int32(TAIL_CHUNKS)
+            if k_blocks < TAIL_CHUNKS:
+                per_unit = k_blocks
+            chunks = tail_units * per_unit
+            ticket = split[1] + Int64(units) * 4
+            grid_ctas = Int32(cute.arch.grid_dim()[0])
         while s < end:
             if cutlass.const_expr(QUICK):
                 unit = walk_unit
@@ -2946,6 +3090,9 @@ def _make_kernel(cfg: GemmConfig):
             if k_end > k_blocks:
                 k_end = k_blocks
             steps = k_end - k_first
+            if cutlass.const_expr(DYN_TAIL):  # noqa: SIM102 (a trace-time branch around a device one)
+                if chunk >= 0:  # past the static range: the claimed chunk's unit and steps
+                    unit, k_first, steps = chunk_steps(chunk, per_unit, k_blocks, static_units)
             if cutlass.const_expr(QUICK):  # the producer's (its bulk copies' addresses), the consumers' as before
                 e, bx, bz, row0, count = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
                 if tid >= THREADS:
@@ -2955,8 +3102,14 @@ def _make_kernel(cfg: GemmConfig):
             else:
                 e, bx, bz, row0, count = unit_lookup(table, unit)
             staged = Int32(0)  # the pair's W1 owner: its pieces took one more stage of the ring
-            if cutlass.const_expr(PAIR):
+            # (dynamic_tail: so does a fenced owner's, the tail's chunks come after it)
+            if cutlass.const_expr(PAIR):  # noqa: SIM102 (a trace-time branch around a device one)
                 if k_first == 0 and steps < k_blocks:
+                    first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
+                    if pieces - 1 <= STAGED_PIECES:
+                        staged = Int32(1)
+            if cutlass.const_expr(DYN_TAIL and not TAGGED):  # noqa: SIM102 (a trace-time branch around a device one)
+                if k_first == 0 and steps < k_blocks and chunk < 0:
                     first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
                     if pieces - 1 <= STAGED_PIECES:
                         staged = Int32(1)
@@ -2981,8 +3134,13 @@ def _make_kernel(cfg: GemmConfig):
                         wait_stamp = trace + Int64(48 + 16 * (TRACE_SEGMENT_SLOTS * TRACE_SEGMENTS + 3))
                 produce(a, e, bx, row0, count, k_blocks, m_tiles, smem, tid - THREADS, (k_first, steps), base,
                         trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None, ready_words=ready,
-                        wait_stamp=wait_stamp)
-                if cutlass.const_expr(not TAGGED):  # noqa: SIM102 (a trace-time branch around a device one)
+                        wait_stamp=wait_stamp, chunk=chunk if cutlass.const_expr(DYN_TAIL) else None)
+                if cutlass.const_expr(not TAGGED and DYN_TAIL):
+                    if k_first == 0 and steps < k_blocks and chunk < 0:  # an owner (a chunk is none)
+                        first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
+                        if pieces - 1 <= STAGED_PIECES:
+                            stage_pieces(smem, split, unit, first_cta, pieces, base + steps, tid - THREADS)
+                elif cutlass.const_expr(not TAGGED):  # noqa: SIM102 (a trace-time branch around a device one)
                     if k_first == 0 and steps < k_blocks:  # an owner (the CTA's last segment)
                         first_cta, pieces = owner_pieces(unit, k_blocks, ctas, work, smem, wmode)
                         if pieces - 1 <= STAGED_PIECES:
@@ -2998,7 +3156,8 @@ def _make_kernel(cfg: GemmConfig):
                     factor, words = early_epilogue_words(role_args[0], w_factor, e, row0, count, q)
                 early = None
                 if cutlass.const_expr(TAGGED):
-                    early = early_pieces(split[0], unit, k_blocks, k_first, steps, ctas, work, tid)
+                    early = early_pieces(split[0], unit, k_blocks, k_first, steps, ctas, work, tid,
+                                         chunk if cutlass.const_expr(DYN_TAIL) else None)
                 consume_pipelined(steps, smem, wg, t, warp, g, q, acc, base,
                                   trace_seg=seg_stamps if cutlass.const_expr(TRACE) else None)
                 if cutlass.const_expr(TRACE):  # noqa: SIM102 (a trace-time branch around a device one)
@@ -3015,8 +3174,16 @@ def _make_kernel(cfg: GemmConfig):
                 else:
                     dest_row, out = role_args
                     rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
-                stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
-                                k_first, whole, base + steps, *rest, wmode=wmode, early=early)
+                if cutlass.const_expr(DYN_TAIL):
+                    if chunk >= 0:
+                        chunk_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, chunk,
+                                       (unit - static_units) * per_unit, per_unit, units, grid_ctas, *rest)
+                    else:
+                        stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work,
+                                        k_blocks, k_first, whole, base + steps, *rest, wmode=wmode, early=early)
+                else:
+                    stream_epilogue(tid, wg, warp, g, q, factor, acc, smem, split, unit, cta, ctas, work, k_blocks,
+                                    k_first, whole, base + steps, *rest, wmode=wmode, early=early)
                 if cutlass.const_expr((PAIR or HANDOVER) and W1):  # noqa: SIM102 (a trace-time branch)
                     if k_first == 0:  # a whole unit or an owner: the unit's output rows are written
                         consumer_sync()  # every thread's stores (and reads of the staged pieces) before thread 0's
@@ -3033,6 +3200,12 @@ def _make_kernel(cfg: GemmConfig):
                                 # release inside the epilogue's branches cost the K loops their uniform registers)
                                 ptx.mbarrier_arrive_count(smem + cfg.barrier_offset
                                                           + (STAGES + (base + steps) % STAGES) * 8, THREADS // 32)
+                if cutlass.const_expr(DYN_TAIL and not TAGGED and not PAIR):  # noqa: SIM102 (a trace-time branch)
+                    if staged == 1:  # the owner's pieces' stage goes back before the tail's chunks reuse it
+                        consumer_sync()  # every thread's reads of the staged pieces before the release
+                        if tid == 0:
+                            ptx.mbarrier_arrive_count(smem + cfg.barrier_offset
+                                                      + (STAGES + (base + steps) % STAGES) * 8, THREADS // 32)
                 if cutlass.const_expr(PUBLISHER and W1):  # noqa: SIM102 (a trace-time branch)
                     if k_first == 0:
                         published = published + 1
@@ -3042,6 +3215,22 @@ def _make_kernel(cfg: GemmConfig):
             base = base + steps + staged
             s = s + steps
             segment = segment + 1
+            if cutlass.const_expr(DYN_TAIL):  # noqa: SIM102 (a trace-time branch around a device one)
+                if s >= end and tail_units > 0:  # the static range (or the chunk) done: the next chunk, if any
+                    if tid >= THREADS:
+                        pidx = tid - THREADS
+                        chunk = claim_chunk(ticket, pidx)
+                        if chunk >= chunks:
+                            # each CTA draws past the chunks once: the launch's last draw returns the ticket to zero
+                            if pidx == 0 and chunk == chunks + grid_ctas - 1:
+                                ptx.st_relaxed_gpu_s32(ticket, Int32(0))
+                            end_chunks(smem, base, pidx)
+                            chunk = Int32(-1)
+                    else:
+                        chunk = next_chunk(smem, base)
+                    if chunk >= 0:
+                        s = Int32(0)
+                        end = Int32(1)
         return base, segment
 
     @cute.jit
@@ -3505,7 +3694,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                words_first: bool = False, snake_walk: bool = False, scale_ratios: bool = False,
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
-               split_nibbles: bool = False, lean_ring: bool = False, tma_tokens: bool = False):
+               split_nibbles: bool = False, lean_ring: bool = False, tma_tokens: bool = False,
+               dynamic_tail: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3522,7 +3712,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
                      quick_start=quick_start, split_nibbles=split_nibbles, lean_ring=lean_ring,
-                     tma_tokens=tma_tokens)
+                     tma_tokens=tma_tokens, dynamic_tail=dynamic_tail)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3540,7 +3730,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
             w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            lean_ring: bool = False, tma_tokens: bool = False):
+            lean_ring: bool = False, tma_tokens: bool = False, dynamic_tail: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3623,6 +3813,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     tma_tokens = tma_tokens and stream_k and not handover  # likewise, where the rows do not come by words
     if tma_tokens:
         cfg = replace(cfg, tma_tokens=True)
+    # likewise, where the walk is the stand-alone one with one producer warp and no trace
+    dynamic_tail = dynamic_tail and stream_k and not handover and not trace and producer_warps == 1
+    if dynamic_tail:
+        cfg = replace(cfg, dynamic_tail=True)
     # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 and not with step_group (W1 at tile 16
     # and the one-group step spill 8-32 bytes with it): sets may name it everywhere
     split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer
@@ -3701,6 +3895,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["lean_ring"] = True
     if tma_tokens:
         params["tma_tokens"] = True
+    if dynamic_tail:
+        params["dynamic_tail"] = True
     # the 16-byte cp.async pieces of the token tile (with tma_tokens only a fenced owner's staged pieces use them)
     promises = ("wgmma.mma_async.sync.aligned.m64n",) + (() if tma_tokens else ("cp.async.cg.shared.global",))
     if cfg.warp_specialized:
@@ -3717,6 +3913,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait",)
     if tma_tokens:  # the token tile through the map, its bytes acquired once
         promises += ("cp.async.bulk.tensor.3d.shared::cluster.global", "fence.proxy.tensormap::generic.acquire")
+    if dynamic_tail:  # the chunks' tickets, the last chunk's arrival
+        promises += ("atom.relaxed.gpu.global.add", "atom.acq_rel.gpu.global.add")
     if words_first:  # the segment's permits taken at once where W1 set its words already
         promises += ("atom.acquire.gpu.global.add",)
     if transposed_stores:  # W2's fragments transposed by stmatrix, W1's bytes stored one by one; 16-byte stores out
@@ -3863,7 +4061,10 @@ def all_variants():
                  for role in ("w1", "w2") for card, knobs in (("h100", {}), ("h200", {}), ("h200", {"trace": True}))]
               # each card's tile-8 loops with the token tile through a tensor map (step 80), plain and traced
               + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs, "tma_tokens": True})
-                 for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]):
+                 for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]
+              # each card's tile-8 loops with the last units' steps in chunks claimed by ticket (step 81)
+              + [variant(role, 8, **{**tile_knobs(1, card=card)[1], "dynamic_tail": True})
+                 for role in ("w1", "w2") for card in CARDS]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
@@ -4002,11 +4203,14 @@ def split_sizes(cfg: GemmConfig, launch_grid) -> tuple[int, int]:
 def stream_sizes(cfg: GemmConfig, rows: int, local_experts: int, capacity: int, sms: int) -> tuple[int, int]:
     """(FP32 partials, arrival counts) a stream_k launch needs: one piece per (unit, CTA) sharing steps, numbered
     unit + CTA (a CTA's units are consecutive and the CTAs' ranges ordered, so the number is unique and below
-    units + CTAs), of block_n / 2 partials per consumer thread; one count per unit that may have tokens."""
+    units + CTAs), of block_n / 2 partials per consumer thread; one count per unit that may have tokens.
+    dynamic_tail: after them one piece per tail chunk (numbered units + CTAs + chunk with the call's units), and
+    after the counts the chunks' ticket (at the call's units)."""
     units = max(1, -(-capacity // cfg.block_n)) * (rows // ROWS_PER_CTA) * local_experts
     ctas = grid(cfg, rows, local_experts, capacity, sms)[0]
     trace_words = ctas * TRACE_SLOTS * 4 if cfg.trace else 0  # the traced phases ahead of the partials
-    return trace_words + (units + ctas) * THREADS * (cfg.block_n // 2), units
+    chunks = units // TAIL_UNIT_DIV * TAIL_CHUNKS if cfg.dynamic_tail else 0
+    return trace_words + (units + ctas + chunks) * THREADS * (cfg.block_n // 2), units + (1 if cfg.dynamic_tail else 0)
 
 
 def device_sms(device) -> int:

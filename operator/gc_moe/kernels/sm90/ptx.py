@@ -709,6 +709,12 @@ def settle_piece_v4(addr: Int64, v: list, limit_ns: int = 10_000_000_000) -> lis
     )
 
 
+def empty_piece_v4(addr: Int64) -> None:
+    """Store PIECE_EMPTY to the four words of a piece slot (relaxed, GPU scope): a slot read by other means than
+    `settle_piece_v4` (the dynamic tail's chunks, counted) left empty for the next launch."""
+    asm("{\n.reg .b32 m;\nmov.b32 m, 0xFFFFFFFF;\nst.relaxed.gpu.global.v4.b32 [$0], {m, m, m, m};\n}", [], [addr])
+
+
 def red_add_release_gpu_s32(addr: Int64, v: Int32) -> None:
     """Add `v` with release semantics (the writes this thread observed, e.g. through a CTA barrier, happen
     before); no value comes back, so the thread does not wait for the round trip."""
