@@ -136,7 +136,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     if dict(v.params).get("stream_k") and dict(v.params)["stages"] == gg.RING_STAGES[8]
                     and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
                     and dict(v.params).get("lean_ring")  # (tile_knobs's; its baseline without lean_ring: its own test)
-                    and not dict(v.params).get("tma_tokens"))  # (and with the token tile's map: its own test)
+                    and not dict(v.params).get("tma_tokens")  # (and with the token tile's map: its own test)
+                    and not dict(v.params).get("dynamic_tail"))  # (and with the dynamic tail: its own test)
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                              for trace, handover in ((False, False), (True, False), (False, True))]
                             + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
@@ -1332,9 +1333,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
     # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced),
     # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced), each card's tile-8 loops with
-    # the token tile through a tensor map (plain, traced)
+    # the token tile through a tensor map (plain, traced), each card's tile-8 loops with the dynamic tail
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1355,7 +1356,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         if params["role"] == "w1":
             w1_meets = (1 + bool(params.get("stream_k") or params.get("persistent")) + bool(params.get("lean_epilogue"))
                         + bool(params.get("handover")) + bool(params.get("transposed_stores")))
-        assert ptx.count("bar.sync 1, 512;") == split + w1_meets, variant.describe()
+        # the dynamic tail: a chunk's two meetings (partials stored; thread 0's word read), a fenced owner's one more
+        # before its staged pieces' stage goes back, and the chunks' own copy of the W1 epilogue
+        tail = (2 + (not params.get("tagged_pieces")) + w1_meets) if params.get("dynamic_tail") else 0
+        assert ptx.count("bar.sync 1, 512;") == split + w1_meets + tail, variant.describe()
         # a handover W2's producer warp meets on its own named barrier around the permit vote (bar.warp.sync there
         # cost every K loop its uniform registers), with words_first around its first look too
         producer_meets = (2 + 2 * bool(params.get("words_first"))) if params.get("handover") and params["role"] == "w2" \
