@@ -1214,8 +1214,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
         # register A ({...} list of 4 regs), shared-memory B descriptor, E4M3 x E4M3, one K32 per instruction
         mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{top}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, \{{([^}}]*)\}}",
                          ptx)
-        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's; the
-        # dynamic tail's walk has a second consumer for its chunks), with
+        # one K128 step of 4 K32 WGMMAs; the pipelined consumer has it twice (the first step, then the loop's), with
         # step_group four times (an even count's first step, the first step, two per trip of its loop), the
         # pipelined table consumer three times (the first step, then two per trip of its loop); the wide tile's
         # N = 64 chain once per loop that has it
@@ -1223,7 +1222,7 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
             return (4 if cfg.step_group else 2) if cfg.pipelined else 3 if cfg.table_pipelined else 1
 
         steps = steps_at(top)
-        main_loops = (1 + tails if cfg.fit_n else 1) if wide else 2 if cfg.dynamic_tail else 1
+        main_loops = (1 + tails if cfg.fit_n else 1) if wide else 1
         assert len(mma) == 4 * steps * main_loops and all(len(a.split(",")) == 4 for a in mma), variant.describe()
         # the token tile's 16-byte cp.async pieces (tma_tokens: only a fenced owner's staged pieces have them)
         assert ("cp.async.cg.shared.global" in ptx) == (not cfg.tma_tokens or not cfg.tagged_pieces)
