@@ -11,11 +11,17 @@
   roles were traced in the same launches whether an SM's W2 ends late because its W1 did (each launch's correlation
   of the SMs' W1 and W2 ends, and the slope of W2's on W1's): W2 ranges that follow W1's finish order pay only then.
 
+- `over-read`: per set, each role's cold time over one stream read of the role's own bytes (the bench's
+  `--per-role --read-ref` rows) fitted over its points as a fixed cost per role + per K128 step x steps per CTA +
+  per unit x units per CTA: what a stream-K kernel adds to a plain read of what it reads, split into its launch, its
+  loop's rate and its units' epilogues (docs step 82).
+
 - `weights`: each SM's streaming rate over the traced launches, as the JSON the bench's `--sm-weights` reads (the
   stream-K pair kernel's ranges sized by them).
 
     python scripts/analyze_unit_costs.py fit unit-costs.json [--sms 132]
     python scripts/analyze_unit_costs.py spread trace.json
+    python scripts/analyze_unit_costs.py over-read reads.json [--sms 132] [--max-tokens 8]
     python scripts/analyze_unit_costs.py weights trace.json > sm-rates.json
 """
 
@@ -78,6 +84,62 @@ def fit(rows: list, sms: int = 132) -> list:
                     "per_unit_us": round(per_unit, 2),
                     "per_step_us": round(per_step, 3), "max_residual": round(resid, 3),
                     "step_share_at_full_k": round(per_step * top[0] / top[1], 2)})
+    return out
+
+
+def solve(a: list, b: list) -> list:
+    """x with a x = b (a square, nonsingular): Gaussian elimination with partial pivoting."""
+    n = len(b)
+    m = [list(map(float, row)) + [float(v)] for row, v in zip(a, b)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12:
+            raise ValueError("singular system: the points do not separate the terms")
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def over_read(rows: list, sms: int = 132, max_tokens: int = 8) -> list:
+    """Per set: least squares of (role alone - stream read of the role's bytes) = fixed[role] + per_step x steps per
+    CTA + per_unit x units per CTA over every point up to max_tokens with both times (the stream-K grid: one CTA per
+    SM). Returns one dict per set with the terms, the points and the largest residual; sets with fewer points than
+    terms, or whose points do not separate the terms, are left out."""
+    sets = {}
+    for r in rows:
+        if r.get("tokens", 0) > max_tokens or "hidden" not in r:
+            continue
+        for role in ("w1", "w2"):
+            t, read = r.get(f"{role}_cold_us"), r.get(f"{role}_stream_read_us")
+            if t is None or read is None or not (math.isfinite(t) and math.isfinite(read)):
+                continue
+            units, steps = role_shape(r, role)
+            sets.setdefault(r["tag"], []).append((role, steps * units / sms, units / sms, t - read, r["model"],
+                                                  r["tokens"]))
+    out = []
+    for tag, pts in sorted(sets.items()):
+        roles = sorted({p[0] for p in pts})
+        if len(pts) < len(roles) + 2:
+            continue
+        xs = [[1.0 if p[0] == role else 0.0 for role in roles] + [p[1], p[2]] for p in pts]
+        ys = [p[3] for p in pts]
+        k = len(xs[0])
+        ata = [[sum(x[i] * x[j] for x in xs) for j in range(k)] for i in range(k)]
+        aty = [sum(x[i] * y for x, y in zip(xs, ys)) for i in range(k)]
+        try:
+            coef = solve(ata, aty)
+        except ValueError:
+            continue
+        resid = [y - sum(c * v for c, v in zip(coef, x)) for x, y in zip(xs, ys)]
+        out.append({"set": tag, "points": len(pts), "fixed_us": {role: round(coef[i], 2) for i, role in enumerate(roles)},
+                    "per_step_us": round(coef[-2], 4), "per_unit_us": round(coef[-1], 3),
+                    "max_abs_residual_us": round(max(abs(v) for v in resid), 2),
+                    "over_read_us": {f"{p[4]} T={p[5]} {p[0]}": round(p[3], 1) for p in pts}})
     return out
 
 
@@ -176,11 +238,14 @@ def sm_rates(rows: list) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("fit", "spread", "weights"),
+    ap.add_argument("what", choices=("fit", "spread", "weights", "over-read"),
                     help="fit: per-unit / per-step costs; spread: late SMs and the pair's hand-over; weights: each "
-                         "SM's rate as JSON for the bench's --sm-weights")
+                         "SM's rate as JSON for the bench's --sm-weights; over-read: each stream-K kernel's time over a "
+                         "stream read of its bytes, per launch, K128 step and unit")
     ap.add_argument("json", help="a bench JSON (its rows), or the log of a bench run cut short (its row lines)")
     ap.add_argument("--sms", type=int, default=132, help="the SMs the kernels ran on (rounds of units)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="over-read: the largest token count fitted (the "
+                    "stream-K points)")
     args = ap.parse_args()
     rows = load_rows(args.json)
     if args.what == "weights":
@@ -189,6 +254,15 @@ def main() -> int:
             print(f"no traced stream-K launches with per-CTA SM lists in {args.json} (--trace with a traced set)")
             return 1
         print(json.dumps(rates))
+        return 0
+    if args.what == "over-read":
+        results = over_read(rows, args.sms, args.max_tokens)
+        if not results:
+            print(f"nothing to fit in {args.json}: no set with W1 / W2 times and stream reads of their bytes at four "
+                  "points or more (--per-role --read-ref)")
+            return 1
+        for res in results:
+            print(json.dumps(res))
         return 0
     results = fit(rows, args.sms) if args.what == "fit" else spread(rows)
     if not results:
