@@ -83,6 +83,10 @@
 #   dyn     1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with the last units' K128 steps in chunks the
 #           CTAs done with their ranges claim by ticket (`h100d`, `h200d`: GemmConfig.dynamic_tail) beside without
 #           (`h100r`, `h200r`). `python scripts/set_deltas.py dyn-N.json --pairs h100d:h100r,h200d:h200r`
+#   escl    1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with a K128 step's scales loaded once after
+#           its wait (`h100e`, `h200e`: GemmConfig.early_scales) beside without (`h100r`, `h200r`); then the traced
+#           loops of both rules with and without it (`etrace.json`: the consumers' time per step). `python
+#           scripts/set_deltas.py escl-N.json --pairs h100e:h100r,h200e:h200r` (docs step 83)
 #   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
 #           consumers' waits trying first since step 79, GemmConfig.lean_ring: 130 instructions per K128 step and warp
 #           instead of 140) against the same without it (`nolr`), and on each card's rule (`h100r` / `h100nolr`,
@@ -129,6 +133,12 @@ TMAT_TRACE="--extra-set h1lt:$H1T,lean_ring=True --extra-set h1tt:$H1T,lean_ring
 # the `dyn` step: each card's tile-8 rule with the last units' steps claimed by ticket (dynamic_tail) beside without
 DYN_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100d:card='h100',dynamic_tail=True,pdl=True"
 DYN_SETS="$DYN_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200d:card='h200',dynamic_tail=True,pdl=True"
+# the `escl` step: each card's tile-8 rule with a step's scales held from its wait (early_scales) beside without, and
+# the traced loops of both
+ESCL_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100e:card='h100',early_scales=True,pdl=True"
+ESCL_SETS="$ESCL_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200e:card='h200',early_scales=True,pdl=True"
+ESCL_TRACE="--extra-set h2lt:$H2T,lean_ring=True --extra-set h2et:$H2T,lean_ring=True,early_scales=True"
+ESCL_TRACE="$ESCL_TRACE --extra-set h1lt:$H1T,lean_ring=True --extra-set h1et:$H1T,lean_ring=True,early_scales=True"
 TMAT_TRACE="$TMAT_TRACE --extra-set h2lt:$H2T,lean_ring=True --extra-set h2tt:$H2T,lean_ring=True,tma_tokens=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
@@ -180,6 +190,8 @@ for s in $steps; do
            run build-tmat 600 python $BENCH --build-only --auto-ctas --pdl $TMAT_SETS --tokens 1,2,4,8
            run build-tmtrace 600 python $BENCH --build-only $TMAT_TRACE --tokens 1,8
            run build-dyn 600 python $BENCH --build-only --auto-ctas --pdl $DYN_SETS --tokens 1,2,4,8
+           run build-escl 600 python $BENCH --build-only --auto-ctas --pdl $ESCL_SETS --tokens 1,2,4,8
+           run build-etrace 600 python $BENCH --build-only $ESCL_TRACE --tokens 1,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -292,6 +304,13 @@ for s in $steps; do
              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/dyn-$r.json"
          done ;;
     # shellcheck disable=SC2086
+    escl) for r in 1 2; do  # a step's scales loaded once after its wait (docs step 83)
+            run escl-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $ESCL_SETS \
+              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/escl-$r.json"
+          done
+          run etrace 200 python $BENCH --check --time --per-role --trace $ESCL_TRACE \
+            --tokens 1,8 --windows 3 --replays 10 --json "$OUT/etrace.json" ;;
+    # shellcheck disable=SC2086
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \
@@ -344,7 +363,8 @@ for s in $steps; do
            python scripts/analyze_unit_costs.py weights "$OUT/trace.json" > "$OUT/sm-rates.json" 2>&1 \
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
-            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8, lean)"
+            "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8, lean,"\
+            "tmat, dyn, escl, ncu8)"
        exit 2 ;;
   esac
 done

@@ -137,7 +137,8 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     and dict(v.params).get("ctas_per_sm") == 1 and not dict(v.params).get("tagged_pieces")
                     and dict(v.params).get("lean_ring")  # (tile_knobs's; its baseline without lean_ring: its own test)
                     and not dict(v.params).get("tma_tokens")  # (and with the token tile's map: its own test)
-                    and not dict(v.params).get("dynamic_tail"))  # (and with the dynamic tail: its own test)
+                    and not dict(v.params).get("dynamic_tail")  # (and with the dynamic tail: its own test)
+                    and not dict(v.params).get("early_scales"))  # (and with the scales held early: its own test)
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                              for trace, handover in ((False, False), (True, False), (False, True))]
                             + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
@@ -1109,6 +1110,32 @@ def test_dynamic_tail_is_a_knob_of_the_stand_alone_stream_k_loops():
             assert gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], "dynamic_tail": True}) in built
 
 
+def test_early_scales_is_a_knob_of_the_stand_alone_stream_k_unfolded_loop():
+    """early_scales (a K128 step's scale words and activation scales loaded once after its wait): a knob of the
+    stand-alone stream_k loop that names its kernels, dropped by `variant` where it does not apply (step_group's
+    one-group step, the folded table loops, the unit grid); all_variants builds each card's tile-8 set with it, plain
+    and traced. Offline, its K loop issues every shared load of a step before the step's first WGMMA."""
+    for bad in ({}, {"stream_k": True, "ctas_per_sm": 1, "step_group": True},
+                {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True}):
+        with pytest.raises(ValueError, match="early_scales is a knob of the stand-alone stream_k W1 / W2"):
+            gg.GemmConfig("w1", 8, early_scales=True, **bad)
+    plain = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1)
+    held = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, early_scales=True)
+    assert held.name == plain.name.replace("_sk_", "_sk_escl_") and held.params == plain.params and held.smem_bytes == plain.smem_bytes
+    for card in gg.CARDS:
+        knobs = gg.tile_knobs(1, card=card)[1]
+        assert gg.variant("w1", 8, **knobs, early_scales=True).params == tuple(sorted(
+            {**dict(gg.variant("w1", 8, **knobs).params), "early_scales": True}.items()))
+    for knobs in ({"stream_k": True, "ctas_per_sm": 1, "step_group": True}, {}):
+        assert "early_scales" not in dict(gg.variant("w1", 8, early_scales=True, **knobs).params)
+    assert "early_scales" not in dict(gg.variant("w1", 32, early_scales=True, **gg.tile_knobs(20)[1]).params)
+    built = gg.all_variants()
+    for role in ("w1", "w2"):
+        for card in gg.CARDS:
+            for knobs in ({}, {"trace": True}):
+                assert gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], **knobs, "early_scales": True}) in built
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1222,9 +1249,9 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
     # tile-8 loops (plain, traced), each card's tile-8 loops without lean_ring (its baseline; and the H200's traced),
     # each card's tile-8 loops with the token tile through a tensor map (plain, traced), each card's tile-8 loops with
-    # the dynamic tail
+    # the dynamic tail, each card's tile-8 loops with a step's scales held from its wait (plain, traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1357,9 +1384,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # (traced, with the words) and the plain walk at tile_knobs's ring (plain, traced, with the words), tile 8's loops
     # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced),
     # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced), each card's tile-8 loops with
-    # the token tile through a tensor map (plain, traced), each card's tile-8 loops with the dynamic tail
+    # the token tile through a tensor map (plain, traced), each card's tile-8 loops with the dynamic tail, each card's
+    # tile-8 loops with a step's scales held from its wait (plain, traced)
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -2564,6 +2592,30 @@ def test_dynamic_tail_matches_reference_and_relaunches_the_same_bytes(hidden, in
     got_mid, ref_mid, got, ref = _run_case(*case, seed=hidden + tokens + 41, sms=sms, relaunches=6,
                                            programmatic_pairs=2, **knobs)
     _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("card,trace", [("h200", False), ("h100", False), ("h200", True)],
+                         ids=["h200", "h100", "h200_traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (1024, 512, 7, 4, 3, None),     # units shorter than the H200's ring
+    (5120, 2304, 10, 6, 8, None),   # DeepSeek-V4.1-Flash's K: W1's 40 steps, W2's 18, pieces and owners
+    (1024, 512, 10, 6, 40, 3),      # many units over 3 CTAs: each CTA's walk runs on across units and its ring wraps
+])
+def test_early_scales_write_the_same_bytes(hidden, inter, experts, topk, tokens, sms, card, trace):
+    """The stream-K loops with a step's scales loaded once after its wait (`early_scales`, each card's tile-8 set, the
+    traced loop) scale the same WGMMA results by the same words in the same order, and give a step's stage back
+    after its last WGMMAs instead of after its scaling: W1 and W2 write the same bytes as without, relaunched on the
+    same buffers and as programmatic pairs. And the float32 reference on fresh inputs."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {**gg.tile_knobs(1, card=card)[1], **({"trace": True} if trace else {})}
+    seed = hidden + tokens + experts + 43
+    _assert_same_bytes(_run_case(*case, seed=seed, sms=sms, return_raw=True, relaunches=2,
+                                 programmatic_pairs=0 if trace else 2, **{**knobs, "early_scales": True}),
+                       _run_case(*case, seed=seed, sms=sms, return_raw=True, **knobs))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, sms=sms, **{**knobs, "early_scales": True})
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 
 @pytest.mark.gpu

@@ -419,6 +419,13 @@ class GemmConfig:
     # arrives last) and runs the epilogue. The CTAs' end spread was 4-15 us per pair at 1-8 tokens on an H100 (the
     # latest CTA's end less the mean's, docs step 80): static ranges leave the late CTAs their work
     dynamic_tail: bool = False
+    # the stand-alone stream_k W1 / W2 on the unfolded loop: the consumers load a K128 step's two scale words and its
+    # activation scales once, right after its full-stage wait, and keep them in registers for its groups' scaling
+    # (the last group's one step later). Without it each group loaded the words again after its WGMMAs' wait, so two
+    # shared-memory latencies sat on the warp's chain in every step (7 -> 5 shared loads per step and warp), and the
+    # step's stage goes back as soon as its last WGMMAs are done (nothing in it is read after them). On the H200 the
+    # tile-8 loop runs behind its bytes by 0.042 us per step (docs step 82): the chain is its time there
+    early_scales: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -500,6 +507,10 @@ class GemmConfig:
         if self.tma_tokens and not (self.stream_k and not self.stream_pair and not self.handover):
             raise ValueError("tma_tokens is a knob of the stand-alone stream_k W1 / W2: pass stream_k=True (not the pair "
                              "kernel's halves, not handover: their rows come as W1 publishes them)")
+        if self.early_scales and not (self.stream_k and not self.stream_pair and not self.step_group
+                                      and not self.fold_scales):
+            raise ValueError("early_scales is a knob of the stand-alone stream_k W1 / W2's unfolded loop (not the pair "
+                             "kernel's halves, not step_group or fold_scales: their steps load the scales otherwise)")
         if self.dynamic_tail and not (self.stream_k and not self.stream_pair and not self.handover and not self.trace
                                       and self.producer_warps == 1):
             raise ValueError("dynamic_tail is a knob of the stand-alone stream_k W1 / W2 with one producer warp (not the "
@@ -813,6 +824,7 @@ class GemmConfig:
             s += "_lring" if self.lean_ring else ""
             s += "_tmat" if self.tma_tokens else ""
             s += "_dtail" if self.dynamic_tail else ""
+            s += "_escl" if self.early_scales else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -1053,6 +1065,7 @@ def _make_kernel(cfg: GemmConfig):
     TAGGED = cfg.tagged_pieces  # stream_k pieces published without a fence into slots that start empty
     QUICK = cfg.quick_start  # stream_k: the walk's first unit without divisions or a serial lookup
     LEAN_RING = cfg.lean_ring  # stream_k: the ring's bases warp-uniform, the consumers' waits trying first
+    EARLY_SCALES = cfg.early_scales  # stream_k: a step's scales loaded once after its wait, held in registers
     TMA_TOKENS = cfg.tma_tokens  # stream_k: a = (..., act_scale, token_map): the token tile by one tensor-map copy
     STAGE_TX = STAGE_TX_BYTES + (BN * 128 if TMA_TOKENS else 0)  # the bytes a full barrier's phase waits for
     DYN_TAIL = cfg.dynamic_tail  # stream_k: the last units' steps in chunks claimed by ticket (`stream_walk`)
@@ -1625,11 +1638,15 @@ def _make_kernel(cfg: GemmConfig):
             buf[r] = out[r]
 
     @cute.jit
-    def finish_group(srow, grp, buf, tsum):
+    def finish_group(srow, grp, buf, tsum, words=None):
         """tsum (+)= P_j s_j for the K32 blocks of group `grp` (their WGMMAs have completed); srow: the thread's
-        row g scale word in the stage (row g + 8's is 32 bytes on)."""
-        sc_lo = ptx.lds32(srow)
-        sc_hi = ptx.lds32(srow + 32)
+        row g scale word in the stage (row g + 8's is 32 bytes on); words: those two words already loaded
+        (early_scales), srow unused."""
+        if cutlass.const_expr(words is not None):
+            sc_lo, sc_hi = words
+        else:
+            sc_lo = ptx.lds32(srow)
+            sc_hi = ptx.lds32(srow + 32)
         for jj in cutlass.range_constexpr(PNP):
             j = grp * PNP + jj
             s_lo = ptx.ue8m0_byte_to_f32(sc_lo, j)
@@ -1642,11 +1659,15 @@ def _make_kernel(cfg: GemmConfig):
                     tsum[r] = tsum[r] + buf[jj * (BN // 2) + r] * s_row
 
     @cute.jit
-    def finish_step(xs, tsum, acc, n=BN, first=0):
+    def finish_step(xs, tsum, acc, n=BN, first=0, held=None):
         """acc += tsum x the step's activation scales for n tokens from token `first` (a multiple of 8: the wide tile's
-        second chain starts at 64); xs: the thread's column pair q in the stage's scales."""
+        second chain starts at 64); xs: the thread's column pair q in the stage's scales; held: those scales already
+        loaded (early_scales: a register tensor, pair i at 2 i, 2 i + 1; `first` 0), xs unused."""
         for i in cutlass.range_constexpr(n // 8):
-            xv = ptx.lds_f32x2(xs + (first + 8 * i) * 4)
+            if cutlass.const_expr(held is not None):
+                xv = (held[2 * i], held[2 * i + 1])
+            else:
+                xv = ptx.lds_f32x2(xs + (first + 8 * i) * 4)
             for c in cutlass.range_constexpr(4):
                 k = 4 * (first // 8 + i) + c
                 acc[k] = acc[k] + tsum[4 * i + c] * xv[c % 2]
@@ -1693,6 +1714,22 @@ def _make_kernel(cfg: GemmConfig):
                 cfg.xs_offset + 2 * q * 4)
 
     @cute.jit
+    def hold_step_scales(sbase, s_off, x_off, words, xs):
+        """early_scales: the thread's two scale words and its activation-scale column pairs of the stage at `sbase`
+        into slots 0, 1 of `words` and 0 .. BN // 4 - 1 of `xs`, the previous step's moved to the slots after them
+        first (its last group is scaled after this step's first group is issued)."""
+        for r in cutlass.range_constexpr(2):
+            words[2 + r] = words[r]
+        for r in cutlass.range_constexpr(BN // 4):
+            xs[BN // 4 + r] = xs[r]
+        words[0] = ptx.lds32(sbase + s_off)
+        words[1] = ptx.lds32(sbase + s_off + 32)
+        for i in cutlass.range_constexpr(BN // 8):
+            xv = ptx.lds_f32x2(sbase + x_off + 8 * i * 4)
+            xs[2 * i] = xv[0]
+            xs[2 * i + 1] = xv[1]
+
+    @cute.jit
     def consume_pipelined(k_blocks, smem, wg, t, warp, g, q, acc, base=None, trace_seg=None):
         """base: the fused halves' first step of the unit (their stages and phases run on across units); None:
         the unit's steps start at stage 0, phase 0. trace_seg (a traced stream_k segment's slots): thread 0 stamps
@@ -1728,6 +1765,15 @@ def _make_kernel(cfg: GemmConfig):
             consume_step_groups(k_blocks, smem, stage, phase, a_off, s_off, x_off, desc0, wg, t, bufs, tsum, acc, base,
                                 trace_seg)
             return
+        # early_scales: the step's scale words (slots 0, 1; the previous step's 2, 3) and activation scales (slots
+        # 0 .. BN / 4 - 1; the previous step's after them), loaded once after the step's wait
+        held_w = cute.make_rmem_tensor((4,), Uint32)
+        held_x = cute.make_rmem_tensor((BN // 2,), Float32)
+        if cutlass.const_expr(EARLY_SCALES):
+            for r in cutlass.range_constexpr(4):
+                held_w[r] = Uint32(0)
+            for r in cutlass.range_constexpr(BN // 2):
+                held_x[r] = Float32(0.0)
         waited = Int32(0)
         if cutlass.const_expr(trace_seg is not None):
             waited = ptx.mbarrier_wait_cycles(bar0 + stage * 8, phase)
@@ -1740,10 +1786,14 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.stamp_times(trace_seg + Int64(16))
         sbase = smem + stage * cfg.stage_bytes
         desc_lo = desc0 + stage * (cfg.stage_bytes // 16)
+        first_w = None
+        if cutlass.const_expr(EARLY_SCALES):
+            hold_step_scales(sbase, s_off, x_off, held_w, held_x)
+            first_w = (held_w[0], held_w[1])
         for grp in cutlass.range_constexpr(GROUPS):
             issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
             if cutlass.const_expr(grp > 0):
-                finish_group(sbase + s_off, grp - 1, bufs[(grp - 1) % 2], tsum)
+                finish_group(sbase + s_off, grp - 1, bufs[(grp - 1) % 2], tsum, first_w)
         for kb in cutlass.range(1, k_blocks):
             prev = stage
             pbase = sbase
@@ -1756,9 +1806,21 @@ def _make_kernel(cfg: GemmConfig):
                 ptx.mbarrier_wait(bar0 + stage * 8, phase, suspend_ns=SUSPEND, first_try=LEAN_RING)
             if cutlass.const_expr(not TMA_TOKENS):  # the token tile came through cp.async (generic proxy)
                 ptx.fence_proxy_async_shared()
+            step_w = step_prev_w = step_prev_x = None  # early_scales: this step's words, the previous step's scales
+            if cutlass.const_expr(EARLY_SCALES):
+                hold_step_scales(sbase, s_off, x_off, held_w, held_x)
+                step_w, step_prev_w = (held_w[0], held_w[1]), (held_w[2], held_w[3])
+                step_prev_x = [held_x[BN // 4 + r] for r in range(BN // 4)]
             for grp in cutlass.range_constexpr(GROUPS):
                 issue_group(sbase + a_off, desc_lo, grp, bufs[grp % 2])
-                if cutlass.const_expr(grp == 0):
+                if cutlass.const_expr(grp == 0 and EARLY_SCALES):
+                    # step kb - 1's WGMMAs are done and its scales are in registers: its stage goes back first
+                    ptx.warp_sync()
+                    if t % 32 == 0:
+                        ptx.mbarrier_arrive(bar0 + (STAGES + prev) * 8)
+                    finish_group(pbase + s_off, GROUPS - 1, bufs[(GROUPS - 1) % 2], tsum, step_prev_w)
+                    finish_step(pbase + x_off, tsum, acc, held=step_prev_x)
+                elif cutlass.const_expr(grp == 0):
                     # step kb - 1 is complete: its last group, its activation scales, then its stage goes back
                     finish_group(pbase + s_off, GROUPS - 1, bufs[(GROUPS - 1) % 2], tsum)
                     finish_step(pbase + x_off, tsum, acc)
@@ -1766,13 +1828,17 @@ def _make_kernel(cfg: GemmConfig):
                     if t % 32 == 0:
                         ptx.mbarrier_arrive(bar0 + (STAGES + prev) * 8)
                 else:
-                    finish_group(sbase + s_off, grp - 1, bufs[(grp - 1) % 2], tsum)
+                    finish_group(sbase + s_off, grp - 1, bufs[(grp - 1) % 2], tsum, step_w)
         last = bufs[(GROUPS - 1) % 2]
         out = ptx.wgmma_wait_tied([last[r] for r in range(PER)], 0)
         for r in cutlass.range_constexpr(PER):
             last[r] = out[r]
-        finish_group(sbase + s_off, GROUPS - 1, last, tsum)
-        finish_step(sbase + x_off, tsum, acc)
+        last_w = last_x = None
+        if cutlass.const_expr(EARLY_SCALES):
+            last_w = (held_w[0], held_w[1])
+            last_x = [held_x[r] for r in range(BN // 4)]
+        finish_group(sbase + s_off, GROUPS - 1, last, tsum, last_w)
+        finish_step(sbase + x_off, tsum, acc, held=last_x)
         if cutlass.const_expr(trace_seg is not None):  # noqa: SIM102 (a trace-time branch around a device one)
             if wg == 0 and t == 0:
                 ptx.stg_s64(trace_seg + Int64(64), Int64(waited))
@@ -3695,7 +3761,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
                split_nibbles: bool = False, lean_ring: bool = False, tma_tokens: bool = False,
-               dynamic_tail: bool = False):
+               dynamic_tail: bool = False, early_scales: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3712,7 +3778,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
                      quick_start=quick_start, split_nibbles=split_nibbles, lean_ring=lean_ring,
-                     tma_tokens=tma_tokens, dynamic_tail=dynamic_tail)
+                     tma_tokens=tma_tokens, dynamic_tail=dynamic_tail, early_scales=early_scales)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3730,7 +3796,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             scale_ratios: bool = False, transposed_stores: bool = False, early_rows: bool = False,
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
             w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
-            lean_ring: bool = False, tma_tokens: bool = False, dynamic_tail: bool = False):
+            lean_ring: bool = False, tma_tokens: bool = False, dynamic_tail: bool = False,
+            early_scales: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3817,6 +3884,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     dynamic_tail = dynamic_tail and stream_k and not handover and not trace and producer_warps == 1
     if dynamic_tail:
         cfg = replace(cfg, dynamic_tail=True)
+    # likewise, where the stand-alone walk runs the unfolded loop with its groups (not step_group's, not the tables)
+    early_scales = early_scales and stream_k and not cfg.step_group and not fold_scales
+    if early_scales:
+        cfg = replace(cfg, early_scales=True)
     # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 and not with step_group (W1 at tile 16
     # and the one-group step spill 8-32 bytes with it): sets may name it everywhere
     split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer
@@ -3897,6 +3968,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["tma_tokens"] = True
     if dynamic_tail:
         params["dynamic_tail"] = True
+    if early_scales:
+        params["early_scales"] = True
     # the 16-byte cp.async pieces of the token tile (with tma_tokens only a fenced owner's staged pieces use them)
     promises = ("wgmma.mma_async.sync.aligned.m64n",) + (() if tma_tokens else ("cp.async.cg.shared.global",))
     if cfg.warp_specialized:
@@ -4064,7 +4137,10 @@ def all_variants():
                  for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]
               # each card's tile-8 loops with the last units' steps in chunks claimed by ticket (step 81)
               + [variant(role, 8, **{**tile_knobs(1, card=card)[1], "dynamic_tail": True})
-                 for role in ("w1", "w2") for card in CARDS]):
+                 for role in ("w1", "w2") for card in CARDS]
+              # each card's tile-8 loops with a step's scales held from its wait (step 83), plain and traced
+              + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs, "early_scales": True})
+                 for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)
