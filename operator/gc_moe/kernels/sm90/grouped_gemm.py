@@ -129,7 +129,7 @@ SPLIT_PARAMS = (("split_partials", "u64"), ("split_counts", "u64"))
 # stream_k appends these: the split buffers (partials per piece: [unit + CTA, consumer thread, BN / 2]; counts per
 # unit) and the local experts, whose units with tokens the CTAs share (the grid holds no unit coordinates)
 STREAM_PARAMS = SPLIT_PARAMS + (("experts", "s32"),)
-# tma_tokens: the grouped activations' 3-D tensor map, 128 bytes in global memory (`token_map_args`)
+# tma_tokens: the grouped activations' 3-D tensor map, 128 bytes in global memory (`_token_map_args`)
 TOKEN_MAP_PARAMS = (("token_map", "u64"),)
 TOKEN_MAP_ROWS = 8  # the map's box: one token tile (tma_tokens is a knob of the stream-K loops, token tile 8)
 # stream_k with handover appends these: the hand-over words (int32 per (expert, token tile, W2 K128 block) = W1
@@ -404,7 +404,7 @@ class GemmConfig:
     # and the pair 0.6 us faster on average at 1-8 tokens on an H100 (tile_knobs's since step 79)
     lean_ring: bool = False
     # the stand-alone stream_k W1 / W2: the producer's lane 0 copies a K128 step's token tile with one tensor-map copy
-    # (a 3-D map over the grouped activations, built on the host: `token_map_args`) instead of 64 16-byte cp.async
+    # (a 3-D map over the grouped activations, built on the host: `_token_map_args`) instead of 64 16-byte cp.async
     # pieces from the warp; the activation scales stay cp.async. The tile's rows past the expert's count come from the
     # next rows (their columns' partials are never stored; the map zero-fills past the last row). The copies of the
     # consumers' global stores and loads (a piece's stores, the epilogues' loads) no longer share the load/store path
