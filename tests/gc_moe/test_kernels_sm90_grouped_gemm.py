@@ -1114,7 +1114,7 @@ def test_early_scales_is_a_knob_of_the_stand_alone_stream_k_unfolded_loop():
     """early_scales (a K128 step's scale words and activation scales loaded once after its wait): a knob of the
     stand-alone stream_k loop that names its kernels, dropped by `variant` where it does not apply (step_group's
     one-group step, the folded table loops, the unit grid); all_variants builds each card's tile-8 set with it, plain
-    and traced. Offline, its K loop issues every shared load of a step before the step's first WGMMA."""
+    and traced (the offline build test then checks their register-A WGMMAs and that nothing spills)."""
     for bad in ({}, {"stream_k": True, "ctas_per_sm": 1, "step_group": True},
                 {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True}):
         with pytest.raises(ValueError, match="early_scales is a knob of the stand-alone stream_k W1 / W2"):
