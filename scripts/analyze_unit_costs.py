@@ -107,13 +107,13 @@ def solve(a: list, b: list) -> list:
 
 def over_read(rows: list, sms: int = 132, max_tokens: int = 8) -> list:
     """Per set: least squares of (role alone - stream read of the role's bytes) = fixed[role] + per_step x steps per
-    CTA + per_unit x units per CTA over every point up to max_tokens with both times (the stream-K grid: one CTA per
-    SM). Returns one dict per set with the terms, the points and the largest residual; sets with fewer points than
+    CTA + per_unit x units per CTA over every point up to max_tokens with both times whose kernels ran the stream-K
+    grid (one CTA per SM; the row's knobs say stream_k). Returns one dict per set with the terms, the points and the largest residual; sets with fewer points than
     terms, or whose points do not separate the terms, are left out."""
     sets = {}
     for r in rows:
-        if r.get("tokens", 0) > max_tokens or "hidden" not in r:
-            continue
+        if r.get("tokens", 0) > max_tokens or "hidden" not in r or not (r.get("knobs") or {}).get("stream_k"):
+            continue  # (the model is the stream-K grid's: other grids' rows are left out)
         for role in ("w1", "w2"):
             t, read = r.get(f"{role}_cold_us"), r.get(f"{role}_stream_read_us")
             if t is None or read is None or not (math.isfinite(t) and math.isfinite(read)):

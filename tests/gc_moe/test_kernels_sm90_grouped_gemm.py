@@ -1162,13 +1162,14 @@ def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
 def test_over_read_fit_splits_a_kernels_time_over_its_read_into_launch_steps_and_units():
     """scripts/analyze_unit_costs.py `over-read`: W1 / W2 times built as a stream read of their bytes plus 4 / 3 us
     per launch, 0.05 us per K128 step and 0.8 us per unit of each CTA's share give back those terms; the rows above
-    --max-tokens and a set with too few points are left out; points that cannot separate the terms raise."""
+    --max-tokens, a set with too few points and rows of other grids than stream-K are left out; points that cannot
+    separate the terms raise."""
     analyze = _load_script("analyze_unit_costs")
     rows = []
     for model, hidden, inter in (("deepseek-v4.1-flash", 5120, 2304), ("glm-5.2", 6144, 2048)):
         for tokens, tiles in ((1, 9), (2, 13), (4, 22), (8, 27), (64, 48)):
             row = {"tag": "ws_auto_pdl", "model": model, "hidden": hidden, "inter": inter, "tokens": tokens,
-                   "block_n": 8, "tiles": {"8": tiles}}
+                   "block_n": 8, "tiles": {"8": tiles}, "knobs": {"stream_k": True, "ctas_per_sm": 1}}
             for role, fixed in (("w1", 4.0), ("w2", 3.0)):
                 units, steps = analyze.role_shape(row, role)
                 row[f"{role}_stream_read_us"] = 0.52 * steps * units / 132
@@ -1176,6 +1177,7 @@ def test_over_read_fit_splits_a_kernels_time_over_its_read_into_launch_steps_and
                                           + 0.8 * units / 132)
             rows.append(row)
     rows.append({**rows[0], "tag": "lonely"})
+    rows += [{**r, "tag": "unit_grid", "knobs": None} for r in rows[:8]]  # not the stream-K grid: left out
     (got,) = analyze.over_read(rows)
     assert got["set"] == "ws_auto_pdl" and got["points"] == 16 and got["max_abs_residual_us"] == 0
     assert got["fixed_us"] == {"w1": 4.0, "w2": 3.0} and got["per_step_us"] == 0.05 and got["per_unit_us"] == 0.8
