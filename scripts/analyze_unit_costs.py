@@ -87,29 +87,13 @@ def fit(rows: list, sms: int = 132) -> list:
     return out
 
 
-def solve(a: list, b: list) -> list:
-    """x with a x = b (a square, nonsingular): Gaussian elimination with partial pivoting."""
-    n = len(b)
-    m = [list(map(float, row)) + [float(v)] for row, v in zip(a, b)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-12:
-            raise ValueError("singular system: the points do not separate the terms")
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            m[r] = [x - f * y for x, y in zip(m[r], m[c])]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
-    return x
-
-
 def over_read(rows: list, sms: int = 132, max_tokens: int = 8) -> list:
     """Per set: least squares of (role alone - stream read of the role's bytes) = fixed[role] + per_step x steps per
     CTA + per_unit x units per CTA over every point up to max_tokens with both times whose kernels ran the stream-K
-    grid (one CTA per SM; the row's knobs say stream_k). Returns one dict per set with the terms, the points and the largest residual; sets with fewer points than
-    terms, or whose points do not separate the terms, are left out."""
+    grid (one CTA per SM; the row's knobs say stream_k). Returns one dict per set with the terms, the points and the
+    largest residual; sets whose points do not separate the terms (fewer than the terms, or dependent) are left out."""
+    import numpy as np
+
     sets = {}
     for r in rows:
         if r.get("tokens", 0) > max_tokens or "hidden" not in r or not (r.get("knobs") or {}).get("stream_k"):
@@ -124,21 +108,16 @@ def over_read(rows: list, sms: int = 132, max_tokens: int = 8) -> list:
     out = []
     for tag, pts in sorted(sets.items()):
         roles = sorted({p[0] for p in pts})
-        if len(pts) < len(roles) + 2:
+        xs = np.array([[1.0 if p[0] == role else 0.0 for role in roles] + [p[1], p[2]] for p in pts])
+        ys = np.array([p[3] for p in pts])
+        coef, _, rank, _ = np.linalg.lstsq(xs, ys, rcond=None)
+        if rank < xs.shape[1]:
             continue
-        xs = [[1.0 if p[0] == role else 0.0 for role in roles] + [p[1], p[2]] for p in pts]
-        ys = [p[3] for p in pts]
-        k = len(xs[0])
-        ata = [[sum(x[i] * x[j] for x in xs) for j in range(k)] for i in range(k)]
-        aty = [sum(x[i] * y for x, y in zip(xs, ys)) for i in range(k)]
-        try:
-            coef = solve(ata, aty)
-        except ValueError:
-            continue
-        resid = [y - sum(c * v for c, v in zip(coef, x)) for x, y in zip(xs, ys)]
-        out.append({"set": tag, "points": len(pts), "fixed_us": {role: round(coef[i], 2) for i, role in enumerate(roles)},
-                    "per_step_us": round(coef[-2], 4), "per_unit_us": round(coef[-1], 3),
-                    "max_abs_residual_us": round(max(abs(v) for v in resid), 2),
+        resid = ys - xs @ coef
+        out.append({"set": tag, "points": len(pts),
+                    "fixed_us": {role: round(float(coef[i]), 2) for i, role in enumerate(roles)},
+                    "per_step_us": round(float(coef[-2]), 4), "per_unit_us": round(float(coef[-1]), 3),
+                    "max_abs_residual_us": round(float(np.abs(resid).max()), 2),
                     "over_read_us": {f"{p[4]} T={p[5]} {p[0]}": round(p[3], 1) for p in pts}})
     return out
 

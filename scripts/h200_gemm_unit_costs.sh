@@ -130,6 +130,7 @@ LEAN_TRACE="--extra-set h2t:$H2T --extra-set h2lt:$H2T,lean_ring=True --extra-se
 TMAT_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100t:card='h100',tma_tokens=True,pdl=True"
 TMAT_SETS="$TMAT_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200t:card='h200',tma_tokens=True,pdl=True"
 TMAT_TRACE="--extra-set h1lt:$H1T,lean_ring=True --extra-set h1tt:$H1T,lean_ring=True,tma_tokens=True"
+TMAT_TRACE="$TMAT_TRACE --extra-set h2lt:$H2T,lean_ring=True --extra-set h2tt:$H2T,lean_ring=True,tma_tokens=True"
 # the `dyn` step: each card's tile-8 rule with the last units' steps claimed by ticket (dynamic_tail) beside without
 DYN_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100d:card='h100',dynamic_tail=True,pdl=True"
 DYN_SETS="$DYN_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200d:card='h200',dynamic_tail=True,pdl=True"
@@ -139,7 +140,6 @@ ESCL_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100e:card='h100',ea
 ESCL_SETS="$ESCL_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200e:card='h200',early_scales=True,pdl=True"
 ESCL_TRACE="--extra-set h2lt:$H2T,lean_ring=True --extra-set h2et:$H2T,lean_ring=True,early_scales=True"
 ESCL_TRACE="$ESCL_TRACE --extra-set h1lt:$H1T,lean_ring=True --extra-set h1et:$H1T,lean_ring=True,early_scales=True"
-TMAT_TRACE="$TMAT_TRACE --extra-set h2lt:$H2T,lean_ring=True --extra-set h2tt:$H2T,lean_ring=True,tma_tokens=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
