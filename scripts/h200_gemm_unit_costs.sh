@@ -87,6 +87,12 @@
 #           its wait (`h100e`, `h200e`: GemmConfig.early_scales) beside without (`h100r`, `h200r`); then the traced
 #           loops of both rules with and without it (`etrace.json`: the consumers' time per step). `python
 #           scripts/set_deltas.py escl-N.json --pairs h100e:h100r,h200e:h200r` (docs step 83)
+#   amax    1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with W1's unit epilogue taking its amax per
+#           token through shared-memory max reductions into rotating slot sets, one consumer barrier per unit instead
+#           of two or three (`h100a`, `h200a`: GemmConfig.amax_slots), with the lean epilogue's loads before the K loop
+#           (`h100l`, `h200l`), both (`h100la`, `h200la`), beside neither (`h100r`, `h200r`); then the traced loops
+#           with the lean epilogue with and without the slots (`atrace.json`: the epilogues' times). `python
+#           scripts/set_deltas.py amax-N.json --pairs h200a:h200r,h200l:h200r,h200la:h200r,h200la:h200l` (docs step 84)
 #   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
 #           consumers' waits trying first since step 79, GemmConfig.lean_ring: 130 instructions per K128 step and warp
 #           instead of 140) against the same without it (`nolr`), and on each card's rule (`h100r` / `h100nolr`,
@@ -140,6 +146,18 @@ ESCL_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100e:card='h100',ea
 ESCL_SETS="$ESCL_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200e:card='h200',early_scales=True,pdl=True"
 ESCL_TRACE="--extra-set h2lt:$H2T,lean_ring=True --extra-set h2et:$H2T,lean_ring=True,early_scales=True"
 ESCL_TRACE="$ESCL_TRACE --extra-set h1lt:$H1T,lean_ring=True --extra-set h1et:$H1T,lean_ring=True,early_scales=True"
+# the `amax` step: each card's tile-8 rule with W1's amax in rotating slot sets (amax_slots), with the lean epilogue's
+# early loads (lean_epilogue), both, beside neither; the traced loops with the lean epilogue with and without the slots
+AMAX_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100a:card='h100',amax_slots=True,pdl=True"
+AMAX_SETS="$AMAX_SETS --auto-set h100l:card='h100',lean_epilogue=True,pdl=True"
+AMAX_SETS="$AMAX_SETS --auto-set h100la:card='h100',lean_epilogue=True,amax_slots=True,pdl=True"
+AMAX_SETS="$AMAX_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200a:card='h200',amax_slots=True,pdl=True"
+AMAX_SETS="$AMAX_SETS --auto-set h200l:card='h200',lean_epilogue=True,pdl=True"
+AMAX_SETS="$AMAX_SETS --auto-set h200la:card='h200',lean_epilogue=True,amax_slots=True,pdl=True"
+AMAX_TRACE="--extra-set h2lt:$H2T,lean_ring=True,lean_epilogue=True"
+AMAX_TRACE="$AMAX_TRACE --extra-set h2at:$H2T,lean_ring=True,lean_epilogue=True,amax_slots=True"
+AMAX_TRACE="$AMAX_TRACE --extra-set h1lt:$H1T,lean_ring=True,lean_epilogue=True"
+AMAX_TRACE="$AMAX_TRACE --extra-set h1at:$H1T,lean_ring=True,lean_epilogue=True,amax_slots=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -192,6 +210,8 @@ for s in $steps; do
            run build-dyn 600 python $BENCH --build-only --auto-ctas --pdl $DYN_SETS --tokens 1,2,4,8
            run build-escl 600 python $BENCH --build-only --auto-ctas --pdl $ESCL_SETS --tokens 1,2,4,8
            run build-etrace 600 python $BENCH --build-only $ESCL_TRACE --tokens 1,8
+           run build-amax 600 python $BENCH --build-only --auto-ctas --pdl $AMAX_SETS --tokens 1,2,4,8
+           run build-atrace 600 python $BENCH --build-only $AMAX_TRACE --tokens 1,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -310,6 +330,13 @@ for s in $steps; do
           done
           run etrace 200 python $BENCH --check --time --per-role --trace $ESCL_TRACE \
             --tokens 1,8 --windows 3 --replays 10 --json "$OUT/etrace.json" ;;
+    # shellcheck disable=SC2086
+    amax) for r in 1 2; do  # W1's amax in rotating slot sets, the lean epilogue's early loads (docs step 84)
+            run amax-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $AMAX_SETS \
+              --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/amax-$r.json"
+          done
+          run atrace 200 python $BENCH --check --time --per-role --trace $AMAX_TRACE \
+            --tokens 1,8 --windows 3 --replays 10 --json "$OUT/atrace.json" ;;
     # shellcheck disable=SC2086
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \

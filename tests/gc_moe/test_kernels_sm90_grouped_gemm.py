@@ -138,7 +138,9 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     and dict(v.params).get("lean_ring")  # (tile_knobs's; its baseline without lean_ring: its own test)
                     and not dict(v.params).get("tma_tokens")  # (and with the token tile's map: its own test)
                     and not dict(v.params).get("dynamic_tail")  # (and with the dynamic tail: its own test)
-                    and not dict(v.params).get("early_scales"))  # (and with the scales held early: its own test)
+                    and not dict(v.params).get("early_scales")  # (and with the scales held early: its own test)
+                    and not dict(v.params).get("amax_slots")  # (and W1's amax slot sets: their own test)
+                    and not dict(v.params).get("lean_epilogue"))  # (and the lean epilogue on a card's rule: likewise)
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
                              for trace, handover in ((False, False), (True, False), (False, True))]
                             + [(role, False, True, trace, False) for role in ("w1", "w2") for trace in (False, True)])
@@ -1136,6 +1138,42 @@ def test_early_scales_is_a_knob_of_the_stand_alone_stream_k_unfolded_loop():
                 assert gg.variant(role, 8, **{**gg.tile_knobs(1, card=card)[1], **knobs, "early_scales": True}) in built
 
 
+def test_amax_slots_is_a_knob_of_the_stand_alone_stream_k_w1():
+    """amax_slots (W1's amax per token through shared-memory max reductions into rotating slot sets): a knob of the
+    stand-alone stream_k W1 that names its kernels and asks for the reduction in their PTX, dropped by `variant` where
+    it does not apply (W2, the tables, the hand-over words, the dynamic tail's chunks); all_variants builds each card's
+    tile-8 set with it, alone and with the lean epilogue (plain and traced), and the lean epilogue alone beside it."""
+    for role, bad in (("w1", {}), ("w2", {"stream_k": True, "ctas_per_sm": 1}),
+                      ("w1", {"stream_k": True, "ctas_per_sm": 1, "stream_pair": True}),
+                      ("w1", {"stream_k": True, "ctas_per_sm": 1, "handover": True}),
+                      ("w1", {"stream_k": True, "ctas_per_sm": 1, "dynamic_tail": True})):
+        with pytest.raises(ValueError, match="amax_slots is a knob of the stand-alone stream_k W1"):
+            gg.GemmConfig(role, 8, amax_slots=True, **bad)
+    plain = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1)
+    slots = gg.GemmConfig("w1", 8, stream_k=True, ctas_per_sm=1, amax_slots=True)
+    assert slots.name == plain.name.replace("_sk_", "_sk_amxs_") and slots.smem_bytes == plain.smem_bytes
+    assert 3 * slots.block_n * 4 <= slots.meta_offset - slots.amax_offset  # the three sets fit the amax region
+    for card in gg.CARDS:
+        knobs = gg.tile_knobs(1, card=card)[1]
+        with_slots = gg.variant("w1", 8, **knobs, amax_slots=True)
+        assert with_slots.params == tuple(sorted({**dict(gg.variant("w1", 8, **knobs).params), "amax_slots": True}.items()))
+        assert "red.shared.max.u32" in with_slots.promises
+        assert gg.variant("w2", 8, **knobs, amax_slots=True) == gg.variant("w2", 8, **knobs)
+    for knobs in ({"stream_k": True, "ctas_per_sm": 1, "handover": True},
+                  {"stream_k": True, "ctas_per_sm": 1, "dynamic_tail": True}, {}):
+        assert "amax_slots" not in dict(gg.variant("w1", 8, amax_slots=True, **knobs).params)
+    assert "amax_slots" not in dict(gg.variant("w1", 32, amax_slots=True, **gg.tile_knobs(20)[1]).params)
+    built = gg.all_variants()
+    for card in gg.CARDS:
+        rule = gg.tile_knobs(1, card=card)[1]
+        for knobs in ({"amax_slots": True}, {"lean_epilogue": True, "amax_slots": True},
+                      {"lean_epilogue": True, "amax_slots": True, "trace": True}):
+            assert gg.variant("w1", 8, **{**rule, **knobs}) in built
+        for role in ("w1", "w2"):
+            for knobs in ({"lean_epilogue": True}, {"lean_epilogue": True, "trace": True}):
+                assert gg.variant(role, 8, **{**rule, **knobs}) in built
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1251,9 +1289,11 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # the tile-8 loops on the split nibble order (tile_knobs's stream-K, traced, the unit grid), tile_knobs's H200
     # tile-8 loops (plain, traced), each card's tile-8 loops without lean_ring (its baseline; and the H200's traced),
     # each card's tile-8 loops with the token tile through a tensor map (plain, traced), each card's tile-8 loops with
-    # the dynamic tail, each card's tile-8 loops with a step's scales held from its wait (plain, traced)
+    # the dynamic tail, each card's tile-8 loops with a step's scales held from its wait (plain, traced), and each
+    # card's tile-8 loops with W1's amax slot sets (alone, with the lean epilogue, traced with it) and the lean
+    # epilogue (W1 and W2, plain and traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8 + 14)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1387,9 +1427,10 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # on the split nibble order (stream-K, traced, the unit grid), tile_knobs's H200 tile-8 loops (plain, traced),
     # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced), each card's tile-8 loops with
     # the token tile through a tensor map (plain, traced), each card's tile-8 loops with the dynamic tail, each card's
-    # tile-8 loops with a step's scales held from its wait (plain, traced)
+    # tile-8 loops with a step's scales held from its wait (plain, traced), each card's tile-8 loops with W1's amax
+    # slot sets and with the lean epilogue
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8 + 14)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1403,11 +1444,14 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # a stream-K or persistent W1 epilogue once more at its end (its amax words are read before the next unit's
         # epilogue), a lean W1 epilogue once more after its per-token amax, a handover W1 once more before it publishes
         # a unit, a W1 with transposed stores once more before its rows are copied out; stream-K with tagged pieces
-        # not at all (a piece's stores need no meeting, an owner's warps poll their own slots)
+        # not at all (a piece's stores need no meeting, an owner's warps poll their own slots); a W1 with the amax
+        # slot sets meets once per epilogue, lean or not (its reductions before, its reads after)
         split = 3 if params.get("k_splits", 1) > 1 else 0 if params.get("tagged_pieces") else 2 if params.get(
             "stream_k") else 0
         w1_meets = 0
-        if params["role"] == "w1":
+        if params["role"] == "w1" and params.get("amax_slots"):
+            w1_meets = 1
+        elif params["role"] == "w1":
             w1_meets = (1 + bool(params.get("stream_k") or params.get("persistent")) + bool(params.get("lean_epilogue"))
                         + bool(params.get("handover")) + bool(params.get("transposed_stores")))
         # the dynamic tail: a chunk's two meetings (partials stored; thread 0's word read), a fenced owner's one more
@@ -2617,6 +2661,32 @@ def test_early_scales_write_the_same_bytes(hidden, inter, experts, topk, tokens,
                        _run_case(*case, seed=seed, sms=sms, return_raw=True, **knobs))
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, sms=sms, **{**knobs, "early_scales": True})
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("card,extra", [("h200", {}), ("h100", {}), ("h200", {"lean_epilogue": True}),
+                                        ("h100", {"lean_epilogue": True}), ("h200", {"lean_epilogue": True, "trace": True})],
+                         ids=["h200", "h100", "h200_lean", "h100_lean", "h200_lean_traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (1024, 512, 7, 4, 3, None),     # units shorter than the H200's ring
+    (5120, 2304, 10, 6, 8, None),   # DeepSeek-V4.1-Flash's K: W1's 40 steps, whole units, pieces and owners
+    (1024, 512, 10, 6, 40, 3),      # many units over 3 CTAs: each CTA's epilogues cycle the three slot sets often
+])
+def test_amax_slots_write_the_same_bytes(hidden, inter, experts, topk, tokens, sms, card, extra):
+    """W1's amax per token through shared-memory max reductions into rotating slot sets (`amax_slots`: one barrier
+    per unit epilogue) is the same maximum of the same values, so W1 and W2 write the same bytes as without it (each
+    card's tile-8 set, with the lean epilogue, traced), relaunched on the same buffers and as programmatic pairs (the
+    sets start at zero in every launch). And the float32 reference on fresh inputs."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {**gg.tile_knobs(1, card=card)[1], **extra}
+    seed = hidden + tokens + experts + 47
+    trace = extra.get("trace", False)
+    _assert_same_bytes(_run_case(*case, seed=seed, sms=sms, return_raw=True, relaunches=2,
+                                 programmatic_pairs=0 if trace else 2, **{**knobs, "amax_slots": True}),
+                       _run_case(*case, seed=seed, sms=sms, return_raw=True, **knobs))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, sms=sms, **{**knobs, "amax_slots": True})
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

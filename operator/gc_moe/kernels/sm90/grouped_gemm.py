@@ -426,6 +426,13 @@ class GemmConfig:
     # step's stage goes back as soon as its last WGMMAs are done (nothing in it is read after them). On the H200 the
     # tile-8 loop runs behind its bytes by 0.042 us per step (docs step 82): the chain is its time there
     early_scales: bool = False
+    # the stand-alone stream_k W1: the unit epilogue's amax per token goes through shared-memory max reductions into
+    # one of three slot sets, the unit's index mod 3 (a CTA's epilogues are consecutive units), so one consumer
+    # barrier per unit orders them before the reads; after it one thread per token zeroes the set of the unit two
+    # ahead, which every warp read before that barrier. Without it a unit's epilogue had three barriers (the warps'
+    # maxima stored, the per-token reduction, the words free for the next unit): on the H200 every unit costs its
+    # CTA 0.77 us, its epilogue on the consumers' path (docs step 82)
+    amax_slots: bool = False
 
     def __post_init__(self):
         if self.role not in ("w1", "w2"):
@@ -511,6 +518,10 @@ class GemmConfig:
                                       and not self.fold_scales):
             raise ValueError("early_scales is a knob of the stand-alone stream_k W1 / W2's unfolded loop (not the pair "
                              "kernel's halves, not step_group or fold_scales: their steps load the scales otherwise)")
+        if self.amax_slots and not (self.role == "w1" and self.stream_k and not self.stream_pair and not self.handover
+                                    and not self.dynamic_tail):
+            raise ValueError("amax_slots is a knob of the stand-alone stream_k W1 (role 'w1', not the pair kernel's half, "
+                             "not handover, not dynamic_tail: its chunks' epilogues need not be consecutive units)")
         if self.dynamic_tail and not (self.stream_k and not self.stream_pair and not self.handover and not self.trace
                                       and self.producer_warps == 1):
             raise ValueError("dynamic_tail is a knob of the stand-alone stream_k W1 / W2 with one producer warp (not the "
@@ -825,6 +836,7 @@ class GemmConfig:
             s += "_tmat" if self.tma_tokens else ""
             s += "_dtail" if self.dynamic_tail else ""
             s += "_escl" if self.early_scales else ""
+            s += "_amxs" if self.amax_slots else ""
         if self.lean_epilogue:
             s += "_lean"
         if self.persistent:
@@ -1066,6 +1078,7 @@ def _make_kernel(cfg: GemmConfig):
     QUICK = cfg.quick_start  # stream_k: the walk's first unit without divisions or a serial lookup
     LEAN_RING = cfg.lean_ring  # stream_k: the ring's bases warp-uniform, the consumers' waits trying first
     EARLY_SCALES = cfg.early_scales  # stream_k: a step's scales loaded once after its wait, held in registers
+    AMAX_SLOTS = cfg.amax_slots  # stream_k W1: the amax per token in one of three slot sets, one barrier per unit
     TMA_TOKENS = cfg.tma_tokens  # stream_k: a = (..., act_scale, token_map): the token tile by one tensor-map copy
     STAGE_TX = STAGE_TX_BYTES + (BN * 128 if TMA_TOKENS else 0)  # the bytes a full barrier's phase waits for
     DYN_TAIL = cfg.dynamic_tail  # stream_k: the last units' steps in chunks claimed by ticket (`stream_walk`)
@@ -2106,6 +2119,9 @@ def _make_kernel(cfg: GemmConfig):
             if cutlass.const_expr(PUBLISHER):  # the units the consumers finished so far (thread 0 counts them)
                 ptx.sts_s32(smem + cfg.publish_offset, Int32(0))
             ptx.fence_mbarrier_init()
+        if cutlass.const_expr(AMAX_SLOTS):  # noqa: SIM102 (a trace-time branch around a device one)
+            if tid < 3 * BN:  # the three amax slot sets start at zero (the max of non-negative values)
+                ptx.sts_f32(smem + cfg.amax_offset + tid * 4, Float32(0.0))
         ptx.gemm_barrier(cfg)
 
     @cute.jit
@@ -2363,14 +2379,18 @@ def _make_kernel(cfg: GemmConfig):
 
     @cute.jit
     def w1_epilogue(tid, wg, warp, g, q, factor, acc, smem, row0, count, rows, bx, m_tiles, routing_weight, out,
-                    out_scale, ring, done_mask, words=None, meta=None):
+                    out_scale, ring, done_mask, words=None, meta=None, amax_unit=None):
         """A consumer thread's W1 epilogue: SwiGLU x routing weight, the amax of the CTA's 128 channels, E4M3
-        rows with FP32 K128 scales; the ring consumer releases its ring blocks, the fused half its bit."""
+        rows with FP32 K128 scales; the ring consumer releases its ring blocks, the fused half its bit.
+        amax_slots: `amax_unit` (the unit's index) picks the slot set of its amax."""
         if cutlass.const_expr(RING):
             ring_ready, l1_full_count, l1_empty_count, ring_block_m, ring_blocks, timeout_ns = ring[:6]
         inter = m_tiles * 32
         channel = bx * 128 + wg * 32 + warp * 8 + g
         hv = cute.make_rmem_tensor((BN // 4,), Float32)
+        amax_at = smem + cfg.amax_offset  # the token amax words the reads below take (per token)
+        if cutlass.const_expr(AMAX_SLOTS):
+            amax_at = smem + cfg.amax_offset + (amax_unit % 3) * (BN * 4)
         for i in cutlass.range_constexpr(NSUB):
             for c in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * q + c
@@ -2395,7 +2415,10 @@ def _make_kernel(cfg: GemmConfig):
                 m = ptx.fmax(m, ptx.shfl_xor_f32(m, 8))
                 m = ptx.fmax(m, ptx.shfl_xor_f32(m, 16))
                 if g == 0:
-                    ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
+                    if cutlass.const_expr(AMAX_SLOTS):
+                        ptx.red_max_shared_nonneg_f32(amax_at + n * 4, m)
+                    else:
+                        ptx.sts_f32(smem + cfg.amax_offset + ((wg * 4 + warp) * BN + n) * 4, m)
         out_first = Int64(row0)
         if cutlass.const_expr(REUSE):
             # W1's output rows are a ring too: before this unit stores a later generation of them, every W2 CTA
@@ -2413,6 +2436,11 @@ def _make_kernel(cfg: GemmConfig):
                                                     False)
                     block = block + 1
         consumer_sync()
+        if cutlass.const_expr(AMAX_SLOTS):  # noqa: SIM102 (a trace-time branch around a device branch)
+            # the set of the unit two ahead was the CTA's previous unit's: every warp read it before the barrier
+            # above, and writes it next after the following unit's barrier, which this thread reaches after this
+            if tid < BN:
+                ptx.sts_f32(smem + cfg.amax_offset + ((amax_unit + 2) % 3) * (BN * 4) + tid * 4, Float32(0.0))
         if cutlass.const_expr(RING):  # noqa: SIM102 (a trace-time branch around a device branch)
             # every read of the tile's ring rows (copies, scales, routing weights) precedes the
             # barrier above: release the blocks so role1 may refill them (a later generation)
@@ -2439,7 +2467,7 @@ def _make_kernel(cfg: GemmConfig):
             # store instruction writes fall in distinct banks: row 8 i + c's byte at put_rows[i % 2] + (8 i + c) x 128
             put_even = smem + cfg.transpose_offset + q * 256 + ((wg * 32 + warp * 8 + g) ^ (q * 16))
             put_rows = (put_even, put_even ^ 64)
-        if cutlass.const_expr(LEAN):
+        if cutlass.const_expr(LEAN and not AMAX_SLOTS):
             # one thread per token reduces the 16 warps' maxima into the token's first slot (its column is read by
             # it alone), then every thread reads one word per value
             if tid < BN:
@@ -2452,8 +2480,8 @@ def _make_kernel(cfg: GemmConfig):
             for c in cutlass.range_constexpr(2):
                 n = 8 * i + 2 * q + c
                 amax = Float32(0.0)
-                if cutlass.const_expr(LEAN):
-                    amax = ptx.lds_f32(smem + cfg.amax_offset + n * 4)
+                if cutlass.const_expr(LEAN or AMAX_SLOTS):
+                    amax = ptx.lds_f32(amax_at + n * 4)
                 else:
                     for p in cutlass.range_constexpr(16):
                         amax = ptx.fmax(amax, ptx.lds_f32(smem + cfg.amax_offset + (p * BN + n) * 4))
@@ -2485,7 +2513,7 @@ def _make_kernel(cfg: GemmConfig):
             consumer_sync()
             if tid == 0:
                 ptx.red_or_release_gpu_u64(done_mask, Int64(1) << Int64(bx))
-        if cutlass.const_expr(STREAM or PERSIST):
+        if cutlass.const_expr((STREAM or PERSIST) and not AMAX_SLOTS):
             # every consumer warp has read the amax words before the CTA's next unit writes them: a warp may run a
             # unit shorter than the ring from stages already full and reach that epilogue while another still
             # reads these (the fused half's barrier above does the same for its units)
@@ -3237,6 +3265,8 @@ def _make_kernel(cfg: GemmConfig):
                 if cutlass.const_expr(W1):
                     routing_weight, out, out_scale = role_args
                     rest = (smem, row0, count, count, bx, m_tiles, routing_weight, out, out_scale, None, None, words)
+                    if cutlass.const_expr(AMAX_SLOTS):  # the unit picks the epilogue's amax slot set
+                        rest = rest + (None, unit)
                 else:
                     dest_row, out = role_args
                     rest = (row0, count, bx, m_tiles, dest_row, out, None, None, words)
@@ -3761,7 +3791,7 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                transposed_stores: bool = False, early_rows: bool = False, step_group: bool = False,
                tagged_pieces: bool = False, w2_early_stages: int | None = None, quick_start: bool = False,
                split_nibbles: bool = False, lean_ring: bool = False, tma_tokens: bool = False,
-               dynamic_tail: bool = False, early_scales: bool = False):
+               dynamic_tail: bool = False, early_scales: bool = False, amax_slots: bool = False):
     """The runtime's builder: a CompileRequest for one variant (compile-time params only; no GPU needed)."""
     from cutlass import Int32, Int64
 
@@ -3778,7 +3808,8 @@ def build_gemm(arch: str = "sm_90a", role: str = "w1", block_n: int = 8, stages:
                      scale_ratios=scale_ratios, transposed_stores=transposed_stores, early_rows=early_rows,
                      step_group=step_group, tagged_pieces=tagged_pieces, w2_early_stages=w2_early_stages,
                      quick_start=quick_start, split_nibbles=split_nibbles, lean_ring=lean_ring,
-                     tma_tokens=tma_tokens, dynamic_tail=dynamic_tail, early_scales=early_scales)
+                     tma_tokens=tma_tokens, dynamic_tail=dynamic_tail, early_scales=early_scales,
+                     amax_slots=amax_slots)
     kernel = _make_kernel(cfg)
     host = _host_launcher(cfg, kernel)
     args = tuple(Int64(0) if kind == "u64" else Int64(1) if kind == "s64" else Int32(1) for _, kind in cfg.params)
@@ -3797,7 +3828,7 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
             step_group: bool = False, tagged_pieces: bool = False, max_stages: int | None = None,
             w2_early_stages: int | None = None, quick_start: bool = False, split_nibbles: bool = False,
             lean_ring: bool = False, tma_tokens: bool = False, dynamic_tail: bool = False,
-            early_scales: bool = False):
+            early_scales: bool = False, amax_slots: bool = False):
     """The runtime KernelVariant of one configuration (what the registry and the benchmark build).
 
     Defaults: the warp-specialized pipeline with the deepest ring that fits up to bn 32 (also as the ring
@@ -3888,6 +3919,10 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
     early_scales = early_scales and stream_k and not cfg.step_group and not fold_scales
     if early_scales:
         cfg = replace(cfg, early_scales=True)
+    # likewise, at W1's stand-alone walk where its epilogues are consecutive units (not the tail's chunks)
+    amax_slots = amax_slots and role == "w1" and stream_k and not handover and not dynamic_tail
+    if amax_slots:
+        cfg = replace(cfg, amax_slots=True)
     # a knob of the warp-specialized unfolded consumer, stand-alone, at tile 8 and not with step_group (W1 at tile 16
     # and the one-group step spill 8-32 bytes with it): sets may name it everywhere
     split_nibbles = (split_nibbles and cfg.warp_specialized and not fold_scales and not ring_consumer
@@ -3970,6 +4005,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
         params["dynamic_tail"] = True
     if early_scales:
         params["early_scales"] = True
+    if amax_slots:
+        params["amax_slots"] = True
     # the 16-byte cp.async pieces of the token tile (with tma_tokens only a fenced owner's staged pieces use them)
     promises = ("wgmma.mma_async.sync.aligned.m64n",) + (() if tma_tokens else ("cp.async.cg.shared.global",))
     if cfg.warp_specialized:
@@ -3986,6 +4023,8 @@ def variant(role: str, block_n: int, stages: int | None = None, swiglu_alpha: fl
                      "red.relaxed.gpu.global.add" if handover else "griddepcontrol.wait",)
     if tma_tokens:  # the token tile through the map, its bytes acquired once
         promises += ("cp.async.bulk.tensor.3d.shared::cluster.global", "fence.proxy.tensormap::generic.acquire")
+    if amax_slots:  # W1's amax per token reduced in shared memory
+        promises += ("red.shared.max.u32",)
     if dynamic_tail:  # the chunks' tickets, the last chunk's arrival
         promises += ("atom.relaxed.gpu.global.add", "atom.acq_rel.gpu.global.add")
     if words_first:  # the segment's permits taken at once where W1 set its words already
@@ -4140,7 +4179,15 @@ def all_variants():
                  for role in ("w1", "w2") for card in CARDS]
               # each card's tile-8 loops with a step's scales held from its wait (step 83), plain and traced
               + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs, "early_scales": True})
-                 for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]):
+                 for role in ("w1", "w2") for card in CARDS for knobs in ({}, {"trace": True})]
+              # each card's tile-8 loops with W1's amax in rotating slot sets (step 84), with and without the lean
+              # epilogue's early loads, and the lean epilogue alone (W2 takes only that), plus the traced pair
+              + [variant(role, 8, **{**tile_knobs(1, card=card)[1], **knobs})
+                 for role in ("w1", "w2") for card in CARDS
+                 for knobs in ({"amax_slots": True}, {"lean_epilogue": True},
+                               {"lean_epilogue": True, "amax_slots": True},
+                               {"lean_epilogue": True, "amax_slots": True, "trace": True},
+                               {"lean_epilogue": True, "trace": True})]):
         if v.describe() not in seen:
             seen.add(v.describe())
             out.append(v)

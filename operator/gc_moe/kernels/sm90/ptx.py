@@ -98,6 +98,12 @@ def lds_f32(addr: Int32) -> Float32:
     return asm("ld.shared.f32 $0, [$1];", [Float32], [addr])
 
 
+def red_max_shared_nonneg_f32(addr: Int32, v: Float32) -> None:
+    """Shared-memory max of a non-negative float: its bits compare as an unsigned integer's do, so the
+    integer max of the slot (zero to start) is the float max."""
+    asm("{\n.reg .b32 b;\nmov.b32 b, $1;\nred.shared.max.u32 [$0], b;\n}", [], [addr, v])
+
+
 def ldg_s32(addr: Int64) -> Int32:
     return asm("ld.global.nc.b32 $0, [$1];", [Int32], [addr])
 
