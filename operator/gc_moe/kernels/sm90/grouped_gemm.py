@@ -190,8 +190,10 @@ RING_STAGES = {8: 6, 32: 5, 64: 6}
 CARDS = ("h100", "h200")
 # tile 8's stream-K loops per card beyond RING_STAGES[8]: on the H200 (4.45 TB/s, 1.4x the H100's bandwidth per SM)
 # the ring of 12 keeps the reads going through the CTAs' mid-range epilogues (~6 us of reads in flight, 6 stages ~3),
-# and the pieces published without a fence do not pause the producer behind the SM's own reads (step 78)
-TILE8_STREAM_K = {"h100": {"max_stages": RING_STAGES[8]},
+# and the pieces published without a fence do not pause the producer behind the SM's own reads (step 78). On the H100
+# the unit epilogues' factor and per-token words load before the K loop (`lean_epilogue`: W1's whole-unit epilogue
+# 0.7-1.0 -> 0.45-0.6 us, the pair 0.48 us faster on average at 1-8 tokens over two runs, step 85)
+TILE8_STREAM_K = {"h100": {"max_stages": RING_STAGES[8], "lean_epilogue": True},
                   "h200": {"max_stages": 12, "tagged_pieces": True}}
 # and tile 8's unit grid (two CTAs per SM, 6 stages each by default) where tile_knobs takes it: at 4 stages each
 # 2-5 us faster at 8-32 tokens but DeepSeek-V4.1-Flash T=32 (+1 us; tile_knobs runs tile 16 there), at 3 mixed
@@ -4286,8 +4288,8 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     its first copies, the pair 0.5 us faster on average at 1-8 tokens over six runs on three H100s, steps 69 / 71).
     Tile 8 reads its codes in the "split" nibble order (`split_nibbles`: its consumers 6-16% less busy per K128 step,
     the pair 0.16-0.56 us faster on average at 1-8 tokens over four runs on two H100s, step 72). card (`card_of`):
-    the card whose measurements set tile 8's stream-K ring and pieces (TILE8_STREAM_K: on the H200 12 stages and the
-    pieces published without a fence, step 78). The stream-K loops hold their ring's bases warp-uniform (`lean_ring`:
+    the card whose measurements set tile 8's stream-K ring, pieces and epilogue (TILE8_STREAM_K: on the H200 12
+    stages and the pieces published without a fence, step 78; on the H100 the lean epilogue, step 85). The stream-K loops hold their ring's bases warp-uniform (`lean_ring`:
     130 instructions per K128 step instead of 140, the pair 0.6 us faster on average at 1-8 tokens over two runs on an
     H100 and the H200's rule 1.6 us faster there, step 79)."""
     if capacity < 0:
