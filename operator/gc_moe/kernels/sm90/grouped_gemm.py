@@ -192,7 +192,7 @@ CARDS = ("h100", "h200")
 # the ring of 12 keeps the reads going through the CTAs' mid-range epilogues (~6 us of reads in flight, 6 stages ~3),
 # and the pieces published without a fence do not pause the producer behind the SM's own reads (step 78). On the H100
 # the unit epilogues' factor and per-token words load before the K loop (`lean_epilogue`: W1's whole-unit epilogue
-# 0.7-1.0 -> 0.45-0.6 us, the pair 0.48 us faster on average at 1-8 tokens over two runs, step 85)
+# 0.7-1.0 -> 0.45-0.6 us, the pair 0.51 us faster on average at 1-8 tokens over four runs, step 85)
 TILE8_STREAM_K = {"h100": {"max_stages": RING_STAGES[8], "lean_epilogue": True},
                   "h200": {"max_stages": 12, "tagged_pieces": True}}
 # and tile 8's unit grid (two CTAs per SM, 6 stages each by default) where tile_knobs takes it: at 4 stages each
@@ -431,9 +431,10 @@ class GemmConfig:
     # the stand-alone stream_k W1: the unit epilogue's amax per token goes through shared-memory max reductions into
     # one of three slot sets, the unit's index mod 3 (a CTA's epilogues are consecutive units), so one consumer
     # barrier per unit orders them before the reads; after it one thread per token zeroes the set of the unit two
-    # ahead, which every warp read before that barrier. Without it a unit's epilogue had three barriers (the warps'
-    # maxima stored, the per-token reduction, the words free for the next unit): on the H200 every unit costs its
-    # CTA 0.77 us, its epilogue on the consumers' path (docs step 82)
+    # ahead, which every warp read before that barrier. Without it a unit's epilogue meets twice (the warps' maxima
+    # stored, the words free for the next unit; three times with the lean epilogue's per-token reduction) and every
+    # thread loads 16 words per value: on the H200 every unit costs its CTA 0.77 us (docs step 82). On an H100 it
+    # gains nothing over the lean epilogue (docs step 85)
     amax_slots: bool = False
 
     def __post_init__(self):
@@ -4289,9 +4290,10 @@ def tile_knobs(capacity: int, w1_units: int | None = None, sms: int | None = Non
     Tile 8 reads its codes in the "split" nibble order (`split_nibbles`: its consumers 6-16% less busy per K128 step,
     the pair 0.16-0.56 us faster on average at 1-8 tokens over four runs on two H100s, step 72). card (`card_of`):
     the card whose measurements set tile 8's stream-K ring, pieces and epilogue (TILE8_STREAM_K: on the H200 12
-    stages and the pieces published without a fence, step 78; on the H100 the lean epilogue, step 85). The stream-K loops hold their ring's bases warp-uniform (`lean_ring`:
-    130 instructions per K128 step instead of 140, the pair 0.6 us faster on average at 1-8 tokens over two runs on an
-    H100 and the H200's rule 1.6 us faster there, step 79)."""
+    stages and the pieces published without a fence, step 78; on the H100 the lean epilogue, step 85). The
+    stream-K loops hold their ring's bases warp-uniform (`lean_ring`: 130 instructions per K128 step instead of 140,
+    the pair 0.6 us faster on average at 1-8 tokens over two runs on an H100 and the H200's rule 1.6 us faster there,
+    step 79)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity}: allowed >= 0 (the most rows one local expert holds)")
     if card not in CARDS:
