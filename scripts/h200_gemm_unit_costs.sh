@@ -90,7 +90,8 @@
 #   amax    1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with W1's unit epilogue taking its amax per
 #           token through shared-memory max reductions into rotating slot sets, one consumer barrier per unit instead
 #           of two or three (`h100a`, `h200a`: GemmConfig.amax_slots), with the lean epilogue's loads before the K loop
-#           (`h100l`, `h200l`), both (`h100la`, `h200la`), beside neither (`h100r`, `h200r`); then the traced loops
+#           (`h100l`, `h200l`; since step 85 the H100's rule has it, so `h100l` is `h100r` there), both (`h100la`,
+#           `h200la`), beside neither (`h100r`, `h200r`); then the traced loops
 #           with the lean epilogue with and without the slots (`atrace.json`: the epilogues' times). `python
 #           scripts/set_deltas.py amax-N.json --pairs h200a:h200r,h200l:h200r,h200la:h200r,h200la:h200l` (docs step 84)
 #   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
