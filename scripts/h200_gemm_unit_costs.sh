@@ -94,6 +94,11 @@
 #           `h200la`), beside neither (`h100r`, `h200r`); then the traced loops
 #           with the lean epilogue with and without the slots (`atrace.json`: the epilogues' times). `python
 #           scripts/set_deltas.py amax-N.json --pairs h200a:h200r,h200l:h200r,h200la:h200r,h200la:h200l` (docs step 84)
+#   epw     1-8 tokens, twice: each card's tile-8 rule (W2 programmatic) with W1's unit epilogues in a warp of their
+#           own, the consumers handing their SwiGLU values over through one shared-memory slot (`h100w`, `h200w`:
+#           GemmConfig.epilogue_warp) beside without (`h100r`, `h200r`); then the traced loops of both rules with and
+#           without it (`wtrace.json`: the consumers' epilogue times). `python scripts/set_deltas.py epw-N.json --pairs
+#           h100w:h100r,h200w:h200r` (docs step 86)
 #   lean    1-8 tokens, twice: tile_knobs's tile 8 (W2 programmatic; its ring's bases held warp-uniform and the
 #           consumers' waits trying first since step 79, GemmConfig.lean_ring: 130 instructions per K128 step and warp
 #           instead of 140) against the same without it (`nolr`), and on each card's rule (`h100r` / `h100nolr`,
@@ -159,6 +164,12 @@ AMAX_TRACE="--extra-set h2lt:$H2T,lean_ring=True,lean_epilogue=True"
 AMAX_TRACE="$AMAX_TRACE --extra-set h2at:$H2T,lean_ring=True,lean_epilogue=True,amax_slots=True"
 AMAX_TRACE="$AMAX_TRACE --extra-set h1lt:$H1T,lean_ring=True,lean_epilogue=True"
 AMAX_TRACE="$AMAX_TRACE --extra-set h1at:$H1T,lean_ring=True,lean_epilogue=True,amax_slots=True"
+# the `epw` step: each card's tile-8 rule with W1's unit epilogues in a warp of their own, beside without; traced
+EPW_SETS="--auto-set h100r:card='h100',pdl=True --auto-set h100w:card='h100',epilogue_warp=True,pdl=True"
+EPW_SETS="$EPW_SETS --auto-set h200r:card='h200',pdl=True --auto-set h200w:card='h200',epilogue_warp=True,pdl=True"
+EPW_TRACE="--extra-set h2lt:$H2T,lean_ring=True --extra-set h2wt:$H2T,lean_ring=True,epilogue_warp=True"
+EPW_TRACE="$EPW_TRACE --extra-set h1lt:$H1T,lean_ring=True,lean_epilogue=True"
+EPW_TRACE="$EPW_TRACE --extra-set h1wt:$H1T,lean_ring=True,lean_epilogue=True,epilogue_warp=True"
 AUTO="--auto-set pers:persistent=True --auto-set pers32:persistent=True,two_cta=False"
 T8P="t8p:fold_scales=True,table_decode=True,fit_n=True,lean_epilogue=True,persistent=True,max_block_n=8"
 HOF="ws_auto_hof:handover=True,words_first=True,pdl=True"
@@ -213,6 +224,8 @@ for s in $steps; do
            run build-etrace 600 python $BENCH --build-only $ESCL_TRACE --tokens 1,8
            run build-amax 600 python $BENCH --build-only --auto-ctas --pdl $AMAX_SETS --tokens 1,2,4,8
            run build-atrace 600 python $BENCH --build-only $AMAX_TRACE --tokens 1,8
+           run build-epw 600 python $BENCH --build-only --auto-ctas --pdl $EPW_SETS --tokens 1,2,4,8
+           run build-wtrace 600 python $BENCH --build-only $EPW_TRACE --tokens 1,8
            run build-probe 120 python scripts/wgmma_probe.py --build-only ;;
     probe) run probe 120 python scripts/wgmma_probe.py --json "$OUT/probe.json"
            TAIL_LINES=16 tail -n 16 "$OUT/probe.log" ;;
@@ -339,6 +352,13 @@ for s in $steps; do
           run atrace 200 python $BENCH --check --time --per-role --trace $AMAX_TRACE \
             --tokens 1,8 --windows 3 --replays 10 --json "$OUT/atrace.json" ;;
     # shellcheck disable=SC2086
+    epw) for r in 1 2; do  # W1's unit epilogues in a warp of their own (docs step 86)
+           run epw-$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role $EPW_SETS \
+             --tokens 1,2,4,8 --windows 5 --replays 10 --json "$OUT/epw-$r.json"
+         done
+         run wtrace 200 python $BENCH --check --time --per-role --trace $EPW_TRACE \
+           --tokens 1,8 --windows 3 --replays 10 --json "$OUT/wtrace.json" ;;
+    # shellcheck disable=SC2086
     split) for r in 1 2; do  # tile 8 on the split nibble order (17 fewer instructions per step) against the lane one
              run split$r 240 python $BENCH --check --time --auto-ctas --pdl --per-role \
                --auto-set lane:split_nibbles=False,pdl=True --auto-set ws_auto_pair:pair=True \
@@ -392,7 +412,7 @@ for s in $steps; do
              || rm -f "$OUT/sm-rates.json" ;;
     *) echo "unknown step $s (build, tests, pair, shapes, candidates, combos, table, probe, trace, ncu, group, gtrace,"\
             "tagged, ttrace, stages, rings, rings16, u8rings, waves, early, strace, reads, split, quick, cold, ring8, lean,"\
-            "tmat, dyn, escl, ncu8)"
+            "tmat, dyn, escl, amax, epw, ncu8)"
        exit 2 ;;
   esac
 done

@@ -140,6 +140,7 @@ def test_stream_k_knob_its_grid_parameters_and_buffers():
                     and not dict(v.params).get("dynamic_tail")  # (and with the dynamic tail: its own test)
                     and not dict(v.params).get("early_scales")  # (and with the scales held early: its own test)
                     and not dict(v.params).get("amax_slots")  # (and W1's amax slot sets: their own test)
+                    and not dict(v.params).get("epilogue_warp")  # (and W1's epilogue warp: its own test)
                     # (and tile_knobs's epilogue: the other one on a card's rule has its own test)
                     and dict(v.params).get("lean_epilogue", False) == gg.tile_knobs(1)[1].get("lean_epilogue", False))
     assert capped == sorted([(role, True, quick, trace, handover) for role in ("w1", "w2") for quick in (False, True)
@@ -1175,6 +1176,40 @@ def test_amax_slots_is_a_knob_of_the_stand_alone_stream_k_w1():
                 assert gg.variant(role, 8, **{**rule, **knobs}) in built
 
 
+def test_epilogue_warp_is_a_knob_of_the_stand_alone_stream_k_w1_at_tile_8():
+    """epilogue_warp (W1's unit epilogues run by a warp of their own, fed through one shared-memory slot): a knob of the
+    stand-alone stream_k W1 at tile 8 and one CTA per SM that names its kernels, adds one warp and the slot (the ring
+    as deep as before on both cards' rules), dropped by `variant` where it does not apply (W2, the hand-over words,
+    the dynamic tail's chunks, the amax slot sets, other tiles); all_variants builds each card's tile-8 rule with it,
+    plain and traced."""
+    sk = {"stream_k": True, "ctas_per_sm": 1}
+    for role, bn, bad in (("w1", 8, {}), ("w2", 8, sk), ("w1", 8, {**sk, "stream_pair": True}),
+                          ("w1", 8, {**sk, "handover": True}), ("w1", 8, {**sk, "dynamic_tail": True}),
+                          ("w1", 8, {**sk, "amax_slots": True}), ("w1", 8, {"stream_k": True, "ctas_per_sm": 2})):
+        with pytest.raises(ValueError, match="epilogue_warp is a knob of the stand-alone stream_k W1 at tile 8"):
+            gg.GemmConfig(role, bn, epilogue_warp=True, **bad)
+    plain = gg.GemmConfig("w1", 8, stages=6, **sk)
+    warp = gg.GemmConfig("w1", 8, stages=6, epilogue_warp=True, **sk)
+    assert warp.name == plain.name.replace("_sk_", "_sk_epw_") and warp.threads == plain.threads + 32
+    assert warp.epilogue_offset >= plain.smem_bytes and warp.epilogue_offset % 16 == 0
+    assert warp.smem_bytes == warp.epilogue_offset + gg.EPILOGUE_VALUES_OFFSET + 8 * 128 * 4
+    for card in gg.CARDS:
+        knobs = gg.tile_knobs(1, card=card)[1]
+        with_warp = gg.variant("w1", 8, **knobs, epilogue_warp=True)
+        assert with_warp.params == tuple(sorted({**dict(gg.variant("w1", 8, **knobs).params),
+                                                 "epilogue_warp": True}.items()))
+        assert gg.GemmConfig(**dict(with_warp.params)).smem_bytes <= gg.SMEM_LIMIT
+        assert gg.variant("w2", 8, **knobs, epilogue_warp=True) == gg.variant("w2", 8, **knobs)
+        for extra in ({"handover": True}, {"dynamic_tail": True}, {"amax_slots": True}):
+            assert "epilogue_warp" not in dict(gg.variant("w1", 8, **{**knobs, **extra}, epilogue_warp=True).params)
+    assert "epilogue_warp" not in dict(gg.variant("w1", 8, epilogue_warp=True).params)  # the two-CTA unit grid
+    assert "epilogue_warp" not in dict(gg.variant("w1", 32, epilogue_warp=True, **gg.tile_knobs(20)[1]).params)
+    built = gg.all_variants()
+    for card in gg.CARDS:
+        for knobs in ({}, {"trace": True}):
+            assert gg.variant("w1", 8, **{**gg.tile_knobs(1, card=card)[1], **knobs, "epilogue_warp": True}) in built
+
+
 def test_unit_cost_fit_recovers_per_unit_and_per_step_costs(tmp_path):
     """scripts/analyze_unit_costs.py `fit`: rows of one set and base slice at three K (its --shape variants, each with
     its own routing) whose times are rounds x (3 us + steps x 0.6 us) give back 3 and 0.6; a role at one K alone
@@ -1292,9 +1327,10 @@ def test_every_variant_builds_offline_with_register_a_wgmma_and_no_spills(built)
     # each card's tile-8 loops with the token tile through a tensor map (plain, traced), each card's tile-8 loops with
     # the dynamic tail, each card's tile-8 loops with a step's scales held from its wait (plain, traced), and each
     # card's tile-8 loops with W1's amax slot sets (alone, with the lean epilogue, traced with it) and the lean
-    # epilogue (W1 and W2, plain and traced; on the H100, whose rule has it, the slots alone are its lean set)
+    # epilogue (W1 and W2, plain and traced; on the H100, whose rule has it, the slots alone are its lean set), and each
+    # card's tile-8 W1 with its unit epilogues in a warp of their own (plain, traced)
     assert len(built) == (10 * len(gg.BLOCK_N_CHOICES) - 2 + 2 + 2 * 2 * 3 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2
-                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8 + 9)
+                          + 6 + 6 + 9 + 6 + 5 + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8 + 9 + 4)
     for variant, entry in built.items():
         params = dict(variant.params)
         ptx = entry.ptx_path.read_text()
@@ -1429,9 +1465,9 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
     # each card's tile-8 loops without lean_ring (its baseline; and the H200's traced), each card's tile-8 loops with
     # the token tile through a tensor map (plain, traced), each card's tile-8 loops with the dynamic tail, each card's
     # tile-8 loops with a step's scales held from its wait (plain, traced), each card's tile-8 loops with W1's amax
-    # slot sets and with the lean epilogue (the H100's rule has it)
+    # slot sets and with the lean epilogue (the H100's rule has it), each card's tile-8 W1 with its epilogue warp
     assert len(ws) == (6 * 3 + 2 + 2 * 2 * 3 + 2 * 4 + 2 + 2 + 6 + 4 + 4 + 8 + 4 + 4 + 4 + 10 + 2 + 6 + 6 + 9 + 6 + 5
-                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8 + 9)
+                       + 6 + 8 + 6 + 4 + 2 + 10 + 6 + 4 + 6 + 8 + 4 + 8 + 9 + 4)
     for variant, entry in ws.items():
         params = dict(variant.params)
         cfg = gg.GemmConfig(**params)
@@ -1446,11 +1482,14 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
         # epilogue), a lean W1 epilogue once more after its per-token amax, a handover W1 once more before it publishes
         # a unit, a W1 with transposed stores once more before its rows are copied out; stream-K with tagged pieces
         # not at all (a piece's stores need no meeting, an owner's warps poll their own slots); a W1 with the amax
-        # slot sets meets once per epilogue, lean or not (its reductions before, its reads after)
+        # slot sets meets once per epilogue, lean or not (its reductions before, its reads after); a W1 with the
+        # epilogue warp not at all (its consumers hand the values over through the slot's barriers)
         split = 3 if params.get("k_splits", 1) > 1 else 0 if params.get("tagged_pieces") else 2 if params.get(
             "stream_k") else 0
         w1_meets = 0
-        if params["role"] == "w1" and params.get("amax_slots"):
+        if params.get("epilogue_warp"):
+            w1_meets = 0
+        elif params["role"] == "w1" and params.get("amax_slots"):
             w1_meets = 1
         elif params["role"] == "w1":
             w1_meets = (1 + bool(params.get("stream_k") or params.get("persistent")) + bool(params.get("lean_epilogue"))
@@ -1465,9 +1504,11 @@ def test_warp_specialized_ptx_has_no_cta_barrier_in_the_main_loop(built):
             else 0
         assert ptx.count(f"bar.sync {ptx_mod.PRODUCER_WARP_BARRIER}, 32;") == producer_meets, variant.describe()
         assert ptx.count("mbarrier.init.shared::cta.b64 [%r") >= 1
-        # (a persistent lean grid first sets up its two word slots' empty barriers, one arrival per consumer warp)
+        # (a persistent lean grid first sets up its two word slots' empty barriers, one arrival per consumer warp; the
+        # epilogue warp's slot then has its full barrier, one arrival per consumer thread, and its empty one, per lane)
         assert re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx) == (
-            ["16", "16"] if cfg.persistent and cfg.lean_epilogue else []) + [str(cfg.full_arrivals), "16"] * cfg.stages
+            ["16", "16"] if cfg.persistent and cfg.lean_epilogue else []) + [str(cfg.full_arrivals), "16"] * cfg.stages \
+            + (["512", "32"] if cfg.epilogue_warp else [])
         bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
                           r"\[%r\d+\], \[%rd\d+\], (\d+), \[%r\d+\];", ptx)
         assert sorted(set(bulk)) == ["256", "4096"], variant.describe()
@@ -2688,6 +2729,30 @@ def test_amax_slots_write_the_same_bytes(hidden, inter, experts, topk, tokens, s
                        _run_case(*case, seed=seed, sms=sms, return_raw=True, **knobs))
     if not trace:
         got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, sms=sms, **{**knobs, "amax_slots": True})
+        _assert_matches_reference(got_mid, ref_mid, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("card,trace", [("h200", False), ("h100", False), ("h200", True)],
+                         ids=["h200", "h100", "h200_traced"])
+@pytest.mark.parametrize("hidden,inter,experts,topk,tokens,sms", [
+    (1024, 512, 7, 4, 3, None),     # units shorter than the H200's ring: hand-overs close together
+    (5120, 2304, 10, 6, 8, None),   # DeepSeek-V4.1-Flash's K: W1's 40 steps, whole units, pieces and owners
+    (1024, 512, 10, 6, 40, 3),      # many units over 3 CTAs: each CTA's slot changes hands many times, 9-40 rows
+])
+def test_epilogue_warp_writes_the_same_bytes(hidden, inter, experts, topk, tokens, sms, card, trace):
+    """W1's unit epilogues run by a warp of their own (`epilogue_warp`: the consumers hand their SwiGLU values over
+    through one shared-memory slot) take the same maximum of the same values and round them the same way, so W1
+    and W2 write the same bytes as without it (each card's tile-8 set, traced), relaunched on the same buffers and
+    as programmatic pairs (the slot's barriers start anew in every launch). And the float32 reference."""
+    case = (hidden, inter, experts, topk, tokens, 8)
+    knobs = {**gg.tile_knobs(1, card=card)[1], **({"trace": True} if trace else {})}
+    seed = hidden + tokens + experts + 53
+    _assert_same_bytes(_run_case(*case, seed=seed, sms=sms, return_raw=True, relaunches=2,
+                                 programmatic_pairs=0 if trace else 2, **{**knobs, "epilogue_warp": True}),
+                       _run_case(*case, seed=seed, sms=sms, return_raw=True, **knobs))
+    if not trace:
+        got_mid, ref_mid, got, ref = _run_case(*case, seed=seed + 1, sms=sms, **{**knobs, "epilogue_warp": True})
         _assert_matches_reference(got_mid, ref_mid, got, ref)
 
 

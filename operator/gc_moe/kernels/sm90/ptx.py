@@ -82,6 +82,10 @@ def lds_f32x2(addr: Int32) -> list:
     return asm("ld.shared.v2.f32 {$0, $1}, [$2];", [Float32] * 2, [addr])
 
 
+def lds_f32x4(addr: Int32) -> list:
+    return asm("ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", [Float32] * 4, [addr])
+
+
 def sts_f32(addr: Int32, v: Float32) -> None:
     asm("st.shared.f32 [$0], $1;", [], [addr, v])
 
@@ -137,6 +141,17 @@ def stg_e4m3(addr: Int64, v: Float32) -> None:
         "cvt.rn.satfinite.e4m3x2.f32 t, z, $1;\nst.global.b8 [$0], t;\n}",
         [],
         [addr, v],
+    )
+
+
+def stg_e4m3x4(addr: Int64, v: list) -> None:
+    """Round four values to E4M3 (saturating, as stg_e4m3 does each) and store them as one word, v[0] at the lowest
+    address (the conversion puts its first operand in the upper byte)."""
+    asm(
+        "{\n.reg .b16 lo, hi;\n.reg .b32 w;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 w, {lo, hi};\nst.global.b32 [$0], w;\n}",
+        [],
+        [addr, *v],
     )
 
 
