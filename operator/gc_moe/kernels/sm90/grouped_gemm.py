@@ -2477,17 +2477,22 @@ def _make_kernel(cfg: GemmConfig):
             else:
                 row0 = ptx.lds_s32(slot + 16)
                 bx = ptx.lds_s32(slot + 24)
+                # every token's loads, maxima and shuffle rounds side by side, the stores after them: eight
+                # independent chains instead of eight in a row behind each token's store branch
+                vals = [ptx.lds_f32x4(slot + EPILOGUE_VALUES_OFFSET + n * 512 + ((4 * lane) ^ (8 * ((n // 2) % 4))) * 4)
+                        for n in range(BN)]
+                ms = [ptx.fmax(ptx.fmax(ptx.fabs(v[0]), ptx.fabs(v[1])), ptx.fmax(ptx.fabs(v[2]), ptx.fabs(v[3])))
+                      for v in vals]
+                for d in cutlass.range_constexpr(5):
+                    ms = [ptx.fmax(m, ptx.shfl_xor_f32(m, 1 << d)) for m in ms]
                 for n in cutlass.range_constexpr(BN):
-                    v = ptx.lds_f32x4(slot + EPILOGUE_VALUES_OFFSET + n * 512 + ((4 * lane) ^ (8 * ((n // 2) % 4))) * 4)
-                    m = ptx.fmax(ptx.fmax(ptx.fabs(v[0]), ptx.fabs(v[1])), ptx.fmax(ptx.fabs(v[2]), ptx.fabs(v[3])))
-                    for d in cutlass.range_constexpr(5):
-                        m = ptx.fmax(m, ptx.shfl_xor_f32(m, 1 << d))
-                    amax = ptx.fmax(m, Float32(AMAX_FLOOR))
+                    v = vals[n]
+                    amax = ptx.fmax(ms[n], Float32(AMAX_FLOOR))
                     inv = Float32(FP8_MAX) * ptx.fast_reciprocal(amax)
+                    codes = [v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv]
                     if n < count:
                         nrow = Int64(row0) + Int64(n)
-                        ptx.stg_e4m3x4(out + nrow * Int64(inter) + Int64(bx * 128 + 4 * lane),
-                                       [v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv])
+                        ptx.stg_e4m3x4(out + nrow * Int64(inter) + Int64(bx * 128 + 4 * lane), codes)
                         if lane == 0:
                             ptx.stg_f32(out_scale + (nrow * Int64(inter // 128) + Int64(bx)) * 4,
                                         amax * Float32(1.0 / FP8_MAX))
