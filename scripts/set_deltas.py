@@ -1,6 +1,7 @@
 """Each variant set of a grouped-GEMM bench JSON (scripts/bench_grouped_gemm_sm90.py --json) against a baseline set
 of the same run, per model and token count: cold us of the point (and of W1 / W2 alone where the run timed them with
---per-role), the candidate's time minus the baseline's. No GPU needed.
+--per-role), the candidate's time minus the baseline's; then per pair the mean difference and the points where the
+candidate is faster. No GPU needed.
 
     python scripts/set_deltas.py tagged.json --pairs tg:ws_auto,tg_pdl:ws_auto_pdl
 """
@@ -41,6 +42,7 @@ def main() -> int:
     print(f"{'model':<22} {'T':>4} {'candidate':>10} {'baseline':>10} {'point':>14} {'W1':>14} {'W2':>14}")
     missing = 0
     for cand, base in pairs:
+        deltas = {"cold_us": [], "w1_cold_us": [], "w2_cold_us": []}  # the pair's summary line
         for (tag, model, tokens), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2])):
             if tag != cand:
                 continue
@@ -48,6 +50,9 @@ def main() -> int:
             if b is None:
                 missing += 1
                 continue
+            for key, values in deltas.items():
+                if key in r and key in b:
+                    values.append(r[key] - b[key])
             cells = []
             for key in ("cold_us", "w1_cold_us", "w2_cold_us"):
                 if key in r and key in b:
@@ -55,6 +60,12 @@ def main() -> int:
                 else:
                     cells.append("-")
             print(f"{model:<22} {tokens:>4} {cand:>10} {base:>10} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14}")
+        points = deltas["cold_us"]
+        if points:  # the mean difference and how many points the candidate is faster at (the adoption rule's inputs)
+            roles = "".join(f", {role} alone {sum(v) / len(v):+.2f}" for role, v in
+                            (("W1", deltas["w1_cold_us"]), ("W2", deltas["w2_cold_us"])) if v)
+            print(f"{cand} - {base}: mean {sum(points) / len(points):+.2f} us over {len(points)} points, faster at "
+                  f"{sum(d < 0 for d in points)}{roles}")
     if missing:
         print(f"{missing} candidate rows had no baseline row at the same point")
     return 0

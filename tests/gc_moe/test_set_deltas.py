@@ -1,5 +1,6 @@
 """scripts/set_deltas.py (each variant set of a grouped-GEMM bench JSON against a baseline set of the same run): the
-differences per point and per role, points without a baseline counted, and clear errors for wrong input."""
+differences per point and per role, each pair's mean and faster points, points without a baseline counted, and
+clear errors for wrong input."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def test_differences_per_point_and_role(tmp_path):
     assert "181.2   +1.2" in eight and eight.rstrip().endswith("-")  # no per-role times in that row
     assert not any(ln.split()[:2] == ["m", "64"] for ln in lines)
     assert "1 candidate rows had no baseline row at the same point" in out.stdout
+    # the pair's summary: (-3.5 + 1.25) / 2 over the two points with a baseline, faster at one; W1 where timed
+    assert "cand - base: mean -1.12 us over 2 points, faster at 1, W1 alone -2.00, W2 alone -1.50" in out.stdout
 
 
 def test_wrong_input_says_what_is_wrong(tmp_path):
