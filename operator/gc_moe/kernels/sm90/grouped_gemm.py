@@ -442,7 +442,8 @@ class GemmConfig:
     # (waiting only for the warp to have read the previous unit's) and arrive, with no barrier among themselves, so
     # their next unit's steps start at once and the ring keeps draining. Without it every unit's epilogue (0.45-0.6
     # us on an H100 with the lean epilogue, docs step 85; 0.77 us per unit on the H200, step 82) holds all 16
-    # consumer warps behind its barriers while the producer runs out of free stages
+    # consumer warps behind its barriers while the producer runs out of free stages. On an H100, whose loop waits for
+    # its bytes, the ring hid that already: 0.7 us slower there (docs step 86)
     epilogue_warp: bool = False
 
     def __post_init__(self):
